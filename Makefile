@@ -1,0 +1,33 @@
+# The two commands that matter on a fresh machine:  `make train`  and  `make test`.
+# Both create .venv and install what they need (torch 2.13.0 unless a torch is already there;
+# choose another with `make install TORCH_SPEC="torch==2.5.1"`).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install train test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[recipes,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+train: install
+	$(PY) -m recipes.pretrain $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check lightning_zero recipes tests benchmarks
+
+bench: install
+	$(PY) benchmarks/step_time.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun

@@ -1,0 +1,53 @@
+"""Settings shared by :class:`~lightning_zero.ShardedAdamW` and :class:`~lightning_zero.ZeroStrategy`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """How gradients are bucketed, communicated and sharded. Every field has a default."""
+
+    stage: int = 2
+    """1: all-reduce each bucket and keep the owned slice; 2: reduce-scatter each bucket."""
+    bucket_cap_mb: float = 25.0
+    """Size cap of a gradient bucket in MiB of parameter data (torch DDP's default)."""
+    first_bucket_cap_mb: float = 1.0
+    """Cap of the first bucket (the last layers), small so communication starts early in backward."""
+    overlap_comm: bool = True
+    """Launch each bucket's collective from the gradient hooks while backward goes on. ``False``
+    launches all of them after backward (useful to measure what overlap buys)."""
+    reduce_dtype: str | None = None
+    """Dtype of gradients on the wire: ``None`` (the parameters' dtype), ``"fp32"``, ``"bf16"``
+    (half the bytes of fp32, like DDP's bf16 compression hook) or ``"fp16"``. The owned shard is
+    always accumulated in the optimizer's (fp32 or wider) master dtype."""
+    find_unused_parameters: bool = False
+    """Agree across ranks, every step, which parameters got a gradient (one small all-reduce), so a
+    parameter that no rank used is skipped by the optimizer exactly as ``torch.optim.AdamW`` skips a
+    parameter whose ``.grad`` is ``None``. When ``False``, a missing gradient counts as zero."""
+    align_numel: int = 1
+    """Buckets are padded to a multiple of ``world_size * align_numel`` elements."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (stage 3, sharded parameters, is not supported)")
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0 (MiB), got {value!r}")
+        if self.reduce_dtype is not None and self.reduce_dtype not in _REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be None or one of {sorted(_REDUCE_DTYPES)}, got {self.reduce_dtype!r}")
+        if isinstance(self.align_numel, bool) or not isinstance(self.align_numel, int) or self.align_numel < 1:
+            raise ValueError(f"align_numel must be an integer >= 1, got {self.align_numel!r}")
+        for name in ("overlap_comm", "find_unused_parameters"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def wire_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a gradient of ``param_dtype`` travels in."""
+        return param_dtype if self.reduce_dtype is None else _REDUCE_DTYPES[self.reduce_dtype]

@@ -1,0 +1,140 @@
+"""The optimizer state of this rank's shards, and the Adam/AdamW update applied to it.
+
+For bucket ``b`` this rank holds shard-sized tensors (``(padded_numel // world_size,)``): master
+weights, ``exp_avg``, ``exp_avg_sq`` and, with ``amsgrad``, ``max_exp_avg_sq``. Steps are counted
+per parameter, identically on every rank, as ``torch.optim`` counts them (a skipped parameter does
+not advance). The update runs over *pieces*: the part of one parameter that falls in this rank's
+shard (:class:`~lightning_zero.partition.Segment`), as views into the shard tensors, batched with
+``torch._foreach_*`` per (param group, step count) so hyper-parameters and bias corrections are
+scalars.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.buckets import BucketPlan
+from lightning_zero.flat import FlatParams, dtype_from_str
+from lightning_zero.reducer import master_dtype
+
+
+@dataclass(frozen=True)
+class _Piece:
+    param_index: int
+    master: Tensor
+    grad: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    max_exp_avg_sq: Tensor | None
+
+
+class ShardState:
+    """Master weights and Adam moments for the shards one rank owns."""
+
+    def __init__(self, plan: BucketPlan, flat: FlatParams, grad_shards: list[Tensor],
+                 group_of_param: list[int], amsgrad: bool) -> None:
+        self.plan = plan
+        self.flat = flat
+        self.group_of_param = group_of_param
+        self.steps = [0] * len(plan.params)
+        self.master: list[Tensor] = []
+        self.exp_avg: list[Tensor] = []
+        self.exp_avg_sq: list[Tensor] = []
+        self.max_exp_avg_sq: list[Tensor] | None = [] if amsgrad else None
+        self._separate_master: list[bool] = []
+        for bucket in plan.buckets:
+            shard = flat.shard(bucket)
+            dtype = master_dtype(dtype_from_str(bucket.dtype))
+            separate = dtype != shard.dtype
+            self._separate_master.append(separate)
+            self.master.append(shard.to(dtype, copy=True) if separate else shard)
+            self.exp_avg.append(torch.zeros_like(self.master[-1]))
+            self.exp_avg_sq.append(torch.zeros_like(self.master[-1]))
+            if self.max_exp_avg_sq is not None:
+                self.max_exp_avg_sq.append(torch.zeros_like(self.master[-1]))
+        self._pieces: dict[int, list[_Piece]] = defaultdict(list)
+        for b, bucket in enumerate(plan.buckets):
+            for seg in plan.segments(bucket, flat.rank):
+                window = slice(seg.shard_offset, seg.shard_offset + seg.numel)
+                self._pieces[group_of_param[seg.param_index]].append(_Piece(
+                    seg.param_index, self.master[b][window], grad_shards[b][window],
+                    self.exp_avg[b][window], self.exp_avg_sq[b][window],
+                    None if self.max_exp_avg_sq is None else self.max_exp_avg_sq[b][window],
+                ))
+        self._params_of_group: dict[int, list[int]] = defaultdict(list)
+        for index, group_index in enumerate(group_of_param):
+            self._params_of_group[group_index].append(index)
+
+    @torch.no_grad()
+    def update_group(self, group_index: int, group: dict[str, Any], used: list[bool] | None) -> None:
+        """One Adam/AdamW step of the group's pieces; ``used[i]`` False skips parameter ``i``."""
+        for index in self._params_of_group[group_index]:
+            if used is None or used[index]:
+                self.steps[index] += 1
+        by_step: dict[int, list[_Piece]] = defaultdict(list)
+        for piece in self._pieces[group_index]:
+            if used is None or used[piece.param_index]:
+                by_step[self.steps[piece.param_index]].append(piece)
+        for step, pieces in by_step.items():
+            _adam_foreach(pieces, step, group)
+
+    def write_back(self) -> None:
+        """Copy separate (fp32) master shards into the (16-bit) parameter shards."""
+        for b, bucket in enumerate(self.plan.buckets):
+            if self._separate_master[b]:
+                self.flat.shard(bucket).copy_(self.master[b])
+
+    def state_tensors(self) -> dict[str, Any]:
+        """This rank's state as tensors (views, not copies)."""
+        state: dict[str, Any] = {
+            "steps": torch.tensor(self.steps, dtype=torch.int64),
+            "master": self.master,
+            "exp_avg": self.exp_avg,
+            "exp_avg_sq": self.exp_avg_sq,
+        }
+        if self.max_exp_avg_sq is not None:
+            state["max_exp_avg_sq"] = self.max_exp_avg_sq
+        return state
+
+    def nbytes(self) -> int:
+        """Bytes of optimizer state this rank holds (separate master copies included)."""
+        tensors = self.exp_avg + self.exp_avg_sq + (self.max_exp_avg_sq or [])
+        tensors += [m for m, sep in zip(self.master, self._separate_master, strict=True) if sep]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _adam_foreach(pieces: list[_Piece], step: int, group: dict[str, Any]) -> None:
+    """torch.optim.Adam(W)'s single-tensor update, batched over pieces sharing a step count."""
+    lr = float(group["lr"])
+    beta1, beta2 = group["betas"]
+    eps, weight_decay = group["eps"], group["weight_decay"]
+    params = [p.master for p in pieces]
+    exp_avgs = [p.exp_avg for p in pieces]
+    exp_avg_sqs = [p.exp_avg_sq for p in pieces]
+    grads = [p.grad for p in pieces]
+    if group["maximize"]:
+        grads = torch._foreach_neg(grads)
+    if weight_decay != 0:
+        if group["decoupled_weight_decay"]:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    if group["amsgrad"]:
+        maxes = [p.max_exp_avg_sq for p in pieces]
+        torch._foreach_maximum_(maxes, exp_avg_sqs)  # type: ignore[arg-type]
+        denom = torch._foreach_sqrt(maxes)  # type: ignore[arg-type]
+    else:
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-(lr / bias_correction1))

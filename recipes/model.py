@@ -1,0 +1,272 @@
+"""A decoder-only transformer (Llama-style GPT) for the pretraining recipes.
+
+Architecture: token embedding -> N x [RMSNorm -> causal self-attention with rotary position embeddings
+(RoPE) -> residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> linear head (optionally tied to the
+embedding). Attention goes through `F.scaled_dot_product_attention(is_causal=True)`, so PyTorch picks the
+flash / memory-efficient kernel where one exists. Grouped-query attention is available through
+`n_kv_head`.
+
+Initialisation follows GPT-2 / Llama: every weight ~ N(0, init_std), except the two projections that
+write into the residual stream (attention output, MLP down), whose std is divided by sqrt(2 * n_layer)
+so the residual variance does not grow with depth.
+
+The model never imports `torch.distributed`: data parallelism (DDP, ZeRO) is applied by the Lightning
+strategy. It can be built on the meta device (`with torch.device("meta"): GPT(config)`) to count the
+parameters of a large size without allocating them.
+
+Limits: `generate` recomputes the full context at every step (no KV cache); it is meant for short
+samples at the end of a run, not for serving.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape and behaviour of a `GPT`. Every field is checked in `__post_init__`."""
+
+    vocab_size: int
+    """Number of token ids the embedding and head cover (>= the tokenizer's vocabulary)."""
+    max_seq_len: int
+    """Longest sequence the rotary tables are built for; longer inputs raise."""
+    n_layer: int
+    """Number of transformer blocks."""
+    n_head: int
+    """Number of query heads; `d_model` must be divisible by it and the head size must be even (RoPE)."""
+    d_model: int
+    """Width of the residual stream."""
+    n_kv_head: int | None = None
+    """Key/value heads for grouped-query attention; None means `n_head` (plain multi-head attention)."""
+    mlp_hidden: int | None = None
+    """SwiGLU hidden width; None means 8/3 * d_model rounded up to a multiple of 64."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm."""
+    tie_embeddings: bool = True
+    """Share the token embedding matrix with the output head."""
+    init_std: float = 0.02
+    """Std of the normal initialisation; residual projections use init_std / sqrt(2 * n_layer)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass (less memory, ~1/3 more compute)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head != 0 or (self.d_model // self.n_head) % 2 != 0:
+            raise ValueError(
+                f"model.d_model={self.d_model} must be divisible by model.n_head={self.n_head} "
+                "into an even head size (RoPE rotates pairs of dimensions)"
+            )
+        if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head != 0):
+            raise ValueError(f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head}")
+        if self.mlp_hidden is not None and self.mlp_hidden < 1:
+            raise ValueError(f"model.mlp_hidden must be >= 1 or null, got {self.mlp_hidden}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        return 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (no mean subtraction, no bias), computed in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos and sin tables for rotary embeddings, each (max_seq_len, head_dim // 2)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved-half pairs of `x` (batch, heads, seq, head_dim) by position-dependent angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # each (B, H, T, head_dim // 2)
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with RoPE and optional grouped key/value heads."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.kv_heads = config.kv_heads
+        self.head_dim = config.head_dim
+        qkv_dim = (config.n_head + 2 * config.kv_heads) * config.head_dim
+        self.qkv = nn.Linear(config.d_model, qkv_dim, bias=False)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
+        )
+        q = q.view(batch, seq, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        v = v.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_heads != self.n_head:
+            repeat = self.n_head // self.kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)  # (B, H, T, D)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.d_model, config.hidden_dim, bias=False)
+        self.up = nn.Linear(config.d_model, config.hidden_dim, bias=False)
+        self.down = nn.Linear(config.hidden_dim, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model; `forward(idx)` returns logits (batch, seq, vocab_size)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, head_dim // 2)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, head_dim // 2)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, std) everywhere, std / sqrt(2 * n_layer) on residual projections."""
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layer)
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.down.weight, mean=0.0, std=residual_std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq = idx.shape[1]
+        if seq > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.config.max_seq_len}")
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]  # (T, head_dim // 2)
+        x = self.embed(idx)  # (B, T, d_model)
+        for block in self.blocks:
+            if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        return self.head(self.norm(x))  # (B, T, vocab_size)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count (shared tensors once); optionally without the input embedding table."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and not self.config.tie_embeddings:
+            total -= self.embed.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6 N + 12 L d T.
+
+        N counts every matmul weight, the head included even when tied, the embedding lookup excluded;
+        the second term is the attention score and value products over a context of `seq_len` tokens.
+        """
+        seq = seq_len if seq_len is not None else self.config.max_seq_len
+        matmul_params = self.num_params(exclude_embedding=True)  # a tied table counts once, as the head
+        attention = 12 * self.config.n_layer * self.config.d_model * seq
+        return float(6 * matmul_params + attention)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample `max_new_tokens` tokens after the prompt `idx` (batch, prompt_len).
+
+        Args:
+            idx: prompt token ids, (batch, prompt_len), at least one token.
+            max_new_tokens: how many tokens to append.
+            temperature: softmax temperature; 0 means greedy decoding.
+            top_k: keep only the k most likely tokens before sampling; None keeps all.
+            generator: random generator for reproducible samples.
+
+        Returns:
+            (batch, prompt_len + max_new_tokens) token ids.
+        """
+        was_training = self.training
+        self.eval()
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.max_seq_len :]  # (B, <= max_seq_len)
+            logits = self(context)[:, -1, :].float()  # (B, vocab_size)
+            if temperature <= 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                logits = logits / temperature
+                if top_k is not None and top_k < logits.shape[-1]:
+                    kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = F.softmax(logits, dim=-1)
+                next_id = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+            idx = torch.cat((idx, next_id), dim=1)
+        self.train(was_training)
+        return idx

@@ -1,0 +1,47 @@
+"""Small models and batches shared by the distributed parity tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    """Two param groups' worth of tensors, a frozen layer and a sometimes-unused parameter."""
+
+    def __init__(self, width: int = 13) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, width)
+        self.frozen = nn.Linear(width, width)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.LayerNorm(width)
+        self.extra = nn.Parameter(torch.randn(width) * 0.1)
+        self.out = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.frozen(torch.relu(self.inp(x))))
+        if use_extra:
+            h = h + self.extra
+        return self.out(self.norm(h))
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Weight decay for matrices, none for vectors (norms, biases, ``extra``)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def batch(step: int, micro: int, rank: int, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deterministic micro-batch ``micro`` of rank ``rank`` at ``step``."""
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    x = torch.randn(size, 7, generator=g, dtype=dtype)
+    y = torch.randn(size, 5, generator=g, dtype=dtype)
+    return x, y
+
+
+def uses_extra(step: int, rank: int) -> bool:
+    """``extra`` is unused by every rank on steps 2 mod 3 and by rank 1 only on odd steps."""
+    if step % 3 == 2:
+        return False
+    return not (rank == 1 and step % 2 == 1)

@@ -1,0 +1,69 @@
+"""ShardedAdamW without any process group equals torch.optim.AdamW / Adam step for step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lightning_zero import ShardedAdamW, ZeroConfig
+from tests.dist.models import TinyNet, param_groups
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("adamw", [True, False])
+def test_equals_torch_optimizer(amsgrad: bool, maximize: bool, adamw: bool) -> None:
+    torch.manual_seed(0)
+    model = TinyNet().double()
+    reference = copy.deepcopy(model)
+    torch_cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    ref_opt = torch_cls(param_groups(reference), lr=1e-2, amsgrad=amsgrad, maximize=maximize)
+    opt = ShardedAdamW.from_optimizer(torch_cls(param_groups(model), lr=1e-2, amsgrad=amsgrad, maximize=maximize),
+                                      config=ZeroConfig(bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002))
+    for step in range(8):
+        x = torch.randn(6, 7, dtype=torch.float64)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            m(x, use_extra=step % 3 != 2).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_bf16_params_keep_fp32_master() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3).to(torch.bfloat16)
+    opt = ShardedAdamW(model.parameters(), lr=1e-3)
+    assert all(m.dtype == torch.float32 for m in opt.shards.master)
+    before = model.weight.detach().float().clone()
+    for _ in range(3):
+        model(torch.ones(2, 5, dtype=torch.bfloat16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    # master accumulates updates smaller than bf16's resolution; the parameter follows the master
+    master_weight = opt.shards.master[0][: 15].view(3, 5) if opt.plan.buckets[0].slots[0].param_index == 0 else None
+    assert not torch.equal(before, model.weight.float())
+    if master_weight is not None:
+        torch.testing.assert_close(model.weight.float(), master_weight.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"stage": 3}, "stage must be 1 or 2, got 3"), ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a number > 0"),
+     ({"reduce_dtype": "int8"}, "reduce_dtype must be None or one of"), ({"overlap_comm": "yes"}, "overlap_comm")],
+)
+def test_bad_config_names_the_value(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ZeroConfig(**kwargs)
+
+
+def test_refuses_other_optimizers_and_options() -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="got SGD"):
+        ShardedAdamW.from_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="differentiable=True is not supported"):
+        ShardedAdamW.from_optimizer(torch.optim.AdamW(model.parameters(), differentiable=True))
+    with pytest.raises(ValueError, match="lr must be >= 0, got -1"):
+        ShardedAdamW(model.parameters(), lr=-1)
