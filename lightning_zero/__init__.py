@@ -12,3 +12,10 @@ from lightning_zero.sharded_adam import ShardedAdamW
 
 __all__ = ["PlanMismatchError", "ShardedAdamW", "ZeroConfig"]
 __version__ = "0.1.0"
+
+from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry  # noqa: E402
+
+from lightning_zero.strategy import ZeroStrategy  # noqa: E402
+
+ZeroStrategy.register_strategies(_StrategyRegistry)
+__all__ += ["ZeroStrategy"]

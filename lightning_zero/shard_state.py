@@ -89,6 +89,12 @@ class ShardState:
             if self._separate_master[b]:
                 self.flat.shard(bucket).copy_(self.master[b])
 
+    def refresh_master(self) -> None:
+        """Re-read separate master shards from the parameter shards (after the parameters were loaded)."""
+        for b, bucket in enumerate(self.plan.buckets):
+            if self._separate_master[b]:
+                self.master[b].copy_(self.flat.shard(bucket))
+
     def state_tensors(self) -> dict[str, Any]:
         """This rank's state as tensors (views, not copies)."""
         state: dict[str, Any] = {

@@ -34,6 +34,7 @@ from lightning_zero.buckets import ParamSpec, plan_buckets
 from lightning_zero.comm import Comm
 from lightning_zero.config import ZeroConfig
 from lightning_zero.flat import FlatParams
+from lightning_zero.full_state import gather_full_state, scatter_full_state
 from lightning_zero.plan_check import check_same_plan
 from lightning_zero.reducer import GradReducer
 from lightning_zero.shard_state import ShardState
@@ -194,13 +195,35 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # LR schedulers rebound to us check it
 
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full state, in ``torch.optim.AdamW``'s format, on rank ``to``. Call on all ranks.
+
+        Afterwards :meth:`state_dict` returns it on rank ``to`` (the protocol of torch's
+        ``ZeroRedundancyOptimizer``, which Lightning's checkpointing follows).
+        """
+        self._consolidated = gather_full_state(self, dst=to)
+
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's shard of the state (see :mod:`lightning_zero.checkpoint` for full states)."""
-        return {"shards": self.shards.state_tensors(), "param_groups": self._groups_without_params()}
+        """The full state gathered by :meth:`consolidate_state_dict` (on the destination rank).
 
-    def _groups_without_params(self) -> list[dict[str, Any]]:
-        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        Raises:
+            RuntimeError: if this rank holds no consolidated state.
+        """
+        if getattr(self, "_consolidated", None) is None:
+            raise RuntimeError(
+                f"rank {self.comm.rank} holds no consolidated optimizer state: call consolidate_state_dict(to=...) "
+                "on every rank first, then state_dict() on the destination rank"
+            )
+        state, self._consolidated = self._consolidated, None
+        return state
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a full ``torch.optim.Adam``/``AdamW`` state (from any world size, or from plain torch).
+
+        Every rank passes the same full state and keeps its own pieces; no communication. Load the
+        model's parameters first: 16-bit parameters' fp32 master shards are re-read from them.
+        """
+        scatter_full_state(self, state_dict)
 
 def _check_hyper(*, lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
     if isinstance(lr, Tensor):
