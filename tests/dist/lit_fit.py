@@ -1,0 +1,95 @@
+"""A LightningModule and a fit driver shared by the Lightning tests.
+
+Run as a script it performs several fits in one launch (Lightning's launcher re-runs this file for
+the other ranks, which then run the same fits in the same order) and rank 0 saves every fit's
+final parameters to ``--out``::
+
+    python -m tests.dist.lit_fit --out result.pt --cases '[{"strategy": "zero2", "devices": 2}]'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_zero
+from tests.dist.models import TinyNet, param_groups
+
+
+class TinyLit(L.LightningModule):
+    """TinyNet with AdamW in two groups, a step-wise LR schedule and a parameter unused on steps
+    ``2 mod unused_every`` (never unused when 0)."""
+
+    def __init__(self, unused_every: int = 3, batch_size: int = 4) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        torch.manual_seed(0)
+        self.net = TinyNet()
+        self.unused_every = unused_every
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x, use_extra=not self.unused_every or self.global_step % self.unused_every != 2), y)
+        self.log("loss", loss)
+        return loss
+
+    def train_dataloader(self) -> DataLoader:
+        # explicit, unshuffled sampler: rank r's i-th batch is the slice r::N of the single process's i-th batch
+        sampler = DistributedSampler(dataset(), num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
+                                     shuffle=False)
+        return DataLoader(dataset(), batch_size=self.batch_size, sampler=sampler)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(param_groups(self.net), lr=3e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def dataset(n: int = 512) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 7, generator=g), torch.randn(n, 5, generator=g))
+
+
+def make_strategy(name: str, stage: int | None = None) -> Any:
+    if name == "zero_small_buckets":  # several buckets on a tiny model
+        return lightning_zero.ZeroStrategy(stage=stage or 2, bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002,
+                                           find_unused_parameters=True)
+    return name
+
+
+def fit(strategy: str = "zero_small_buckets", devices: int = 2, precision: str = "64-true", accum: int = 1,
+        clip: float | None = None, clip_algorithm: str = "norm", steps: int = 10, batch_size: int = 4,
+        stage: int | None = None, unused_every: int = 3) -> tuple[int, dict[str, torch.Tensor]]:
+    """Fit TinyLit; ``batch_size`` is per rank. Returns (global rank, final parameters)."""
+    trainer = L.Trainer(
+        strategy=make_strategy(strategy, stage), devices=devices, accelerator="cpu", precision=precision,
+        max_steps=steps, accumulate_grad_batches=accum, gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    model = TinyLit(unused_every, batch_size)
+    trainer.fit(model)
+    return trainer.global_rank, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", required=True, help="JSON list of keyword-argument dicts for fit()")
+    args = parser.parse_args()
+    results = []
+    rank = 0
+    for case in json.loads(args.cases):
+        rank, params = fit(**case)
+        results.append(params)
+    if rank == 0:
+        torch.save(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
