@@ -95,15 +95,19 @@ class ZeroStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        _sync_module_states(self.model)  # identical start on every rank, as DDP does
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._shard_optimizer()
+            self._shard_optimizer()  # compares bucket plans first: a mismatch is an error, not a hang
+            _sync_module_states(self.model)  # identical start on every rank, as DDP does (in place)
+            assert self._sharded is not None
+            self._sharded.shards.refresh_master()
             self.precision_plugin.__class__ = _shard_aware(type(self.precision_plugin))
             if self.log_comm_stats:
                 from lightning_zero.monitor import CommStatsMonitor
 
                 trainer.callbacks.append(CommStatsMonitor())
+        else:
+            _sync_module_states(self.model)
         self.setup_precision_plugin()
 
     def _shard_optimizer(self) -> None:

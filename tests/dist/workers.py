@@ -68,3 +68,60 @@ def _xy_extra(step: int, micro: int, rank: int, size: int, dtype: torch.dtype): 
 def TinyNet_init(dtype: torch.dtype) -> list[torch.Tensor]:  # noqa: N802
     torch.manual_seed(0)
     return [p.detach() for p in TinyNet().to(dtype).parameters()]
+
+
+def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dict[str, Any]:
+    """Record every torch.distributed call of one optimizer step, per micro-batch."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    config = ZeroConfig(stage=stage, bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002)
+    opt = ShardedAdamW(param_groups(model), lr=1e-2, config=config, param_order=model.parameters())
+    calls: list[tuple[str, int]] = []
+    names = ["reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single", "all_gather_into_tensor",
+             "all_reduce", "broadcast", "gather", "all_gather", "reduce_scatter", "all_to_all_single", "send", "recv"]
+    originals = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def recorder(name: str, fn: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            # the element count of the full (unsharded) tensor: input of a reduce-scatter, output of a gather
+            tensor = args[1] if name.startswith("reduce_scatter") else args[0]
+            calls.append((name, tensor.numel()))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for n, fn in originals.items():
+        setattr(dist, n, recorder(n, fn))
+    per_micro = []
+    try:
+        for micro in range(accum):
+            x, y = batch(0, micro, rank, 4, torch.float32)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if micro < accum - 1:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            per_micro.append(len(calls))
+        opt.step()
+        opt.zero_grad()
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    padded = sum(b.padded_numel for b in opt.plan.buckets)
+    return {"calls": calls, "per_micro": per_micro, "trainable": trainable, "padded": padded,
+            "buckets": len(opt.plan.buckets), "reported": opt.comm.stats.elements_sent}
+
+
+def mismatched_models(rank: int, world_size: int) -> str:
+    """Rank 1 builds a wider model: every rank must raise PlanMismatchError, none may hang."""
+    from lightning_zero import PlanMismatchError
+
+    model = TinyNet(width=13 + (rank == 1))
+    try:
+        ShardedAdamW(model.parameters(), param_names={p: n for n, p in model.named_parameters()})
+    except PlanMismatchError as err:
+        return str(err)
+    return "no error"

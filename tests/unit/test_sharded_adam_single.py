@@ -67,3 +67,22 @@ def test_refuses_other_optimizers_and_options() -> None:
         ShardedAdamW.from_optimizer(torch.optim.AdamW(model.parameters(), differentiable=True))
     with pytest.raises(ValueError, match="lr must be >= 0, got -1"):
         ShardedAdamW(model.parameters(), lr=-1)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"stage": 3}, "got 3"), ({"bucket_cap_mb": 0}, "got 0"),
+                                               ({"reduce_dtype": "fp8"}, "'fp8'")])
+def test_strategy_rejects_bad_arguments_before_any_work(kwargs: dict, match: str) -> None:
+    from lightning_zero import ZeroStrategy
+
+    with pytest.raises(ValueError, match=match):
+        ZeroStrategy(**kwargs)
+
+
+def test_strategy_names_are_registered() -> None:
+    import lightning.pytorch as pl
+
+    import lightning_zero  # noqa: F401
+
+    trainer = pl.Trainer(strategy="zero1", accelerator="cpu", devices=1, logger=False)
+    assert type(trainer.strategy).__name__ == "ZeroStrategy" and trainer.strategy.zero_config.stage == 1
+    assert pl.Trainer(strategy="zero", accelerator="cpu", devices=1, logger=False).strategy.zero_config.stage == 2

@@ -1,0 +1,163 @@
+"""Every YAML under conf/ composes against the schema and its `_target_` instantiates.
+
+Large models are built on the meta device (no memory); the ZeRO strategy files are only composed unless
+`lightning_zero` imports; the GPU trainer is only instantiated where CUDA exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from recipes import schema
+from recipes.data import DataConfig
+from recipes.model import GPT, GPTConfig
+from recipes.module import OptimConfig
+from tests.conf.compose import CONF_DIR, compose_pretrain, group_options
+
+# Mandatory values some options leave open (`???`), filled the way a user would.
+REQUIRED = {"data": ["data.path=README.md"], "cluster": ["cluster.partition=debug"]}
+PARAMS_M = {"tiny": (1, 3), "gpt2_124m": (115, 130), "llama_1b": (1000, 1200), "llama_7b": (6500, 7000)}
+
+
+def _model(cfg: DictConfig) -> GPT:
+    vocab = cfg.model.vocab_size if cfg.model.vocab_size is not None else cfg.data.bpe_vocab_size
+    config = instantiate(cfg.model, vocab_size=vocab)
+    assert isinstance(config, GPTConfig)
+    with torch.device("meta"):
+        return GPT(config)
+
+
+def test_every_yaml_belongs_to_a_tested_group() -> None:
+    tested = {"model", "data", "strategy", "trainer", "logger", "callbacks", "cluster", "experiment"}
+    groups = {path.parent.name for path in CONF_DIR.rglob("*.yaml") if path.parent != CONF_DIR}
+    assert groups == tested
+    assert [path.name for path in CONF_DIR.glob("*.yaml")] == ["pretrain.yaml"]
+
+
+def test_default_config_is_the_cpu_demo() -> None:
+    cfg = compose_pretrain()
+    assert cfg.run_name == "cpu_demo" and cfg.model.n_layer == 4
+    assert cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 2
+    assert cfg.strategy._target_ == "lightning.pytorch.strategies.DDPStrategy"
+    assert cfg.data.path is None and cfg.data.tokenizer == "byte"
+
+
+@pytest.mark.parametrize("name", group_options("model"))
+def test_model_sizes_instantiate_on_meta(name: str) -> None:
+    model = _model(compose_pretrain([f"model={name}"]))
+    low, high = PARAMS_M[name]
+    assert low * 1e6 <= model.num_params() <= high * 1e6
+    assert model.flops_per_token() > 6 * model.num_params(exclude_embedding=True) - 1
+
+
+@pytest.mark.parametrize("name", group_options("data"))
+def test_data_options_instantiate(name: str) -> None:
+    cfg = compose_pretrain([f"data={name}", *([] if name == "stdlib" else REQUIRED["data"])])
+    assert isinstance(instantiate(cfg.data), DataConfig)
+
+
+@pytest.mark.parametrize("name", group_options("strategy"))
+def test_strategy_options(name: str) -> None:
+    cfg = compose_pretrain([f"strategy={name}"])
+    if name == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        assert isinstance(instantiate(cfg.strategy), DDPStrategy)
+        return
+    assert cfg.strategy._target_ == "lightning_zero.ZeroStrategy"
+    assert cfg.strategy.stage == {"zero": 2, "zero1": 1, "zero2": 2}[name]
+    assert cfg.strategy.bucket_cap_mb == 25 and cfg.strategy.overlap_comm is True
+    lightning_zero = pytest.importorskip("lightning_zero")
+    strategy = instantiate(cfg.strategy)
+    assert isinstance(strategy, lightning_zero.ZeroStrategy)
+
+
+@pytest.mark.parametrize("name", group_options("trainer"))
+def test_trainer_options(name: str, tmp_path: Path) -> None:
+    cfg = compose_pretrain([f"trainer={name}", f"output_root={tmp_path}"])
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        module, _, cls = cfg.trainer._target_.rpartition(".")
+        assert hasattr(importlib.import_module(module), cls)
+        return
+    trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False)
+    assert trainer.max_steps == cfg.trainer.max_steps
+
+
+@pytest.mark.parametrize("name", group_options("logger"))
+def test_logger_options(name: str, tmp_path: Path) -> None:
+    cfg = compose_pretrain([f"logger={name}", f"output_root={tmp_path}"])
+    loggers = [instantiate(node) for node in cfg.logger.values()]
+    assert loggers and all(isinstance(logger, Logger) for logger in loggers)
+    assert all(Path(logger.save_dir).is_relative_to(tmp_path) for logger in loggers)
+
+
+@pytest.mark.parametrize("name", group_options("callbacks"))
+def test_callback_options(name: str, tmp_path: Path) -> None:
+    cfg = compose_pretrain([f"callbacks={name}", f"output_root={tmp_path}"])
+    callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None]
+    assert callbacks and all(isinstance(callback, Callback) for callback in callbacks)
+
+
+@pytest.mark.parametrize("name", group_options("cluster"))
+def test_cluster_options(name: str) -> None:
+    cfg = compose_pretrain([f"cluster={name}", *([] if name == "local" else REQUIRED["cluster"])])
+    assert cfg.cluster.name == name and cfg.trainer.num_nodes == cfg.cluster.nodes >= 1
+
+
+@pytest.mark.parametrize("name", group_options("experiment"))
+def test_experiments_compose_and_instantiate(name: str) -> None:
+    overrides = [f"experiment={name}", *REQUIRED["data"], *REQUIRED["cluster"]]
+    if name == "cpu_demo":
+        overrides = ["experiment=cpu_demo"]
+    cfg = compose_pretrain(overrides)
+    OmegaConf.resolve(cfg)
+    assert cfg.run_name == name
+    model = _model(cfg)
+    data = instantiate(cfg.data)
+    assert isinstance(instantiate(cfg.optim), OptimConfig)
+    assert data.seq_len <= model.config.max_seq_len
+    assert model.config.vocab_size >= data.vocab_size
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("model.n_layers=4", "n_layers"),  # unknown key
+        ("model.n_layer=four", "model.n_layer"),  # wrong type
+        ("data.batch_size=1.5", "data.batch_size"),
+        ("trainer.max_step=5", "max_step"),
+        ("strategy.bucket_cap=3", "bucket_cap"),
+    ],
+)
+def test_schema_rejects_bad_keys_and_types_naming_the_key(override: str, key: str) -> None:
+    with pytest.raises((ConfigCompositionException, ValidationError, ConfigKeyError)) as info:
+        compose_pretrain([override])
+    message = f"{info.value} {info.value.__cause__}"
+    assert key in message
+
+
+def test_unknown_group_option_lists_the_valid_ones() -> None:
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_pretrain(["model=gpt5"])
+    assert "model/gpt5" in str(info.value) and "tiny" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("schema_cls", "config_cls"),
+    [(schema.ModelSchema, GPTConfig), (schema.DataSchema, DataConfig), (schema.OptimSchema, OptimConfig)],
+)
+def test_schemas_mirror_the_recipe_dataclasses(schema_cls: type, config_cls: type) -> None:
+    schema_fields = {f.name for f in dataclasses.fields(schema_cls)} - {"_target_"}
+    assert schema_fields == {f.name for f in dataclasses.fields(config_cls)}
+    assert schema_cls._target_ == f"{config_cls.__module__}.{config_cls.__name__}"

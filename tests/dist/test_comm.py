@@ -1,0 +1,44 @@
+"""What goes over the wire, counted at the torch.distributed calls themselves."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.harness import run_ranks
+from tests.dist.workers import count_collectives, mismatched_models
+
+RING = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2}  # times P·(N−1)/N per rank
+
+
+def _sent(calls: list[tuple[str, int]], world_size: int) -> int:
+    total = 0
+    for name, numel in calls:
+        kind = next(k for k in RING if name.startswith(k))
+        total += RING[kind] * numel * (world_size - 1) // world_size
+    return total
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_elements_sent_per_step(world_size: int, stage: int) -> None:
+    for result in run_ranks(count_collectives, world_size, stage, 4):
+        calls, padded, trainable = result["calls"], result["padded"], result["trainable"]
+        assert result["per_micro"][:3] == [0, 0, 0], "non-stepping micro-batches must send nothing"
+        kinds = {name.split("_single")[0].removesuffix("_tensor").removesuffix("_into") for name, _ in calls}
+        if stage == 2:
+            assert kinds == {"reduce_scatter", "all_gather"}, calls
+            expected = 2 * padded * (world_size - 1) // world_size  # 2Ψ(N−1)/N
+        else:
+            assert kinds == {"all_reduce", "all_gather"}, calls
+            expected = 3 * padded * (world_size - 1) // world_size
+        assert _sent(calls, world_size) == expected
+        assert result["reported"] == expected, "the strategy's own counter must match the wire"
+        assert len(calls) == 2 * result["buckets"], "one gradient and one parameter collective per bucket"
+        assert 0 <= padded - trainable < world_size * result["buckets"], "padding below N per bucket"
+
+
+def test_plan_mismatch_is_an_error_on_every_rank() -> None:
+    messages = run_ranks(mismatched_models, 2, timeout_s=60)
+    for message in messages:
+        assert "different gradient bucket plans" in message
+        assert "rank 1 differs from rank 0" in message and "[14, 7]" in message

@@ -1,0 +1,1 @@
+"""Tests of the pretraining recipe: model, data, module, validation and the command line."""
