@@ -17,8 +17,9 @@ The stage 1 / stage 2 difference lives only in :meth:`GradReducer._launch` / ``_
 stage 1 all-reduces the bucket and keeps the owned slice; stage 2 reduce-scatters it. Either way
 the optimizer sees only ``grad_shards[b]``: ``(padded_numel // world_size,)`` in the master dtype.
 
-Wire buffers live only from a bucket's first gradient until its collective completes, so stage 2
-holds ``1/N`` of the gradients plus the buckets in flight.
+Wire buffers live only from a bucket's first gradient until its collective completes (finished
+buckets are collected as later ones launch, and at most ``_MAX_IN_FLIGHT`` wait at once), so
+stage 2 holds ``1/N`` of the gradients plus the buckets being filled or in flight.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ from lightning_zero.comm import Comm
 from lightning_zero.config import ZeroConfig
 from lightning_zero.flat import FlatParams, dtype_from_str
 from lightning_zero.partition import shard_range
+
+
+_MAX_IN_FLIGHT = 2
+"""Buckets whose collective may be pending at once (bounds stage 2's transient gradient memory)."""
+
+
+def _is_completed(handle: object) -> bool:
+    done = getattr(handle, "is_completed", None)
+    return bool(done()) if done is not None else True
 
 
 def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
@@ -144,6 +154,16 @@ class GradReducer:
             self._outputs[bucket_index] = out
             self._handles[bucket_index] = self.comm.reduce_scatter(out, wire)
         self._next_launch = bucket_index + 1
+        self._collect_finished(bucket_index)
+
+    def _collect_finished(self, newest: int) -> None:
+        """Free wire buffers of finished buckets; keep at most ``_MAX_IN_FLIGHT`` buckets in flight."""
+        in_flight = [b for b in range(newest) if self._handles[b] is not None]
+        excess = len(in_flight) - _MAX_IN_FLIGHT
+        for b in in_flight:  # oldest first
+            if excess > 0 or _is_completed(self._handles[b]):
+                self._collect(b)
+                excess -= 1
 
     def _fill_missing(self, bucket_index: int) -> None:
         """Zeros (or an accumulated leftover ``.grad``) for parameters whose hook did not fire."""
@@ -182,7 +202,8 @@ class GradReducer:
         if self._skip_unused:
             used_handle = self.comm.all_reduce(self._used, op=torch.distributed.ReduceOp.MAX, control=True)
         for bucket_index in range(len(self.plan.buckets)):
-            self._collect(bucket_index)
+            if self._handles[bucket_index] is not None:
+                self._collect(bucket_index)
         if used_handle is not None:
             self.comm.wait(used_handle)
         self._finalized = True

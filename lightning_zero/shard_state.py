@@ -40,7 +40,6 @@ class ShardState:
                  group_of_param: list[int], amsgrad: bool) -> None:
         self.plan = plan
         self.flat = flat
-        self.group_of_param = group_of_param
         self.steps = [0] * len(plan.params)
         self.master: list[Tensor] = []
         self.exp_avg: list[Tensor] = []
@@ -57,37 +56,37 @@ class ShardState:
             self.exp_avg_sq.append(torch.zeros_like(self.master[-1]))
             if self.max_exp_avg_sq is not None:
                 self.max_exp_avg_sq.append(torch.zeros_like(self.master[-1]))
-        self._pieces: dict[int, list[_Piece]] = defaultdict(list)
+        self._pieces: dict[tuple[int, int], list[_Piece]] = defaultdict(list)  # (bucket, group) -> pieces
         for b, bucket in enumerate(plan.buckets):
             for seg in plan.segments(bucket, flat.rank):
                 window = slice(seg.shard_offset, seg.shard_offset + seg.numel)
-                self._pieces[group_of_param[seg.param_index]].append(_Piece(
+                self._pieces[b, group_of_param[seg.param_index]].append(_Piece(
                     seg.param_index, self.master[b][window], grad_shards[b][window],
                     self.exp_avg[b][window], self.exp_avg_sq[b][window],
                     None if self.max_exp_avg_sq is None else self.max_exp_avg_sq[b][window],
                 ))
-        self._params_of_group: dict[int, list[int]] = defaultdict(list)
-        for index, group_index in enumerate(group_of_param):
-            self._params_of_group[group_index].append(index)
 
-    @torch.no_grad()
-    def update_group(self, group_index: int, group: dict[str, Any], used: list[bool] | None) -> None:
-        """One Adam/AdamW step of the group's pieces; ``used[i]`` False skips parameter ``i``."""
-        for index in self._params_of_group[group_index]:
+    def count_steps(self, used: list[bool] | None) -> None:
+        """Advance the step count of every parameter that takes part in this step (all ranks agree)."""
+        for index in range(len(self.steps)):
             if used is None or used[index]:
                 self.steps[index] += 1
-        by_step: dict[int, list[_Piece]] = defaultdict(list)
-        for piece in self._pieces[group_index]:
-            if used is None or used[piece.param_index]:
-                by_step[self.steps[piece.param_index]].append(piece)
-        for step, pieces in by_step.items():
-            _adam_foreach(pieces, step, group)
 
-    def write_back(self) -> None:
-        """Copy separate (fp32) master shards into the (16-bit) parameter shards."""
-        for b, bucket in enumerate(self.plan.buckets):
-            if self._separate_master[b]:
-                self.flat.shard(bucket).copy_(self.master[b])
+    @torch.no_grad()
+    def update_bucket(self, bucket_index: int, groups: list[dict[str, Any]], used: list[bool] | None) -> None:
+        """One Adam/AdamW step of the pieces in one bucket's shard; ``used[i]`` False skips parameter ``i``.
+
+        Call :meth:`count_steps` once per optimizer step first.
+        """
+        for group_index, group in enumerate(groups):
+            by_step: dict[int, list[_Piece]] = defaultdict(list)
+            for piece in self._pieces.get((bucket_index, group_index), ()):
+                if used is None or used[piece.param_index]:
+                    by_step[self.steps[piece.param_index]].append(piece)
+            for step, pieces in by_step.items():
+                _adam_foreach(pieces, step, group)
+        if self._separate_master[bucket_index]:
+            self.flat.shard(self.plan.buckets[bucket_index]).copy_(self.master[bucket_index])
 
     def refresh_master(self) -> None:
         """Re-read separate master shards from the parameter shards (after the parameters were loaded)."""

@@ -184,10 +184,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         used = self.reducer.finalize()
         self._opt_called = True  # what LR schedulers check to warn about call order
         used_mask = None if used is None else used.cpu().bool().tolist()
-        for group_index, group in enumerate(self.param_groups):
-            self.shards.update_group(group_index, group, used_mask)
-        self.shards.write_back()
-        handles = [self.comm.all_gather(self.flat.bucket(b), self.flat.shard(b)) for b in self.plan.buckets]
+        self.shards.count_steps(used_mask)
+        handles = []
+        for b, bucket in enumerate(self.plan.buckets):  # each bucket's gather overlaps the next one's update
+            self.shards.update_bucket(b, self.param_groups, used_mask)
+            handles.append(self.comm.all_gather(self.flat.bucket(bucket), self.flat.shard(bucket)))
         for handle in handles:
             self.comm.wait(handle)
         self.reducer.reset()
