@@ -36,7 +36,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
 
-STRATEGIES = ("zero2", "zero1", "ddp", "ddp+ZeroRedundancyOptimizer")
+STRATEGIES = ("zero2", "zero2-5MB", "zero1", "ddp", "ddp+ZeroRedundancyOptimizer")
+"""``zero2-5MB``: the same with 5 MiB buckets. At 25 MiB a 68 MB model is only three buckets, whose
+transient wire buffers then hide the gradient saving; on billion-parameter models they do not."""
 
 
 class Block(nn.Module):
@@ -136,7 +138,10 @@ def run_one(name: str, args: argparse.Namespace) -> None:
     tokens = torch.randint(0, args.vocab, (args.steps * args.batch * args.devices, args.seq + 1), generator=g)
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
     model = GPT(args.vocab, args.dim, args.layers, args.seq, zero_redundancy=name.endswith("Optimizer"))
-    strategy = "ddp" if name.startswith("ddp") else name
+    strategy: Any = "ddp" if name.startswith("ddp") else name
+    if name.startswith("zero"):
+        cap = 5.0 if name.endswith("5MB") else args.bucket_cap_mb
+        strategy = lightning_zero.ZeroStrategy(stage=int(name[4]), bucket_cap_mb=cap)
     trainer = L.Trainer(strategy=strategy, devices=args.devices, accelerator="cpu", max_steps=args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
@@ -145,20 +150,20 @@ def run_one(name: str, args: argparse.Namespace) -> None:
     figures = {"step_s": model.step_s[3:], "opt_state_bytes": state_b, "grad_bytes": grad_b, "elements_sent": sent,
                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                "params": sum(p.numel() for p in model.parameters())}
-    Path(args.out, f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(figures))
+    Path(args.out, f"{name}.round{args.round}.rank{trainer.global_rank}.json").write_text(json.dumps(figures))
 
 
 def report(args: argparse.Namespace) -> None:
     rows = {}
     for name in STRATEGIES:
-        ranks = [json.loads(Path(args.out, f"{name}.rank{r}.json").read_text()) for r in range(args.devices)]
-        rows[name] = ranks
+        rows[name] = [json.loads(Path(args.out, f"{name}.round{k}.rank{r}.json").read_text())
+                      for k in range(args.rounds) for r in range(args.devices)]
     params = rows["ddp"][0]["params"]
     n = args.devices
     minimum = 2 * params * (n - 1) // n
-    ddp_median = statistics.median(rows["ddp"][0]["step_s"])
+    ddp_median = statistics.median(s for r in rows["ddp"] for s in r["step_s"])
     print(f"\nGPT {params / 1e6:.1f}M params, {n} ranks x 1 thread, gloo, fp32, batch {args.batch}x{args.seq} "
-          f"per rank, {args.steps} steps (median of steps 4..)\n")
+          f"per rank, {args.steps} steps x {args.rounds} rounds, strategies interleaved (median of steps 4..)\n")
     header = f"{'strategy':<30}{'step s':>8}{'vs ddp':>8}{'opt state MB':>14}{'grads MB':>10}" \
              f"{'sent/step':>12}{'vs min':>8}{'peak RSS MB':>13}"
     print(header)
@@ -182,21 +187,26 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="for zero1/zero2 (DDP keeps its 25)")
     parser.add_argument("--out", default="benchmarks/results/step_time")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every strategy, interleaved")
     parser.add_argument("--only", choices=STRATEGIES, help=argparse.SUPPRESS)
+    parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.only:
         run_one(args.only, args)
         return
     Path(args.out).mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for name in STRATEGIES:
-        print(f"running {name} ...", flush=True)
-        subprocess.run([sys.executable, *sys.argv, "--only", name], check=True, env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for k in range(args.rounds):
+        for name in STRATEGIES:
+            print(f"round {k + 1}/{args.rounds}: {name} ...", flush=True)
+            proc = subprocess.run([sys.executable, *sys.argv, "--only", name, "--round", str(k)], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if proc.returncode:
+                sys.exit(f"{name} failed:\n{proc.stderr[-4000:]}")
     report(args)
 
 
 if __name__ == "__main__":
     main()
-    del lightning_zero  # imported for its strategy registration

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.loggers import CSVLogger
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -55,25 +56,31 @@ def dataset(n: int = 512) -> TensorDataset:
     return TensorDataset(torch.randn(n, 7, generator=g), torch.randn(n, 5, generator=g))
 
 
-def make_strategy(name: str, stage: int | None = None) -> Any:
+def make_strategy(name: str, stage: int | None = None, log_comm_stats: bool = False) -> Any:
     if name == "zero_small_buckets":  # several buckets on a tiny model
         return lightning_zero.ZeroStrategy(stage=stage or 2, bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002,
-                                           find_unused_parameters=True)
+                                           find_unused_parameters=True, log_comm_stats=log_comm_stats)
     return name
 
 
 def fit(strategy: str = "zero_small_buckets", devices: int = 2, precision: str = "64-true", accum: int = 1,
         clip: float | None = None, clip_algorithm: str = "norm", steps: int = 10, batch_size: int = 4,
-        stage: int | None = None, unused_every: int = 3) -> tuple[int, dict[str, torch.Tensor]]:
-    """Fit TinyLit; ``batch_size`` is per rank. Returns (global rank, final parameters)."""
+        stage: int | None = None, unused_every: int = 3, save: str | None = None,
+        csv_dir: str | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+    """Fit TinyLit; ``batch_size`` is per rank; ``save``: checkpoint path written at the end; ``csv_dir``:
+    log to CSV there, with the strategy's communication figures. Returns (global rank, final parameters)."""
     trainer = L.Trainer(
-        strategy=make_strategy(strategy, stage), devices=devices, accelerator="cpu", precision=precision,
-        max_steps=steps, accumulate_grad_batches=accum, gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=make_strategy(strategy, stage, log_comm_stats=csv_dir is not None), devices=devices,
+        accelerator="cpu", precision=precision, max_steps=steps, accumulate_grad_batches=accum,
+        gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm,
+        logger=CSVLogger(csv_dir, name="", version="") if csv_dir else False, log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False,
     )
     model = TinyLit(unused_every, batch_size)
     trainer.fit(model)
+    if save:
+        trainer.save_checkpoint(save)
     return trainer.global_rank, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

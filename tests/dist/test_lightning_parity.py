@@ -81,3 +81,43 @@ def test_bf16_close_to_ddp_under_same_precision(precision: str, tmp_path: Path) 
     start = fit(strategy="auto", devices=1, steps=0)[1]
     assert max_diff(results[1], start) > 5e-2
     assert max_diff(results[0], results[1]) <= 2e-2
+
+
+def test_checkpoint_optimizer_state_is_torch_adamw_state(tmp_path: Path) -> None:
+    """The single-file checkpoint of a 3-rank zero2 fit holds the state single-process AdamW would."""
+    case = {"devices": 3, "stage": 2, "accum": 2, "clip": 0.05, "save": str(tmp_path / "zero.ckpt")}
+    launch([case], tmp_path)
+    reference(dict(case, save=str(tmp_path / "ref.ckpt")))
+    ours = torch.load(tmp_path / "zero.ckpt", weights_only=True)["optimizer_states"][0]
+    ref = torch.load(tmp_path / "ref.ckpt", weights_only=True)["optimizer_states"][0]
+    assert ours["state"].keys() == ref["state"].keys() and len(ref["state"]) == 7  # frozen layer: no state
+    for i, entry in ref["state"].items():
+        assert entry.keys() == ours["state"][i].keys()
+        assert float(entry["step"]) == float(ours["state"][i]["step"])
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours["state"][i][name], entry[name], rtol=0, atol=1e-10)
+    assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in ref["param_groups"]]
+    assert [g["lr"] for g in ours["param_groups"]] == [g["lr"] for g in ref["param_groups"]]
+
+
+def test_comm_stats_are_logged(tmp_path: Path) -> None:
+    launch([{"devices": 2, "stage": 2, "steps": 3, "unused_every": 0, "csv_dir": str(tmp_path)}], tmp_path)
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    ratio = [r.split(",")[header.index("zero/elements_sent_vs_min")] for r in rows[1:]]
+    assert [float(v) for v in ratio if v] == [1.0, 1.0, 1.0]
+    waits = [float(r.split(",")[header.index("zero/comm_wait_frac")]) for r in rows[1:] if r.split(",")[0]]
+    assert all(0.0 <= w < 1.0 for w in waits)
+
+
+def test_torchrun_launch_matches_lightning_launcher(tmp_path: Path) -> None:
+    case = {"devices": 2, "stage": 2, "accum": 2, "clip": 0.05, "steps": 6}
+    expected = launch([case], tmp_path)[0]
+    out = tmp_path / "torchrun.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run([*torchrun, "-m", "tests.dist.lit_fit", "--out", str(out), "--cases", json.dumps([case])],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = torch.load(out, weights_only=True)[0]
+    assert max_diff(result, expected) == 0.0

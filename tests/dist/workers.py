@@ -76,9 +76,13 @@ def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dic
 
     torch.manual_seed(0)
     model = TinyNet()
+    calls: list[tuple[str, int]] = []
+    launched_before_last_grad: list[int] = []
+    # registered before the optimizer's hooks: sees how many collectives had started when the first
+    # layer (the last to get its gradient) got its gradient, i.e. while backward was still running
+    model.inp.weight.register_post_accumulate_grad_hook(lambda p: launched_before_last_grad.append(len(calls)))
     config = ZeroConfig(stage=stage, bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002)
     opt = ShardedAdamW(param_groups(model), lr=1e-2, config=config, param_order=model.parameters())
-    calls: list[tuple[str, int]] = []
     names = ["reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single", "all_gather_into_tensor",
              "all_reduce", "broadcast", "gather", "all_gather", "reduce_scatter", "all_to_all_single", "send", "recv"]
     originals = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
@@ -112,7 +116,8 @@ def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dic
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     padded = sum(b.padded_numel for b in opt.plan.buckets)
     return {"calls": calls, "per_micro": per_micro, "trainable": trainable, "padded": padded,
-            "buckets": len(opt.plan.buckets), "reported": opt.comm.stats.elements_sent}
+            "buckets": len(opt.plan.buckets), "reported": opt.comm.stats.elements_sent,
+            "launched_before_last_grad": launched_before_last_grad[-1]}
 
 
 def mismatched_models(rank: int, world_size: int) -> str:

@@ -1,0 +1,128 @@
+"""The GPT model: shapes, initialisation, checkpointing equivalence, sampling, and that it can learn."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recipes.model import GPT, GPTConfig
+
+
+def small_config(**overrides: object) -> GPTConfig:
+    fields: dict[str, object] = dict(vocab_size=50, max_seq_len=16, n_layer=2, n_head=4, d_model=32)
+    fields.update(overrides)
+    return GPTConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_logits_shape_and_tied_head() -> None:
+    torch.manual_seed(0)
+    model = GPT(small_config())
+    idx = torch.randint(0, 50, (3, 16))
+    assert model(idx).shape == (3, 16, 50)
+    assert model.head.weight is model.embed.weight
+    untied = GPT(small_config(tie_embeddings=False))
+    assert untied.num_params() == model.num_params() + 50 * 32
+
+
+def test_grouped_query_attention_has_fewer_kv_weights() -> None:
+    full, grouped = GPT(small_config()), GPT(small_config(n_kv_head=1))
+    head_dim = 32 // 4
+    assert full.num_params() - grouped.num_params() == 2 * 2 * 32 * head_dim * (4 - 1)
+    assert grouped(torch.randint(0, 50, (2, 8))).shape == (2, 8, 50)
+
+
+def test_causality_future_tokens_do_not_change_past_logits() -> None:
+    torch.manual_seed(0)
+    model = GPT(small_config()).eval()
+    idx = torch.randint(0, 50, (1, 12))
+    changed = idx.clone()
+    changed[0, 8:] = (changed[0, 8:] + 1) % 50
+    torch.testing.assert_close(model(idx)[:, :8], model(changed)[:, :8])
+
+
+def test_residual_projections_have_scaled_init() -> None:
+    torch.manual_seed(0)
+    config = small_config(n_layer=8, d_model=256, n_head=4, vocab_size=300)
+    model = GPT(config)
+    residual_std = config.init_std / math.sqrt(2 * config.n_layer)
+    assert model.blocks[0].mlp.down.weight.std().item() == pytest.approx(residual_std, rel=0.05)
+    assert model.blocks[0].mlp.up.weight.std().item() == pytest.approx(config.init_std, rel=0.05)
+    assert torch.equal(model.blocks[0].attn_norm.weight, torch.ones(256))
+
+
+def test_activation_checkpointing_gives_the_same_gradients() -> None:
+    torch.manual_seed(0)
+    plain = GPT(small_config())
+    checkpointed = GPT(small_config(activation_checkpointing=True))
+    checkpointed.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 50, (2, 16))
+    for model in (plain, checkpointed):
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_flops_per_token_formula() -> None:
+    model = GPT(small_config(tie_embeddings=False))
+    expected = 6 * (model.num_params() - 50 * 32) + 12 * 2 * 32 * 16
+    assert model.flops_per_token(16) == expected
+
+
+def test_sequence_longer_than_max_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_seq_len=16"):
+        GPT(small_config())(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"d_model": 30}, "n_head"), ({"n_kv_head": 3}, "n_kv_head"), ({"n_layer": 0}, "n_layer")],
+)
+def test_config_checks_name_the_field(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        small_config(**overrides)
+
+
+def test_generate_appends_tokens_and_greedy_is_deterministic() -> None:
+    torch.manual_seed(0)
+    model = GPT(small_config())
+    prompt = torch.tensor([[1, 2, 3]])
+    out = model.generate(prompt, max_new_tokens=20, temperature=0.0)
+    assert out.shape == (1, 23) and torch.equal(out[:, :3], prompt)
+    assert torch.equal(out, model.generate(prompt, max_new_tokens=20, temperature=0.0))
+    sampled = model.generate(prompt, 5, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(1))
+    assert sampled.shape == (1, 8) and int(sampled.max()) < 50
+
+
+def test_overfits_one_batch() -> None:
+    torch.manual_seed(0)
+    model = GPT(small_config())
+    idx = torch.randint(0, 50, (4, 17))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        loss = F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.05, loss.item()
+
+
+def test_builds_on_meta_device() -> None:
+    with torch.device("meta"):
+        model = GPT(small_config(n_layer=48, d_model=1024, n_head=8, vocab_size=32000))
+    assert model.embed.weight.is_meta and model.num_params() > 600e6
+
+
+def test_model_never_imports_torch_distributed() -> None:
+    source = Path(__file__).resolve().parents[2] / "recipes" / "model.py"
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+    assert not any(name.startswith("torch.distributed") for name in imported)

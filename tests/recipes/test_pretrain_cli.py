@@ -1,0 +1,168 @@
+"""`python -m recipes.pretrain` end to end, always in a subprocess (a 2-process Lightning fit inside
+pytest would re-run pytest as rank 1): a short 2-rank run, its resume with `ckpt_path=last`, and the
+bad inputs that must fail with one clear message, a non-zero status and earlier runs untouched.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipes.module import lr_factor
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 150
+
+
+@dataclass(frozen=True)
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def pretrain(*overrides: str, timeout_s: int = TIMEOUT_S) -> Result:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipes.pretrain", *overrides],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def small_run(output_root: Path, cache_dir: Path, *extra: str) -> list[str]:
+    """Overrides for a few-second 2-process run of a very small model on 0.2 MB of stdlib text."""
+    return [
+        f"output_root={output_root}",
+        f"data.cache_dir={cache_dir}",
+        "run_name=e2e",
+        "data.max_corpus_mb=0.2",
+        "data.seq_len=64",
+        "data.batch_size=4",
+        "model.n_layer=2",
+        "model.d_model=64",
+        "model.n_head=2",
+        "trainer.devices=2",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+        "callbacks.model_checkpoint.every_n_train_steps=3",
+        "optim.warmup_steps=2",
+        "sample.max_new_tokens=16",
+        *extra,
+    ]
+
+
+def read_metrics(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return [{k: v for k, v in row.items() if v} for row in csv.DictReader(handle)]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result, Result]:
+    """A 4-step 2-rank run, then the same command with ckpt_path=last up to step 6."""
+    root = tmp_path_factory.mktemp("e2e")
+    first = pretrain(*small_run(root / "outputs", root / "cache"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = pretrain(*small_run(root / "outputs", root / "cache", "ckpt_path=last", "trainer.max_steps=6"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    return root / "outputs" / "e2e", first, second
+
+
+def test_two_process_run_reports_sample_and_locations(two_runs: tuple[Path, Result, Result]) -> None:
+    run_dir, first, _ = two_runs
+    assert "All distributed processes registered. Starting with 2 processes" in first.stderr
+    assert first.stdout.count("training ") == 1  # rank 0 only
+    assert "--- sample" in first.stdout and first.stdout.count("--- sample") == 1
+    assert f"run directory: {run_dir.resolve()}" in first.stdout
+    assert f"checkpoint: {(run_dir / 'checkpoints' / 'last.ckpt').resolve()}" in first.stdout
+    metrics = read_metrics(run_dir / "logs" / "version_0" / "metrics.csv")
+    assert any("val/ppl" in row for row in metrics) and any("tokens_per_s" in row for row in metrics)
+
+
+def test_ranks_share_one_run_directory(two_runs: tuple[Path, Result, Result]) -> None:
+    run_dir, _, _ = two_runs
+    assert [p.name for p in run_dir.parent.iterdir()] == ["e2e"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml", "logs"]
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["version_0", "version_1"]
+
+
+def test_resume_continues_step_and_schedule(two_runs: tuple[Path, Result, Result]) -> None:
+    run_dir, first, second = two_runs
+    assert "from global step 0" in first.stdout and "from global step 4" in second.stdout
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["global_step"] == 6
+    resumed = [
+        row for row in read_metrics(run_dir / "logs" / "version_1" / "metrics.csv") if "train/loss" in row
+    ]
+    assert len(resumed) == 2  # steps 4 and 5 only: nothing of the first run is trained again
+    first_lr = float(min(resumed, key=lambda row: int(row["step"]))["lr"])
+    # scheduler state restored and re-evaluated for the new max_steps: step 4 of a 6-step cosine
+    assert first_lr == pytest.approx(3e-3 * lr_factor(4, 2, 6, 0.1), rel=1e-5)
+
+
+@pytest.fixture
+def earlier_run(tmp_path: Path) -> tuple[Path, dict[str, tuple[float, bytes]]]:
+    """A stand-in for a finished run named `e2e`, and a snapshot of its files."""
+    run_dir = tmp_path / "outputs" / "e2e"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"earlier")
+    (run_dir / "config.yaml").write_text("earlier: true\n")
+    return run_dir, snapshot(run_dir)
+
+
+def snapshot(directory: Path) -> dict[str, tuple[float, bytes]]:
+    return {str(p): (p.stat().st_mtime, p.read_bytes()) for p in directory.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["model=gpt5"], "Could not find 'model/gpt5'"),
+        (["data=wikipedia"], "Could not find 'data/wikipedia'"),
+        (["data=text"], "missing mandatory value(s): data.path"),
+        (["data.path=/nonexistent/*.txt"], "data.path='/nonexistent/*.txt': no file matches"),
+        (["data.path=EMPTY"], "the corpus is empty"),
+        (["data.seq_len=512"], "data.seq_len=512 exceeds model.max_seq_len=256"),
+        ([f"trainer.devices={len(os.sched_getaffinity(0)) + 1}"], "CPU cores"),
+        (["model.n_layer=two"], "model.n_layer"),
+        (["+optim.momentum=0.9"], "unknown key(s): optim.momentum"),
+        (["run_name=never_ran", "ckpt_path=last"], "ckpt_path=last: no checkpoint"),
+    ],
+)
+def test_bad_input_fails_clearly_and_leaves_earlier_runs(
+    overrides: list[str], expected: str, earlier_run: tuple[Path, dict[str, tuple[float, bytes]]]
+) -> None:
+    run_dir, before = earlier_run
+    empty = run_dir.parent.parent / "empty.txt"
+    empty.write_text("")
+    overrides = [o.replace("EMPTY", str(empty)) for o in overrides]
+    result = pretrain(f"output_root={run_dir.parent}", "run_name=e2e", *overrides, timeout_s=60)
+    assert result.returncode != 0
+    assert expected in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert snapshot(run_dir) == before
+    assert [p.name for p in run_dir.parent.iterdir()] == ["e2e"]  # no stray run directory
+
+
+def test_cfg_job_prints_the_config_without_running(tmp_path: Path) -> None:
+    result = pretrain("--cfg", "job", f"output_root={tmp_path}", "model.n_layer=3", timeout_s=60)
+    assert result.returncode == 0
+    assert (
+        "n_layer: 3" in result.stdout
+        and "_target_: lightning.pytorch.strategies.DDPStrategy" in result.stdout
+    )
+    assert not any(tmp_path.iterdir())
