@@ -165,6 +165,22 @@ class ShardedAdamW(torch.optim.Optimizer):
         return total
 
     @torch.no_grad()
+    def unscale_(self, scale: float | Tensor) -> bool:
+        """Divide the shard gradients by a loss scale; True if any rank's gradients hold inf/NaN.
+
+        Every rank gets the same answer (one small all-reduce), so an overflow on one rank skips
+        the step on all of them. Must be called on all ranks, after backward.
+        """
+        self.reducer.finalize()
+        grads = self.reducer.grad_shards
+        inv_scale = 1.0 / float(scale)
+        for g in grads:
+            g.mul_(inv_scale)
+        local = torch.stack([~torch.isfinite(g).all() for g in grads]).any().to(self.comm.device, torch.float32)
+        self.comm.wait(self.comm.all_reduce(local.reshape(1), op=dist.ReduceOp.MAX, control=True))
+        return bool(local.item())
+
+    @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]`` (local: no communication)."""
         self.reducer.finalize()

@@ -7,13 +7,14 @@ LightningModule, parameters become views into flat buffers, and the optimizer re
 
 Lightning integration points:
   * accumulation: ``block_backward_sync`` -> ``ShardedAdamW.no_sync`` (nothing sent);
-  * clipping: the precision plugin is given shard-aware ``clip_grad_by_norm/value`` (global norm);
+  * clipping and ``16-mixed`` loss scaling: the precision plugin is given shard-aware
+    ``clip_grad_by_norm/value`` (global norm) and an ``optimizer_step`` that unscales the shards and
+    agrees on overflow across ranks;
   * LR schedulers are re-pointed at the sharded optimizer (same param-group dicts);
   * checkpoints: Lightning's ``consolidate_state_dict`` protocol writes a standard single file whose
     optimizer state is ``torch.optim.AdamW``'s; loading it reshards onto any world size.
 
-Refused with a clear error: ``16-mixed`` (loss scaling over shards is not implemented yet), more
-than one optimizer, optimizers other than Adam/AdamW.
+Refused with a clear error: more than one optimizer, optimizers other than Adam/AdamW.
 """
 
 from __future__ import annotations
@@ -91,7 +92,6 @@ class ZeroStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        _check_precision(self.precision_plugin)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -159,22 +159,50 @@ def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def _check_precision(plugin: Precision) -> None:
-    if getattr(plugin, "scaler", None) is not None:
-        raise ValueError(
-            "precision='16-mixed' (fp16 with loss scaling) is not supported by strategy 'zero' yet; "
-            "use 'bf16-mixed', 'bf16-true', '32-true' or '64-true'"
-        )
+class _ShardAwarePrecision:
+    """Mixed into the Trainer's precision plugin: clipping and loss scaling on sharded gradients.
 
+    Clipping uses the global norm over all ranks' shards. With a ``GradScaler`` (``16-mixed``) the
+    shard gradients are unscaled, overflow is agreed across ranks, the step is skipped on every
+    rank or none, and the scale is updated by torch's own rule.
+    """
 
-class _ShardedClipping:
-    """Clipping on the sharded gradients: a global norm over all ranks' shards."""
+    scaler: torch.amp.GradScaler | None
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         _sharded_of(optimizer).clip_grad_norm_(float(clip_val))
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
         _sharded_of(optimizer).clip_grad_value_(float(clip_val))
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        scaler = getattr(self, "scaler", None)
+        if scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[misc]
+        sharded = _sharded_of(optimizer)
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            sharded.zero_grad()  # backward was skipped: nothing to step, keep ranks in lockstep
+            return None
+        found_inf = sharded.unscale_(scaler.get_scale())
+        self._after_closure(model, optimizer)  # type: ignore[attr-defined]  # hooks, then clipping (unscaled)
+        if found_inf:
+            sharded.zero_grad()
+        else:
+            sharded.step(**kwargs)
+        _update_scale(scaler, found_inf)
+        return closure_result
+
+
+def _update_scale(scaler: torch.amp.GradScaler, found_inf: bool) -> None:
+    """torch's dynamic loss-scale rule (backoff on overflow, growth after ``growth_interval`` good steps),
+    applied to the scaler's own state so that it checkpoints as usual."""
+    scale, tracker = scaler._scale, scaler._growth_tracker  # noqa: SLF001 - no public hook for external inf checks
+    if scale is None or tracker is None:
+        return
+    found = torch.full((1,), float(found_inf), device=scale.device)
+    torch._amp_update_scale_(scale, tracker, found, scaler.get_growth_factor(), scaler.get_backoff_factor(),
+                             scaler.get_growth_interval())
 
 
 def _sharded_of(optimizer: Any) -> ShardedAdamW:
@@ -186,7 +214,7 @@ def _sharded_of(optimizer: Any) -> ShardedAdamW:
 
 @cache
 def _shard_aware(precision_cls: type[Precision]) -> type[Precision]:
-    """``precision_cls`` with shard-aware clipping (one subclass per precision plugin class)."""
-    if issubclass(precision_cls, _ShardedClipping):
+    """``precision_cls`` with shard-aware clipping and loss scaling (one subclass per plugin class)."""
+    if issubclass(precision_cls, _ShardAwarePrecision):
         return precision_cls
-    return type(f"Zero{precision_cls.__name__}", (_ShardedClipping, precision_cls), {})
+    return type(f"Zero{precision_cls.__name__}", (_ShardAwarePrecision, precision_cls), {})

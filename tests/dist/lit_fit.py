@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -26,9 +27,10 @@ class TinyLit(L.LightningModule):
     """TinyNet with AdamW in two groups, a step-wise LR schedule and a parameter unused on steps
     ``2 mod unused_every`` (never unused when 0)."""
 
-    def __init__(self, unused_every: int = 3, batch_size: int = 4) -> None:
+    def __init__(self, unused_every: int = 3, batch_size: int = 4, inf_at_step: int | None = None) -> None:
         super().__init__()
         self.batch_size = batch_size
+        self.inf_at_step = inf_at_step
         torch.manual_seed(0)
         self.net = TinyNet()
         self.unused_every = unused_every
@@ -36,6 +38,8 @@ class TinyLit(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x, use_extra=not self.unused_every or self.global_step % self.unused_every != 2), y)
+        if self.global_step == self.inf_at_step and self.trainer.global_rank == 1:
+            loss = loss * float("inf")  # an overflow on one rank only
         self.log("loss", loss)
         return loss
 
@@ -66,22 +70,32 @@ def make_strategy(name: str, stage: int | None = None, log_comm_stats: bool = Fa
 def fit(strategy: str = "zero_small_buckets", devices: int = 2, precision: str = "64-true", accum: int = 1,
         clip: float | None = None, clip_algorithm: str = "norm", steps: int = 10, batch_size: int = 4,
         stage: int | None = None, unused_every: int = 3, save: str | None = None,
-        csv_dir: str | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        csv_dir: str | None = None, inf_at_step: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
     """Fit TinyLit; ``batch_size`` is per rank; ``save``: checkpoint path written at the end; ``csv_dir``:
-    log to CSV there, with the strategy's communication figures. Returns (global rank, final parameters)."""
+    log to CSV there, with the strategy's communication figures; ``precision="16-mixed-cpu"``: fp16 autocast
+    with a GradScaler on CPU (Lightning itself maps "16-mixed" to bf16 there); ``inf_at_step``: rank 1's loss
+    is inf at that step. Returns (global rank, final parameters and, with a scaler, ``"loss_scale"``)."""
+    plugins = []
+    if precision == "16-mixed-cpu":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=scaler))
+        precision = None  # type: ignore[assignment]
     trainer = L.Trainer(
         strategy=make_strategy(strategy, stage, log_comm_stats=csv_dir is not None), devices=devices,
         accelerator="cpu", precision=precision, max_steps=steps, accumulate_grad_batches=accum,
         gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm,
         logger=CSVLogger(csv_dir, name="", version="") if csv_dir else False, log_every_n_steps=1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False,
+        use_distributed_sampler=False, plugins=plugins,
     )
-    model = TinyLit(unused_every, batch_size)
+    model = TinyLit(unused_every, batch_size, inf_at_step)
     trainer.fit(model)
     if save:
         trainer.save_checkpoint(save)
-    return trainer.global_rank, {n: p.detach().clone() for n, p in model.named_parameters()}
+    result = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if plugins:
+        result["loss_scale"] = torch.tensor(plugins[0].scaler.get_scale())
+    return trainer.global_rank, result
 
 
 def main() -> None:

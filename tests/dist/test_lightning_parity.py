@@ -121,3 +121,14 @@ def test_torchrun_launch_matches_lightning_launcher(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-5000:]
     result = torch.load(out, weights_only=True)[0]
     assert max_diff(result, expected) == 0.0
+
+
+def test_fp16_loss_scaling_overflow_on_one_rank_skips_everywhere(tmp_path: Path) -> None:
+    """16-mixed with a GradScaler (on CPU through an explicit plugin): an inf on rank 1 alone at step 3
+    must skip that step on both ranks and back the scale off, exactly as "ddp" does."""
+    base = {"devices": 2, "precision": "16-mixed-cpu", "steps": 8, "unused_every": 0, "inf_at_step": 3}
+    zero, ddp = launch([dict(base, strategy="zero2"), dict(base, strategy="ddp")], tmp_path)
+    clean = launch([dict(base, strategy="zero2", inf_at_step=None)], tmp_path)[0]
+    assert float(zero["loss_scale"]) == float(ddp["loss_scale"]) < float(clean["loss_scale"])
+    assert max_diff(zero, ddp) <= 2e-2
+    assert max_diff(zero, clean) > 1e-3, "the skipped step must show"
