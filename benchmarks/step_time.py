@@ -98,7 +98,9 @@ class GPT(L.LightningModule):
                 original = dist.broadcast
 
                 def counting_broadcast(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                    counted["elements"] += tensor.numel() * (dist.get_world_size() - 1) // dist.get_world_size()
+                    counted["elements"] += (
+                        tensor.numel() * (dist.get_world_size() - 1) // dist.get_world_size()
+                    )
                     return original(tensor, *args, **kwargs)
 
                 dist.broadcast = counting_broadcast
@@ -125,8 +127,12 @@ def optimizer_and_grad_bytes(trainer: L.Trainer, model: GPT) -> tuple[int, int, 
         return opt.shards.nbytes(), grads, opt.comm.stats.elements_sent
     inner = trainer.optimizers[0]
     inner = getattr(inner, "optim", inner)  # ZeroRedundancyOptimizer keeps the local optimizer in .optim
-    state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor) and t.ndim > 0)
+    state = sum(
+        t.numel() * t.element_size()
+        for s in inner.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.ndim > 0
+    )
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     return state, grads, model.counted["elements"]
 
@@ -142,39 +148,60 @@ def run_one(name: str, args: argparse.Namespace) -> None:
     if name.startswith("zero"):
         cap = 5.0 if name.endswith("5MB") else args.bucket_cap_mb
         strategy = lightning_zero.ZeroStrategy(stage=int(name[4]), bucket_cap_mb=cap)
-    trainer = L.Trainer(strategy=strategy, devices=args.devices, accelerator="cpu", max_steps=args.steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        strategy=strategy,
+        devices=args.devices,
+        accelerator="cpu",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     state_b, grad_b, sent = model.figures
-    figures = {"step_s": model.step_s[3:], "opt_state_bytes": state_b, "grad_bytes": grad_b, "elements_sent": sent,
-               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-               "params": sum(p.numel() for p in model.parameters())}
+    figures = {
+        "step_s": model.step_s[3:],
+        "opt_state_bytes": state_b,
+        "grad_bytes": grad_b,
+        "elements_sent": sent,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     Path(args.out, f"{name}.round{args.round}.rank{trainer.global_rank}.json").write_text(json.dumps(figures))
 
 
 def report(args: argparse.Namespace) -> None:
     rows = {}
     for name in STRATEGIES:
-        rows[name] = [json.loads(Path(args.out, f"{name}.round{k}.rank{r}.json").read_text())
-                      for k in range(args.rounds) for r in range(args.devices)]
+        rows[name] = [
+            json.loads(Path(args.out, f"{name}.round{k}.rank{r}.json").read_text())
+            for k in range(args.rounds)
+            for r in range(args.devices)
+        ]
     params = rows["ddp"][0]["params"]
     n = args.devices
     minimum = 2 * params * (n - 1) // n
     ddp_median = statistics.median(s for r in rows["ddp"] for s in r["step_s"])
-    print(f"\nGPT {params / 1e6:.1f}M params, {n} ranks x 1 thread, gloo, fp32, batch {args.batch}x{args.seq} "
-          f"per rank, {args.steps} steps x {args.rounds} rounds, strategies interleaved (median of steps 4..)\n")
-    header = f"{'strategy':<30}{'step s':>8}{'vs ddp':>8}{'opt state MB':>14}{'grads MB':>10}" \
-             f"{'sent/step':>12}{'vs min':>8}{'peak RSS MB':>13}"
+    print(
+        f"\nGPT {params / 1e6:.1f}M params, {n} ranks x 1 thread, gloo, fp32, batch {args.batch}x{args.seq} "
+        f"per rank, {args.steps} steps x {args.rounds} rounds, strategies interleaved (median of steps 4..)\n"
+    )
+    header = (
+        f"{'strategy':<30}{'step s':>8}{'vs ddp':>8}{'opt state MB':>14}{'grads MB':>10}"
+        f"{'sent/step':>12}{'vs min':>8}{'peak RSS MB':>13}"
+    )
     print(header)
     print("-" * len(header))
     for name, ranks in rows.items():
         med = statistics.median(s for r in ranks for s in r["step_s"])
         r0 = ranks[0]
         rss = max(r["peak_rss_mb"] for r in ranks)
-        print(f"{name:<30}{med:>8.3f}{med / ddp_median:>8.2f}{r0['opt_state_bytes'] / 2**20:>14.1f}"
-              f"{r0['grad_bytes'] / 2**20:>10.1f}{r0['elements_sent'] / 1e6:>11.2f}M"
-              f"{r0['elements_sent'] / minimum:>8.2f}{rss:>13.0f}")
+        print(
+            f"{name:<30}{med:>8.3f}{med / ddp_median:>8.2f}{r0['opt_state_bytes'] / 2**20:>14.1f}"
+            f"{r0['grad_bytes'] / 2**20:>10.1f}{r0['elements_sent'] / 1e6:>11.2f}M"
+            f"{r0['elements_sent'] / minimum:>8.2f}{rss:>13.0f}"
+        )
     print(f"\nminimum elements sent per rank and step: 2Ψ(N−1)/N = {minimum / 1e6:.2f}M")
 
 
@@ -187,7 +214,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="for zero1/zero2 (DDP keeps its 25)")
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, default=25.0, help="for zero1/zero2 (DDP keeps its 25)"
+    )
     parser.add_argument("--out", default="benchmarks/results/step_time")
     parser.add_argument("--rounds", type=int, default=2, help="runs of every strategy, interleaved")
     parser.add_argument("--only", choices=STRATEGIES, help=argparse.SUPPRESS)
@@ -201,8 +230,13 @@ def main() -> None:
     for k in range(args.rounds):
         for name in STRATEGIES:
             print(f"round {k + 1}/{args.rounds}: {name} ...", flush=True)
-            proc = subprocess.run([sys.executable, *sys.argv, "--only", name, "--round", str(k)], env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            proc = subprocess.run(
+                [sys.executable, *sys.argv, "--only", name, "--round", str(k)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             if proc.returncode:
                 sys.exit(f"{name} failed:\n{proc.stderr[-4000:]}")
     report(args)

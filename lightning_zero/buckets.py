@@ -85,8 +85,9 @@ class BucketPlan:
         """One line per bucket: readable, and what :meth:`fingerprint` hashes."""
         lines = [f"world_size={self.world_size}"]
         for b in self.buckets:
-            names = ",".join(f"{self.params[s.param_index].name}{list(self.params[s.param_index].shape)}"
-                             for s in b.slots)
+            names = ",".join(
+                f"{self.params[s.param_index].name}{list(self.params[s.param_index].shape)}" for s in b.slots
+            )
             lines.append(f"bucket {b.index} {b.dtype} numel={b.numel} padded={b.padded_numel}: {names}")
         return lines
 
@@ -120,7 +121,8 @@ def plan_buckets(
     """
     if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
         raise ValueError(
-            f"bucket caps must be > 0 MB, got bucket_cap_mb={bucket_cap_mb}, first_bucket_cap_mb={first_bucket_cap_mb}"
+            f"bucket caps must be > 0 MB, got bucket_cap_mb={bucket_cap_mb}, "
+            f"first_bucket_cap_mb={first_bucket_cap_mb}"
         )
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -142,7 +144,9 @@ def plan_buckets(
     return _layout(params, groups, world_size, align_numel)
 
 
-def _layout(params: Sequence[ParamSpec], groups: list[list[int]], world_size: int, align_numel: int) -> BucketPlan:
+def _layout(
+    params: Sequence[ParamSpec], groups: list[list[int]], world_size: int, align_numel: int
+) -> BucketPlan:
     buckets = []
     buffer_numel: dict[str, int] = {}
     for bucket_index, indices in enumerate(groups):

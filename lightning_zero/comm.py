@@ -70,8 +70,9 @@ class Comm:
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return fn(output, input_, group=self.group, async_op=True)
 
-    def all_reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                   control: bool = False) -> object:
+    def all_reduce(
+        self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, control: bool = False
+    ) -> object:
         """Async in-place all-reduce. ``control`` counts it apart from gradient traffic."""
         sent = 2 * self._ring(tensor.numel())
         if control:

@@ -35,14 +35,22 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2):
-            raise ValueError(f"stage must be 1 or 2, got {self.stage!r} (stage 3, sharded parameters, is not supported)")
+            raise ValueError(
+                f"stage must be 1 or 2, got {self.stage!r} (stage 3, sharded parameters, is not supported)"
+            )
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0 (MiB), got {value!r}")
         if self.reduce_dtype is not None and self.reduce_dtype not in _REDUCE_DTYPES:
-            raise ValueError(f"reduce_dtype must be None or one of {sorted(_REDUCE_DTYPES)}, got {self.reduce_dtype!r}")
-        if isinstance(self.align_numel, bool) or not isinstance(self.align_numel, int) or self.align_numel < 1:
+            raise ValueError(
+                f"reduce_dtype must be None or one of {sorted(_REDUCE_DTYPES)}, got {self.reduce_dtype!r}"
+            )
+        if (
+            isinstance(self.align_numel, bool)
+            or not isinstance(self.align_numel, int)
+            or self.align_numel < 1
+        ):
             raise ValueError(f"align_numel must be an integer >= 1, got {self.align_numel!r}")
         for name in ("overlap_comm", "find_unused_parameters"):
             if not isinstance(getattr(self, name), bool):

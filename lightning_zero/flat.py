@@ -34,7 +34,9 @@ class FlatParams:
     def __init__(self, params: Sequence[torch.nn.Parameter], plan: BucketPlan, rank: int) -> None:
         devices = {p.device for p in params}
         if len(devices) != 1:
-            raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
+            raise ValueError(
+                f"all trainable parameters must be on one device, found {sorted(map(str, devices))}"
+            )
         self.device = devices.pop()
         self.plan = plan
         self.rank = rank

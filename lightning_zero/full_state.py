@@ -57,8 +57,14 @@ def gather_full_state(opt: ShardedAdamW, dst: int = 0) -> dict[str, Any] | None:
     groups = []
     for group in opt.param_groups:
         saved = {k: v for k, v in group.items() if k not in ("params", "decoupled_weight_decay")}
-        saved.update(params=[numbering[p] for p in group["params"]], foreach=None, fused=None,
-                     capturable=False, differentiable=False, decoupled_weight_decay=group["decoupled_weight_decay"])
+        saved.update(
+            params=[numbering[p] for p in group["params"]],
+            foreach=None,
+            fused=None,
+            capturable=False,
+            differentiable=False,
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )
         groups.append(saved)
     return {"state": state, "param_groups": groups}
 
@@ -68,7 +74,11 @@ def _gather_bucket(shard: Tensor, world_size: int, dst: int, group: Any) -> Tens
     if world_size == 1:
         return shard
     rank = dist.get_rank(group)
-    out = torch.empty(shard.numel() * world_size, dtype=shard.dtype, device=shard.device) if rank == dst else None
+    out = (
+        torch.empty(shard.numel() * world_size, dtype=shard.dtype, device=shard.device)
+        if rank == dst
+        else None
+    )
     dist.gather(shard, list(out.chunk(world_size)) if out is not None else None, dst=dst, group=group)
     return out
 
@@ -79,17 +89,24 @@ def scatter_full_state(opt: ShardedAdamW, full: dict[str, Any]) -> None:
     numbering = _group_indices(opt)
     saved_groups = full.get("param_groups", [])
     if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"checkpoint has {len(saved_groups)} optimizer param groups, the optimizer has "
-                         f"{len(opt.param_groups)}")
+        raise ValueError(
+            f"checkpoint has {len(saved_groups)} optimizer param groups, the optimizer has "
+            f"{len(opt.param_groups)}"
+        )
     for g, (group, saved) in enumerate(zip(opt.param_groups, saved_groups, strict=True)):
         if len(saved["params"]) != len(group["params"]):
-            raise ValueError(f"param group {g}: checkpoint has {len(saved['params'])} parameters, the optimizer "
-                             f"has {len(group['params'])}")
+            raise ValueError(
+                f"param group {g}: checkpoint has {len(saved['params'])} parameters, the optimizer "
+                f"has {len(group['params'])}"
+            )
         for key, value in saved.items():
             if key not in ("params", "foreach", "fused", "capturable", "differentiable"):
                 group[key] = value
-    remap = {saved_i: numbering[p] for group, saved in zip(opt.param_groups, saved_groups, strict=True)
-             for saved_i, p in zip(saved["params"], group["params"], strict=True)}
+    remap = {
+        saved_i: numbering[p]
+        for group, saved in zip(opt.param_groups, saved_groups, strict=True)
+        for saved_i, p in zip(saved["params"], group["params"], strict=True)
+    }
     state = {remap[int(k)]: v for k, v in full.get("state", {}).items()}
     shards, plan = opt.shards, opt.plan
     for index, param in enumerate(opt.params_in_order):
@@ -109,7 +126,9 @@ def scatter_full_state(opt: ShardedAdamW, full: dict[str, Any]) -> None:
                     target[b][window].zero_()
                     continue
                 if source.shape != param.shape:
-                    raise ValueError(f"state {name!r} of parameter {plan.params[seg.param_index].name!r} has shape "
-                                     f"{tuple(source.shape)}, the parameter {tuple(param.shape)}")
+                    raise ValueError(
+                        f"state {name!r} of parameter {plan.params[seg.param_index].name!r} has shape "
+                        f"{tuple(source.shape)}, the parameter {tuple(param.shape)}"
+                    )
                 target[b][window].copy_(source.reshape(-1)[seg.param_start : seg.param_end])
     shards.refresh_master()

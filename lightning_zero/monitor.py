@@ -24,16 +24,18 @@ class CommStatsMonitor(pl.Callback):
         self._start = 0.0
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         opt = getattr(trainer.strategy, "sharded_optimizer", None)
         if opt is not None:
             opt.comm.stats.reset()
         self._start = time.perf_counter()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         opt = getattr(trainer.strategy, "sharded_optimizer", None)
         if opt is None:
             return
@@ -41,9 +43,13 @@ class CommStatsMonitor(pl.Callback):
         step_s = max(time.perf_counter() - self._start, 1e-9)
         numel = sum(b.padded_numel for b in opt.plan.buckets)
         minimum = 2 * numel * (opt.comm.world_size - 1) // max(opt.comm.world_size, 1)
-        pl_module.log_dict({
-            "zero/comm_wait_s": stats.wait_s,
-            "zero/comm_wait_frac": stats.wait_s / step_s,
-            "zero/elements_sent": float(stats.elements_sent),
-            "zero/elements_sent_vs_min": stats.elements_sent / minimum if minimum else 0.0,
-        }, on_step=True, on_epoch=False)
+        pl_module.log_dict(
+            {
+                "zero/comm_wait_s": stats.wait_s,
+                "zero/comm_wait_frac": stats.wait_s / step_s,
+                "zero/elements_sent": float(stats.elements_sent),
+                "zero/elements_sent_vs_min": stats.elements_sent / minimum if minimum else 0.0,
+            },
+            on_step=True,
+            on_epoch=False,
+        )

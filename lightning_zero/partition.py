@@ -78,7 +78,9 @@ class Segment:
         return self.param_end - self.param_start
 
 
-def shard_segments(slots: Sequence[Slot], bucket_padded_numel: int, world_size: int, rank: int) -> list[Segment]:
+def shard_segments(
+    slots: Sequence[Slot], bucket_padded_numel: int, world_size: int, rank: int
+) -> list[Segment]:
     """Pieces of the bucket's parameters that ``rank`` owns, in bucket order.
 
     Padding is never part of a segment. Parameters outside the shard give no segment.

@@ -34,13 +34,21 @@ def check_same_plan(plan: BucketPlan, comm: Comm) -> None:
         other = other or []
         if other == reference:
             continue
-        first = next((i for i in range(max(len(other), len(reference)))
-                      if i >= len(other) or i >= len(reference) or other[i] != reference[i]), 0)
+        first = next(
+            (
+                i
+                for i in range(max(len(other), len(reference)))
+                if i >= len(other) or i >= len(reference) or other[i] != reference[i]
+            ),
+            0,
+        )
         ref_line = reference[first] if first < len(reference) else "<none>"
         other_line = other[first] if first < len(other) else "<none>"
-        details.append(f"rank {rank} differs from rank 0 (params: {everyone[rank][1]} vs {everyone[0][1]}, "
-                       f"elements: {everyone[rank][2]} vs {everyone[0][2]}):\n  rank 0: {ref_line}\n"
-                       f"  rank {rank}: {other_line}")
+        details.append(
+            f"rank {rank} differs from rank 0 (params: {everyone[rank][1]} vs {everyone[0][1]}, "
+            f"elements: {everyone[rank][2]} vs {everyone[0][2]}):\n  rank 0: {ref_line}\n"
+            f"  rank {rank}: {other_line}"
+        )
     raise PlanMismatchError(
         "ranks built different gradient bucket plans; every rank must have the same trainable parameters "
         "(names, shapes, dtypes, requires_grad, order) and the same ZeRO settings.\n" + "\n".join(details)

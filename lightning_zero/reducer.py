@@ -37,7 +37,6 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.flat import FlatParams, dtype_from_str
 from lightning_zero.partition import shard_range
 
-
 _MAX_IN_FLIGHT = 2
 """Buckets whose collective may be pending at once (bounds stage 2's transient gradient memory)."""
 
@@ -115,7 +114,8 @@ class GradReducer:
             name = self.plan.params[index].name
             raise RuntimeError(
                 f"parameter {name!r} received a gradient after its bucket was communicated in this step "
-                "(a second backward without an optimizer step in between?); use no_sync() for all but the last"
+                "(a second backward without an optimizer step in between?); "
+                "use no_sync() for all but the last"
             )
         wire = self._wire_buffer(bucket_index)
         view = wire[slot.bucket_offset : slot.bucket_offset + slot.numel]
@@ -150,7 +150,11 @@ class GradReducer:
             self._handles[bucket_index] = self.comm.all_reduce(wire)
         else:
             shard = self.grad_shards[bucket_index]
-            out = shard if shard.dtype == wire.dtype else torch.empty(shard.numel(), dtype=wire.dtype, device=wire.device)
+            out = (
+                shard
+                if shard.dtype == wire.dtype
+                else torch.empty(shard.numel(), dtype=wire.dtype, device=wire.device)
+            )
             self._outputs[bucket_index] = out
             self._handles[bucket_index] = self.comm.reduce_scatter(out, wire)
         self._next_launch = bucket_index + 1

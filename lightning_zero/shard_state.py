@@ -36,8 +36,14 @@ class _Piece:
 class ShardState:
     """Master weights and Adam moments for the shards one rank owns."""
 
-    def __init__(self, plan: BucketPlan, flat: FlatParams, grad_shards: list[Tensor],
-                 group_of_param: list[int], amsgrad: bool) -> None:
+    def __init__(
+        self,
+        plan: BucketPlan,
+        flat: FlatParams,
+        grad_shards: list[Tensor],
+        group_of_param: list[int],
+        amsgrad: bool,
+    ) -> None:
         self.plan = plan
         self.flat = flat
         self.steps = [0] * len(plan.params)
@@ -60,11 +66,16 @@ class ShardState:
         for b, bucket in enumerate(plan.buckets):
             for seg in plan.segments(bucket, flat.rank):
                 window = slice(seg.shard_offset, seg.shard_offset + seg.numel)
-                self._pieces[b, group_of_param[seg.param_index]].append(_Piece(
-                    seg.param_index, self.master[b][window], grad_shards[b][window],
-                    self.exp_avg[b][window], self.exp_avg_sq[b][window],
-                    None if self.max_exp_avg_sq is None else self.max_exp_avg_sq[b][window],
-                ))
+                self._pieces[b, group_of_param[seg.param_index]].append(
+                    _Piece(
+                        seg.param_index,
+                        self.master[b][window],
+                        grad_shards[b][window],
+                        self.exp_avg[b][window],
+                        self.exp_avg_sq[b][window],
+                        None if self.max_exp_avg_sq is None else self.max_exp_avg_sq[b][window],
+                    )
+                )
 
     def count_steps(self, used: list[bool] | None) -> None:
         """Advance the step count of every parameter that takes part in this step (all ranks agree)."""

@@ -81,8 +81,15 @@ class ShardedAdamW(torch.optim.Optimizer):
         param_names: dict[torch.nn.Parameter, str] | None = None,
     ) -> None:
         _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
         super().__init__(params, defaults)
         self.config = config or ZeroConfig()
         self.comm = Comm(process_group)
@@ -99,39 +106,65 @@ class ShardedAdamW(torch.optim.Optimizer):
         """
         if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
             raise TypeError(
-                f"lightning_zero shards torch.optim.AdamW and torch.optim.Adam; got {type(optimizer).__name__}. "
+                "lightning_zero shards torch.optim.AdamW and torch.optim.Adam; "
+                f"got {type(optimizer).__name__}. "
                 "Return one of those from configure_optimizers."
             )
         defaults = dict(optimizer.defaults)
-        decoupled = type(optimizer) is torch.optim.AdamW or bool(defaults.get("decoupled_weight_decay", False))
+        decoupled = type(optimizer) is torch.optim.AdamW or bool(
+            defaults.get("decoupled_weight_decay", False)
+        )
         groups = []
         for group in optimizer.param_groups:
             group = dict(group)
             group["decoupled_weight_decay"] = decoupled
             groups.append(group)
-        return cls(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
-                   weight_decay=defaults["weight_decay"], amsgrad=defaults.get("amsgrad", False),
-                   maximize=defaults.get("maximize", False), decoupled_weight_decay=decoupled, **kwargs)
+        return cls(
+            groups,
+            lr=defaults["lr"],
+            betas=defaults["betas"],
+            eps=defaults["eps"],
+            weight_decay=defaults["weight_decay"],
+            amsgrad=defaults.get("amsgrad", False),
+            maximize=defaults.get("maximize", False),
+            decoupled_weight_decay=decoupled,
+            **kwargs,
+        )
 
-    def _build(self, param_order: Iterable[torch.nn.Parameter] | None,
-               names: dict[torch.nn.Parameter, str]) -> None:
+    def _build(
+        self, param_order: Iterable[torch.nn.Parameter] | None, names: dict[torch.nn.Parameter, str]
+    ) -> None:
         in_groups = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad}
-        order = [p for p in (param_order or [p for g in self.param_groups for p in g["params"]]) if p in in_groups]
+        order = [
+            p for p in (param_order or [p for g in self.param_groups for p in g["params"]]) if p in in_groups
+        ]
         order = list(dict.fromkeys(order))  # tied weights appear once
         missing = [p for p in in_groups if p not in set(order)]
         order += missing
         if not order:
             raise ValueError("the optimizer has no parameter with requires_grad=True")
-        specs = [ParamSpec(names.get(p, f"param{i}"), tuple(p.shape), str(p.dtype), p.element_size())
-                 for i, p in enumerate(order)]
-        self.plan = plan_buckets(specs, self.comm.world_size, self.config.bucket_cap_mb,
-                                 self.config.first_bucket_cap_mb, self.config.align_numel)
+        specs = [
+            ParamSpec(names.get(p, f"param{i}"), tuple(p.shape), str(p.dtype), p.element_size())
+            for i, p in enumerate(order)
+        ]
+        self.plan = plan_buckets(
+            specs,
+            self.comm.world_size,
+            self.config.bucket_cap_mb,
+            self.config.first_bucket_cap_mb,
+            self.config.align_numel,
+        )
         check_same_plan(self.plan, self.comm)
         self.params_in_order = order
         self.flat = FlatParams(order, self.plan, self.comm.rank)
         self.reducer = GradReducer(order, self.plan, self.flat, self.comm, self.config)
-        self.shards = ShardState(self.plan, self.flat, self.reducer.grad_shards, [in_groups[p] for p in order],
-                                 amsgrad=any(g["amsgrad"] for g in self.param_groups))
+        self.shards = ShardState(
+            self.plan,
+            self.flat,
+            self.reducer.grad_shards,
+            [in_groups[p] for p in order],
+            amsgrad=any(g["amsgrad"] for g in self.param_groups),
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop this step's gradients (on every rank: it may wait for collectives in flight)."""
@@ -176,7 +209,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         inv_scale = 1.0 / float(scale)
         for g in grads:
             g.mul_(inv_scale)
-        local = torch.stack([~torch.isfinite(g).all() for g in grads]).any().to(self.comm.device, torch.float32)
+        local = (
+            torch.stack([~torch.isfinite(g).all() for g in grads]).any().to(self.comm.device, torch.float32)
+        )
         self.comm.wait(self.comm.all_reduce(local.reshape(1), op=dist.ReduceOp.MAX, control=True))
         return bool(local.item())
 
@@ -228,7 +263,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         """
         if getattr(self, "_consolidated", None) is None:
             raise RuntimeError(
-                f"rank {self.comm.rank} holds no consolidated optimizer state: call consolidate_state_dict(to=...) "
+                f"rank {self.comm.rank} holds no consolidated optimizer state: "
+                "call consolidate_state_dict(to=...) "
                 "on every rank first, then state_dict() on the destination rank"
             )
         state, self._consolidated = self._consolidated, None
@@ -241,6 +277,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         model's parameters first: 16-bit parameters' fp32 master shards are re-read from them.
         """
         scatter_full_state(self, state_dict)
+
 
 def _check_hyper(*, lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
     if isinstance(lr, Tensor):
@@ -259,10 +296,11 @@ def _check_group(group: dict[str, Any]) -> None:
     _check_hyper(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
     for flag in _REFUSED_FLAGS:
         if group.get(flag):
-            raise ValueError(f"{flag}=True is not supported by lightning_zero's sharded Adam; set it to False")
+            raise ValueError(
+                f"{flag}=True is not supported by lightning_zero's sharded Adam; set it to False"
+            )
     for p in group["params"]:
         if not p.is_floating_point():
             raise ValueError(f"only floating point parameters can be sharded, got {p.dtype}")
     if "step" in group and isinstance(group["step"], Tensor):
         raise ValueError("tensor-valued group steps are not supported")
-

@@ -72,14 +72,23 @@ class ZeroStrategy(DDPStrategy):
         start_method: str = "popen",
     ) -> None:
         self.zero_config = ZeroConfig(
-            stage=stage, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
-            overlap_comm=overlap_comm, reduce_dtype=reduce_dtype, find_unused_parameters=find_unused_parameters,
+            stage=stage,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            overlap_comm=overlap_comm,
+            reduce_dtype=reduce_dtype,
+            find_unused_parameters=find_unused_parameters,
             align_numel=align_numel,
         )
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,  # type: ignore[arg-type]
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
         )
         self.log_comm_stats = log_comm_stats
         self._sharded: ShardedAdamW | None = None
@@ -112,12 +121,16 @@ class ZeroStrategy(DDPStrategy):
 
     def _shard_optimizer(self) -> None:
         if len(self.optimizers) != 1:
-            raise ValueError(f"strategy 'zero' supports exactly one optimizer, configure_optimizers returned "
-                             f"{len(self.optimizers)}")
+            raise ValueError(
+                f"strategy 'zero' supports exactly one optimizer, configure_optimizers returned "
+                f"{len(self.optimizers)}"
+            )
         assert self.lightning_module is not None
         module = self.lightning_module
         sharded = ShardedAdamW.from_optimizer(
-            _unwrap(self.optimizers[0]), config=self.zero_config, param_order=module.parameters(),
+            _unwrap(self.optimizers[0]),
+            config=self.zero_config,
+            param_order=module.parameters(),
             param_names={p: n for n, p in module.named_parameters()},
         )
         for config in self.lr_scheduler_configs:
@@ -152,7 +165,9 @@ class ZeroStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name, stage in (("zero", 2), ("zero1", 1), ("zero2", 2)):
             if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=f"ZeRO stage {stage} (lightning-zero)", stage=stage)
+                strategy_registry.register(
+                    name, cls, description=f"ZeRO stage {stage} (lightning-zero)", stage=stage
+                )
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
@@ -201,8 +216,14 @@ def _update_scale(scaler: torch.amp.GradScaler, found_inf: bool) -> None:
     if scale is None or tracker is None:
         return
     found = torch.full((1,), float(found_inf), device=scale.device)
-    torch._amp_update_scale_(scale, tracker, found, scaler.get_growth_factor(), scaler.get_backoff_factor(),
-                             scaler.get_growth_interval())
+    torch._amp_update_scale_(
+        scale,
+        tracker,
+        found,
+        scaler.get_growth_factor(),
+        scaler.get_backoff_factor(),
+        scaler.get_growth_interval(),
+    )
 
 
 def _sharded_of(optimizer: Any) -> ShardedAdamW:

@@ -19,7 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, queue: Any, args: tuple) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world_size: int, init_file: str, queue: Any, args: tuple
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -39,7 +41,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, queue, args)) for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, init_file, queue, args))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         results: dict[int, Any] = {}
@@ -53,7 +58,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                     errors.append(f"rank {rank}:\n{payload}")
                     break
         except Exception as exc:  # queue.Empty: a rank hung
-            errors.append(f"no result within {timeout_s} s ({type(exc).__name__}); got ranks {sorted(results)}")
+            errors.append(
+                f"no result within {timeout_s} s ({type(exc).__name__}); got ranks {sorted(results)}"
+            )
         finally:
             for p in procs:
                 p.join(timeout=5 if not errors else 0.5)

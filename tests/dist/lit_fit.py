@@ -14,9 +14,9 @@ import json
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_zero
@@ -37,16 +37,20 @@ class TinyLit(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x, use_extra=not self.unused_every or self.global_step % self.unused_every != 2), y)
+        loss = torch.nn.functional.mse_loss(
+            self.net(x, use_extra=not self.unused_every or self.global_step % self.unused_every != 2), y
+        )
         if self.global_step == self.inf_at_step and self.trainer.global_rank == 1:
             loss = loss * float("inf")  # an overflow on one rank only
         self.log("loss", loss)
         return loss
 
     def train_dataloader(self) -> DataLoader:
-        # explicit, unshuffled sampler: rank r's i-th batch is the slice r::N of the single process's i-th batch
-        sampler = DistributedSampler(dataset(), num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
-                                     shuffle=False)
+        # explicit, unshuffled sampler: rank r's i-th batch is the slice r::N of the single
+        # process's i-th batch
+        sampler = DistributedSampler(
+            dataset(), num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
+        )
         return DataLoader(dataset(), batch_size=self.batch_size, sampler=sampler)
 
     def configure_optimizers(self) -> Any:
@@ -62,15 +66,31 @@ def dataset(n: int = 512) -> TensorDataset:
 
 def make_strategy(name: str, stage: int | None = None, log_comm_stats: bool = False) -> Any:
     if name == "zero_small_buckets":  # several buckets on a tiny model
-        return lightning_zero.ZeroStrategy(stage=stage or 2, bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002,
-                                           find_unused_parameters=True, log_comm_stats=log_comm_stats)
+        return lightning_zero.ZeroStrategy(
+            stage=stage or 2,
+            bucket_cap_mb=0.0004,
+            first_bucket_cap_mb=0.0002,
+            find_unused_parameters=True,
+            log_comm_stats=log_comm_stats,
+        )
     return name
 
 
-def fit(strategy: str = "zero_small_buckets", devices: int = 2, precision: str = "64-true", accum: int = 1,
-        clip: float | None = None, clip_algorithm: str = "norm", steps: int = 10, batch_size: int = 4,
-        stage: int | None = None, unused_every: int = 3, save: str | None = None,
-        csv_dir: str | None = None, inf_at_step: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+def fit(
+    strategy: str = "zero_small_buckets",
+    devices: int = 2,
+    precision: str = "64-true",
+    accum: int = 1,
+    clip: float | None = None,
+    clip_algorithm: str = "norm",
+    steps: int = 10,
+    batch_size: int = 4,
+    stage: int | None = None,
+    unused_every: int = 3,
+    save: str | None = None,
+    csv_dir: str | None = None,
+    inf_at_step: int | None = None,
+) -> tuple[int, dict[str, torch.Tensor]]:
     """Fit TinyLit; ``batch_size`` is per rank; ``save``: checkpoint path written at the end; ``csv_dir``:
     log to CSV there, with the strategy's communication figures; ``precision="16-mixed-cpu"``: fp16 autocast
     with a GradScaler on CPU (Lightning itself maps "16-mixed" to bf16 there); ``inf_at_step``: rank 1's loss
@@ -81,12 +101,21 @@ def fit(strategy: str = "zero_small_buckets", devices: int = 2, precision: str =
         plugins.append(MixedPrecision("16-mixed", "cpu", scaler=scaler))
         precision = None  # type: ignore[assignment]
     trainer = L.Trainer(
-        strategy=make_strategy(strategy, stage, log_comm_stats=csv_dir is not None), devices=devices,
-        accelerator="cpu", precision=precision, max_steps=steps, accumulate_grad_batches=accum,
-        gradient_clip_val=clip, gradient_clip_algorithm=clip_algorithm,
-        logger=CSVLogger(csv_dir, name="", version="") if csv_dir else False, log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, plugins=plugins,
+        strategy=make_strategy(strategy, stage, log_comm_stats=csv_dir is not None),
+        devices=devices,
+        accelerator="cpu",
+        precision=precision,
+        max_steps=steps,
+        accumulate_grad_batches=accum,
+        gradient_clip_val=clip,
+        gradient_clip_algorithm=clip_algorithm,
+        logger=CSVLogger(csv_dir, name="", version="") if csv_dir else False,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        plugins=plugins,
     )
     model = TinyLit(unused_every, batch_size, inf_at_step)
     trainer.fit(model)

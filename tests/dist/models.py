@@ -32,7 +32,9 @@ def param_groups(model: nn.Module) -> list[dict]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def batch(step: int, micro: int, rank: int, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    step: int, micro: int, rank: int, size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The deterministic micro-batch ``micro`` of rank ``rank`` at ``step``."""
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
     x = torch.randn(size, 7, generator=g, dtype=dtype)

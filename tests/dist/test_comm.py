@@ -35,7 +35,9 @@ def test_elements_sent_per_step(world_size: int, stage: int) -> None:
         assert result["reported"] == expected, "the strategy's own counter must match the wire"
         assert len(calls) == 2 * result["buckets"], "one gradient and one parameter collective per bucket"
         assert 0 <= padded - trainable < world_size * result["buckets"], "padding below N per bucket"
-        assert result["launched_before_last_grad"] >= result["buckets"] - 2, "buckets must start during backward"
+        assert result["launched_before_last_grad"] >= result["buckets"] - 2, (
+            "buckets must start during backward"
+        )
 
 
 def test_plan_mismatch_is_an_error_on_every_rank() -> None:

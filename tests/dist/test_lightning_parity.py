@@ -18,12 +18,20 @@ from tests.dist.lit_fit import fit
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def launch(cases: list[dict[str, Any]], tmp_path: Path, timeout_s: float = 240) -> list[dict[str, torch.Tensor]]:
+def launch(
+    cases: list[dict[str, Any]], tmp_path: Path, timeout_s: float = 240
+) -> list[dict[str, torch.Tensor]]:
     """Run the fits in a fresh multi-process launch (never inside pytest: see FIELD-NOTES)."""
     out = tmp_path / "result.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "tests.dist.lit_fit", "--out", str(out), "--cases",
-                           json.dumps(cases)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.dist.lit_fit", "--out", str(out), "--cases", json.dumps(cases)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=True)
 
@@ -65,9 +73,19 @@ def test_float64_parity_with_single_process_adamw(devices: int, tmp_path: Path) 
 
 
 def test_registered_names_fp32_parity(tmp_path: Path) -> None:
-    """"zero", "zero1", "zero2" by name, default buckets, 32-true: within 1e-4 of one process."""
-    cases = [{"strategy": name, "devices": 2, "precision": "32-true", "accum": 2, "clip": 0.05, "steps": 12,
-              "unused_every": 0} for name in ("zero", "zero1", "zero2")]
+    """ "zero", "zero1", "zero2" by name, default buckets, 32-true: within 1e-4 of one process."""
+    cases = [
+        {
+            "strategy": name,
+            "devices": 2,
+            "precision": "32-true",
+            "accum": 2,
+            "clip": 0.05,
+            "steps": 12,
+            "unused_every": 0,
+        }
+        for name in ("zero", "zero1", "zero2")
+    ]
     results = launch(cases, tmp_path)
     for case, result in zip(cases, results, strict=True):
         assert max_diff(result, reference(case)) <= 1e-4, case
@@ -116,8 +134,14 @@ def test_torchrun_launch_matches_lightning_launcher(tmp_path: Path) -> None:
     out = tmp_path / "torchrun.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.run([*torchrun, "-m", "tests.dist.lit_fit", "--out", str(out), "--cases", json.dumps([case])],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [*torchrun, "-m", "tests.dist.lit_fit", "--out", str(out), "--cases", json.dumps([case])],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     result = torch.load(out, weights_only=True)[0]
     assert max_diff(result, expected) == 0.0

@@ -26,8 +26,10 @@ def test_float64_parity_all_cases(world_size: int) -> None:
 
 
 def test_amsgrad_and_no_overlap_parity() -> None:
-    cases = [{"stage": 2, "accum": 2, "clip": None, "amsgrad": True},
-             {"stage": 1, "accum": 1, "clip": 0.05, "overlap": False}]
+    cases = [
+        {"stage": 2, "accum": 2, "clip": None, "amsgrad": True},
+        {"stage": 1, "accum": 1, "clip": 0.05, "overlap": False},
+    ]
     for rank_results in run_ranks(parity, 3, cases):
         for case, result in zip(cases, rank_results, strict=True):
             assert max(result["max_diff"]) <= 1e-10, (case, result["max_diff"])

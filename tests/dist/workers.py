@@ -17,18 +17,41 @@ def parity(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict
     return [_parity_case(rank, world_size, **case) for case in cases]
 
 
-def _parity_case(rank: int, world_size: int, *, stage: int, accum: int, clip: float | None,
-                 dtype: str = "float64", steps: int = 10, micro_size: int = 4, amsgrad: bool = False,
-                 reduce_dtype: str | None = None, overlap: bool = True) -> dict[str, Any]:
+def _parity_case(
+    rank: int,
+    world_size: int,
+    *,
+    stage: int,
+    accum: int,
+    clip: float | None,
+    dtype: str = "float64",
+    steps: int = 10,
+    micro_size: int = 4,
+    amsgrad: bool = False,
+    reduce_dtype: str | None = None,
+    overlap: bool = True,
+) -> dict[str, Any]:
     torch_dtype = getattr(torch, dtype)
     torch.manual_seed(0)
     model = TinyNet().to(torch_dtype)
     reference = copy.deepcopy(model)
-    config = ZeroConfig(stage=stage, bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002, overlap_comm=overlap,
-                        find_unused_parameters=True, reduce_dtype=reduce_dtype)
+    config = ZeroConfig(
+        stage=stage,
+        bucket_cap_mb=0.0004,
+        first_bucket_cap_mb=0.0002,
+        overlap_comm=overlap,
+        find_unused_parameters=True,
+        reduce_dtype=reduce_dtype,
+    )
     names = {p: n for n, p in model.named_parameters()}
-    opt = ShardedAdamW(param_groups(model), lr=3e-2, amsgrad=amsgrad, config=config,
-                       param_order=model.parameters(), param_names=names)
+    opt = ShardedAdamW(
+        param_groups(model),
+        lr=3e-2,
+        amsgrad=amsgrad,
+        config=config,
+        param_order=model.parameters(),
+        param_names=names,
+    )
     ref_opt = torch.optim.AdamW(param_groups(reference), lr=3e-2, amsgrad=amsgrad)
     max_diff = []
     for step in range(steps):
@@ -42,8 +65,10 @@ def _parity_case(rank: int, world_size: int, *, stage: int, accum: int, clip: fl
                 loss.backward()
             # the reference sees every rank's micro-batch: the same global batch
             ref_loss = sum(
-                torch.nn.functional.mse_loss(reference(*_xy_extra(step, micro, r, micro_size, torch_dtype)[0:2]),
-                                             _xy_extra(step, micro, r, micro_size, torch_dtype)[2])
+                torch.nn.functional.mse_loss(
+                    reference(*_xy_extra(step, micro, r, micro_size, torch_dtype)[0:2]),
+                    _xy_extra(step, micro, r, micro_size, torch_dtype)[2],
+                )
                 for r in range(world_size)
             ) / (accum * world_size)
             ref_loss.backward()
@@ -54,9 +79,15 @@ def _parity_case(rank: int, world_size: int, *, stage: int, accum: int, clip: fl
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
-        max_diff.append(max((a - b).abs().max().item() for a, b in zip(model.parameters(),
-                                                                          reference.parameters(), strict=True)))
-    moved = max((a - b).abs().max().item() for a, b in zip(model.parameters(), TinyNet_init(torch_dtype), strict=True))
+        max_diff.append(
+            max(
+                (a - b).abs().max().item()
+                for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+            )
+        )
+    moved = max(
+        (a - b).abs().max().item() for a, b in zip(model.parameters(), TinyNet_init(torch_dtype), strict=True)
+    )
     return {"max_diff": max_diff, "moved": moved, "buckets": len(opt.plan.buckets)}
 
 
@@ -80,11 +111,25 @@ def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dic
     launched_before_last_grad: list[int] = []
     # registered before the optimizer's hooks: sees how many collectives had started when the first
     # layer (the last to get its gradient) got its gradient, i.e. while backward was still running
-    model.inp.weight.register_post_accumulate_grad_hook(lambda p: launched_before_last_grad.append(len(calls)))
+    model.inp.weight.register_post_accumulate_grad_hook(
+        lambda p: launched_before_last_grad.append(len(calls))
+    )
     config = ZeroConfig(stage=stage, bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002)
     opt = ShardedAdamW(param_groups(model), lr=1e-2, config=config, param_order=model.parameters())
-    names = ["reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single", "all_gather_into_tensor",
-             "all_reduce", "broadcast", "gather", "all_gather", "reduce_scatter", "all_to_all_single", "send", "recv"]
+    names = [
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "all_reduce",
+        "broadcast",
+        "gather",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all_single",
+        "send",
+        "recv",
+    ]
     originals = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
 
     def recorder(name: str, fn: Any) -> Any:
@@ -93,6 +138,7 @@ def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dic
             tensor = args[1] if name.startswith("reduce_scatter") else args[0]
             calls.append((name, tensor.numel()))
             return fn(*args, **kwargs)
+
         return wrapped
 
     for n, fn in originals.items():
@@ -115,9 +161,15 @@ def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dic
             setattr(dist, n, fn)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     padded = sum(b.padded_numel for b in opt.plan.buckets)
-    return {"calls": calls, "per_micro": per_micro, "trainable": trainable, "padded": padded,
-            "buckets": len(opt.plan.buckets), "reported": opt.comm.stats.elements_sent,
-            "launched_before_last_grad": launched_before_last_grad[-1]}
+    return {
+        "calls": calls,
+        "per_micro": per_micro,
+        "trainable": trainable,
+        "padded": padded,
+        "buckets": len(opt.plan.buckets),
+        "reported": opt.comm.stats.elements_sent,
+        "launched_before_last_grad": launched_before_last_grad[-1],
+    }
 
 
 def mismatched_models(rank: int, world_size: int) -> str:
