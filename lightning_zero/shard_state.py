@@ -51,12 +51,12 @@ class ShardState:
         self.exp_avg: list[Tensor] = []
         self.exp_avg_sq: list[Tensor] = []
         self.max_exp_avg_sq: list[Tensor] | None = [] if amsgrad else None
-        self._separate_master: list[bool] = []
+        self.separate_master: list[bool] = []
         for bucket in plan.buckets:
             shard = flat.shard(bucket)
             dtype = master_dtype(dtype_from_str(bucket.dtype))
             separate = dtype != shard.dtype
-            self._separate_master.append(separate)
+            self.separate_master.append(separate)
             self.master.append(shard.to(dtype, copy=True) if separate else shard)
             self.exp_avg.append(torch.zeros_like(self.master[-1]))
             self.exp_avg_sq.append(torch.zeros_like(self.master[-1]))
@@ -96,13 +96,13 @@ class ShardState:
                     by_step[self.steps[piece.param_index]].append(piece)
             for step, pieces in by_step.items():
                 _adam_foreach(pieces, step, group)
-        if self._separate_master[bucket_index]:
+        if self.separate_master[bucket_index]:
             self.flat.shard(self.plan.buckets[bucket_index]).copy_(self.master[bucket_index])
 
     def refresh_master(self) -> None:
         """Re-read separate master shards from the parameter shards (after the parameters were loaded)."""
         for b, bucket in enumerate(self.plan.buckets):
-            if self._separate_master[b]:
+            if self.separate_master[b]:
                 self.master[b].copy_(self.flat.shard(bucket))
 
     def state_tensors(self) -> dict[str, Any]:
@@ -120,7 +120,7 @@ class ShardState:
     def nbytes(self) -> int:
         """Bytes of optimizer state this rank holds (separate master copies included)."""
         tensors = self.exp_avg + self.exp_avg_sq + (self.max_exp_avg_sq or [])
-        tensors += [m for m, sep in zip(self.master, self._separate_master, strict=True) if sep]
+        tensors += [m for m, sep in zip(self.master, self.separate_master, strict=True) if sep]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -270,6 +270,17 @@ class ShardedAdamW(torch.optim.Optimizer):
         state, self._consolidated = self._consolidated, None
         return state
 
+    def group_hyperparameters(self) -> list[dict[str, Any]]:
+        """The param groups without their parameters, and with the parameters' plan indices."""
+        position = {p: i for i, p in enumerate(self.params_in_order)}
+        return [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "param_indices": [position.get(p, -1) for p in g["params"]],
+            }
+            for g in self.param_groups
+        ]
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a full ``torch.optim.Adam``/``AdamW`` state (from any world size, or from plain torch).
 

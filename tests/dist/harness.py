@@ -8,6 +8,7 @@ rank's traceback, so a distributed bug fails the test instead of hanging CI.
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 import traceback
@@ -27,7 +28,9 @@ def _entry(
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        buffer = io.BytesIO()  # plain bytes: tensors in a Queue would live in shared memory the child frees
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - everything goes back to the test
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -53,7 +56,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             for _ in range(world_size):
                 rank, ok, payload = queue.get(timeout=timeout_s)
                 if ok:
-                    results[rank] = payload
+                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
                 else:
                     errors.append(f"rank {rank}:\n{payload}")
                     break

@@ -85,7 +85,7 @@ def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result, Re
 def test_two_process_run_reports_sample_and_locations(two_runs: tuple[Path, Result, Result]) -> None:
     run_dir, first, _ = two_runs
     assert "All distributed processes registered. Starting with 2 processes" in first.stderr
-    assert first.stdout.count("training ") == 1  # rank 0 only
+    assert [line.startswith("training ") for line in first.stdout.splitlines()].count(True) == 1  # rank 0
     assert "--- sample" in first.stdout and first.stdout.count("--- sample") == 1
     assert f"run directory: {run_dir.resolve()}" in first.stdout
     assert f"checkpoint: {(run_dir / 'checkpoints' / 'last.ckpt').resolve()}" in first.stdout

@@ -1,0 +1,229 @@
+"""Sharded checkpoint directories: every rank writes its own shard; atomic commit; checksums.
+
+Layout of a checkpoint directory ``CKPT/`` (format version :data:`FORMAT_VERSION`)::
+
+    CKPT/shard-00000-of-00002.pt   rank 0's shards: per bucket, the parameters, Adam moments (and
+    CKPT/shard-00001-of-00002.pt   fp32 master weights for 16-bit parameters) — written by that rank
+    CKPT/model_extra.pt            model tensors outside the buckets (buffers, frozen parameters)
+    CKPT/meta.pt                   format, world size, stage, bucket plan, per-parameter step counts,
+                                   param-group hyper-parameters, Lightning's loop/callback/scheduler
+                                   state, and the size and sha256 of every other file
+
+Every file is written with ``torch.save`` of tensors and plain containers only, so it loads with
+``torch.load(..., weights_only=True)`` (Lightning state is kept as it is; a hyper-parameter of a
+custom class would need ``weights_only=False`` for ``meta.pt`` alone).
+
+Commit protocol (all ranks): files go into a fresh hidden sibling ``.CKPT.tmp-<token>``; ranks
+exchange their status and checksums; rank 0 writes ``meta.pt`` last, moves any previous ``CKPT``
+aside, renames the temporary directory to ``CKPT`` and deletes the old one. A crash before the
+rename leaves the previous checkpoint untouched (the temporary directory is ignored by
+``ckpt_path="last"``, which looks for ``*.ckpt``), and nothing stale from an older world size
+survives a save over an existing path. A failure on any rank raises on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lightning_zero.sharded_adam import ShardedAdamW
+
+FORMAT_VERSION = 1
+META = "meta.pt"
+EXTRA = "model_extra.pt"
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, from the future, or does not fit the model."""
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    return Path(path, META).is_file()
+
+
+def plan_meta(opt: ShardedAdamW) -> dict[str, Any]:
+    """The bucket plan as plain data (what loading on another world size needs)."""
+    plan = opt.plan
+    return {
+        "world_size": plan.world_size,
+        "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in plan.params],
+        "buckets": [
+            {
+                "dtype": b.dtype,
+                "numel": b.numel,
+                "padded_numel": b.padded_numel,
+                "slots": [[s.param_index, s.bucket_offset, s.numel] for s in b.slots],
+            }
+            for b in plan.buckets
+        ],
+    }
+
+
+def _shard_payload(opt: ShardedAdamW) -> dict[str, list[torch.Tensor]]:
+    shards = opt.shards
+    # clone the parameter shards: saving a view would write the whole flat buffer
+    payload = {"param": [opt.flat.shard(b).clone() for b in opt.plan.buckets]}
+    if any(shards.separate_master):
+        payload["master"] = [
+            m if sep else torch.empty(0) for m, sep in zip(shards.master, shards.separate_master, strict=True)
+        ]
+    for key in _STATE_KEYS:
+        tensors = getattr(shards, key)
+        if tensors is not None:
+            payload[key] = list(tensors)
+    return payload
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            sha.update(chunk)
+    return path.stat().st_size, sha.hexdigest()
+
+
+def _write(obj: Any, path: Path) -> tuple[str, int, str]:
+    torch.save(obj, path)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    size, digest = file_digest(path)
+    return path.name, size, digest
+
+
+def _agree(comm_group: Any, world_size: int, status: Any) -> list[Any]:
+    """Every rank's ``status`` on every rank (a failed rank sends its error text)."""
+    if world_size == 1:
+        return [status]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, status, group=comm_group)
+    return out
+
+
+def save_sharded(
+    opt: ShardedAdamW,
+    path: str | os.PathLike[str],
+    lightning_state: dict[str, Any],
+    extra_tensors: dict[str, torch.Tensor],
+    stage: int,
+) -> None:
+    """Write a checkpoint directory at ``path``. Must be called on all ranks.
+
+    Raises:
+        CheckpointError: on every rank, if any rank failed to write (the previous ``path`` is kept).
+    """
+    comm, target = opt.comm, Path(path)
+    token = [uuid.uuid4().hex if comm.rank == 0 else None]
+    if comm.world_size > 1:
+        dist.broadcast_object_list(token, src=0, group=comm.group)
+    tmp = target.parent / f".{target.name}.tmp-{token[0]}"
+    status: Any
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        status = [_write(_shard_payload(opt), tmp / shard_name(comm.rank, comm.world_size))]
+        if comm.rank == 0:
+            status.append(_write({k: v.detach().cpu() for k, v in extra_tensors.items()}, tmp / EXTRA))
+    except Exception as err:  # noqa: BLE001 - reported to every rank below
+        status = f"rank {comm.rank}: {type(err).__name__}: {err}"
+    everyone = _agree(comm.group, comm.world_size, status)
+    errors = [s for s in everyone if isinstance(s, str)]
+    if not errors and comm.rank == 0:
+        try:
+            files = {name: {"size": size, "sha256": digest} for s in everyone for name, size, digest in s}
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "world_size": comm.world_size,
+                "stage": stage,
+                "plan": plan_meta(opt),
+                "steps": torch.tensor(opt.shards.steps, dtype=torch.int64),
+                "param_groups": opt.group_hyperparameters(),
+                "files": files,
+                "lightning": lightning_state,
+            }
+            _write(meta, tmp / META)
+            _commit(tmp, target)
+        except Exception as err:  # noqa: BLE001
+            errors.append(f"rank 0: {type(err).__name__}: {err}")
+    if comm.world_size > 1:  # rank 0's commit outcome reaches everyone
+        errors = [e for rank_errors in _agree(comm.group, comm.world_size, errors) for e in rank_errors]
+    if errors:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"saving checkpoint {target} failed; the previous one (if any) is kept:\n"
+            + "\n".join(sorted(set(errors)))
+        )
+
+
+def _commit(tmp: Path, target: Path) -> None:
+    """Replace ``target`` by ``tmp``: a directory rename, with the old one moved aside first."""
+    old = None
+    if target.is_symlink() or target.is_file():
+        target.unlink()
+    elif target.exists():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
+        target.rename(old)
+    tmp.rename(target)
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``meta.pt`` of a checkpoint directory, checked for presence and format version.
+
+    Raises:
+        CheckpointError: naming the file, if it is missing, unreadable or from a newer format.
+    """
+    file = Path(path, META)
+    if not file.is_file():
+        raise CheckpointError(f"{file} does not exist: {path} is not a complete lightning-zero checkpoint")
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001
+        raise CheckpointError(f"{file} cannot be read ({type(err).__name__}: {err})") from err
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file} has format version {version!r}; this lightning-zero reads versions "
+            f"<= {FORMAT_VERSION} (upgrade lightning-zero)"
+        )
+    return meta
+
+
+def verify_files(
+    path: str | os.PathLike[str], meta: dict[str, Any], names: list[str] | None = None
+) -> list[str]:
+    """Problems (missing, truncated or altered files) among ``names`` (default: all files in meta)."""
+    problems = []
+    for name in names if names is not None else sorted(meta["files"]):
+        expected = meta["files"].get(name)
+        file = Path(path, name)
+        if expected is None:
+            problems.append(f"{file}: not listed in {META}")
+        elif not file.is_file():
+            problems.append(f"{file}: missing")
+        else:
+            size, digest = file_digest(file)
+            if size != expected["size"]:
+                problems.append(f"{file}: {size} bytes, expected {expected['size']} (truncated or replaced)")
+            elif digest != expected["sha256"]:
+                problems.append(f"{file}: sha256 mismatch (altered)")
+    return problems

@@ -1,0 +1,184 @@
+"""Load a sharded checkpoint onto the current ranks, whatever world size or bucket plan wrote it.
+
+Loading works parameter by parameter, never through a full state: for each piece of a parameter
+this rank owns under its *current* plan (:class:`~lightning_zero.partition.Segment`), it finds
+the saved bucket and offset of the same parameter (matched by name) and copies the elements from
+the saved shard files that hold them (one, or two where the piece straddles a saved shard
+boundary). Shard files are opened memory-mapped, so a rank reads only the bytes it needs. The
+parameters are then completed by the usual per-bucket all-gather.
+
+Before any collective, every rank checks the files it will read (presence, size, sha256) and the
+parameter names and shapes; ranks exchange what they found and all raise the same
+:class:`~lightning_zero.checkpoint.CheckpointError` if anything is wrong, so a bad checkpoint ends
+every rank with a message instead of a hang, and nothing is modified.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.checkpoint import CheckpointError, _agree, shard_name, verify_files
+
+if TYPE_CHECKING:
+    from lightning_zero.sharded_adam import ShardedAdamW
+
+
+class _SavedLayout:
+    """Where each saved parameter's elements live: saved bucket, offset, and rank shard size."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        plan = meta["plan"]
+        self.world_size = int(plan["world_size"])
+        self.params = plan["params"]
+        self.by_name = {p["name"]: i for i, p in enumerate(self.params)}
+        self.where: dict[int, tuple[int, int]] = {}
+        self.shard_numel = []
+        for b, bucket in enumerate(plan["buckets"]):
+            self.shard_numel.append(bucket["padded_numel"] // self.world_size)
+            for index, offset, _ in bucket["slots"]:
+                self.where[index] = (b, offset)
+
+    def pieces(self, name: str, start: int, end: int) -> list[tuple[int, int, int, int, int]]:
+        """``(saved rank, saved bucket, offset in that shard, numel, offset in the request)`` covering
+        elements ``[start, end)`` of parameter ``name``."""
+        bucket, offset = self.where[self.by_name[name]]
+        size = self.shard_numel[bucket]
+        out, lo, hi = [], offset + start, offset + end
+        while lo < hi:
+            rank = lo // size
+            stop = min(hi, (rank + 1) * size)
+            out.append((rank, bucket, lo - rank * size, stop - lo, lo - offset - start))
+            lo = stop
+        return out
+
+
+def check_compatible(opt: ShardedAdamW, meta: dict[str, Any], path: Path) -> list[str]:
+    """Missing / unexpected / mis-shaped parameters between the checkpoint and the optimizer."""
+    saved = {p["name"]: tuple(p["shape"]) for p in meta["plan"]["params"]}
+    current = {p.name: tuple(p.shape) for p in opt.plan.params}
+    problems = []
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    if missing:
+        problems.append(f"{path}: missing trainable parameters {missing}")
+    if unexpected:
+        problems.append(
+            f"{path}: unexpected parameters {unexpected} (not trainable parameters of this model)"
+        )
+    shapes = [
+        f"{n}: checkpoint {list(saved[n])} vs model {list(current[n])}"
+        for n in sorted(set(saved) & set(current))
+        if saved[n] != current[n]
+    ]
+    if shapes:
+        problems.append(f"{path}: shape mismatch: " + "; ".join(shapes))
+    if len(meta["param_groups"]) != len(opt.param_groups):
+        problems.append(
+            f"{path}: {len(meta['param_groups'])} optimizer param groups, the optimizer has "
+            f"{len(opt.param_groups)}"
+        )
+    return problems
+
+
+def _needed_ranks(opt: ShardedAdamW, layout: _SavedLayout) -> set[int]:
+    ranks = set()
+    for bucket in opt.plan.buckets:
+        for seg in opt.plan.segments(bucket, opt.comm.rank):
+            name = opt.plan.params[seg.param_index].name
+            if name in layout.by_name:
+                ranks.update(r for r, *_ in layout.pieces(name, seg.param_start, seg.param_end))
+    return ranks
+
+
+def preflight(opt: ShardedAdamW, path: Path, meta: dict[str, Any]) -> None:
+    """Check, on every rank, what this rank will read; raise the union of problems everywhere."""
+    problems = check_compatible(opt, meta, path)
+    if not problems:
+        layout = _SavedLayout(meta)
+        names = [shard_name(r, layout.world_size) for r in sorted(_needed_ranks(opt, layout))]
+        problems = verify_files(path, meta, names)
+    everyone = _agree(opt.comm.group, opt.comm.world_size, problems)
+    found = sorted({p for rank_problems in everyone for p in rank_problems})
+    if found:
+        raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(found))
+
+
+@torch.no_grad()
+def load_sharded(opt: ShardedAdamW, path: Path, meta: dict[str, Any], with_optimizer: bool = True) -> None:
+    """Fill this rank's parameter shards (then all-gather) and, optionally, its optimizer state.
+
+    Call :func:`preflight` first. Must be called on all ranks.
+    """
+    layout = _SavedLayout(meta)
+    files: dict[int, dict[str, list[Tensor]]] = {}
+
+    def saved(rank: int) -> dict[str, list[Tensor]]:
+        if rank not in files:
+            files[rank] = torch.load(
+                Path(path, shard_name(rank, layout.world_size)),
+                map_location="cpu",
+                weights_only=True,
+                mmap=True,
+            )
+        return files[rank]
+
+    shards = opt.shards
+    keys = ["param"] + (["exp_avg", "exp_avg_sq", "max_exp_avg_sq"] if with_optimizer else [])
+    for b, bucket in enumerate(opt.plan.buckets):
+        targets = {"param": opt.flat.shard(bucket)}
+        if with_optimizer:
+            targets.update(exp_avg=shards.exp_avg[b], exp_avg_sq=shards.exp_avg_sq[b])
+            if shards.max_exp_avg_sq is not None:
+                targets["max_exp_avg_sq"] = shards.max_exp_avg_sq[b]
+        for seg in opt.plan.segments(bucket, opt.comm.rank):
+            name = opt.plan.params[seg.param_index].name
+            for rank, saved_bucket, offset, numel, at in layout.pieces(name, seg.param_start, seg.param_end):
+                data = saved(rank)
+                for key in keys:
+                    if key not in targets:
+                        continue
+                    dst = targets[key][seg.shard_offset + at : seg.shard_offset + at + numel]
+                    source = _source(data, key, saved_bucket)
+                    if source is None:
+                        dst.zero_()  # e.g. amsgrad now, not when saved
+                    else:
+                        dst.copy_(source[offset : offset + numel])
+    _load_master(opt, layout, saved)
+    if with_optimizer:
+        by_name = {layout.params[i]["name"]: int(s) for i, s in enumerate(meta["steps"].tolist())}
+        shards.steps = [by_name[p.name] for p in opt.plan.params]
+        _load_group_hyperparameters(opt, meta)
+    handles = [opt.comm.all_gather(opt.flat.bucket(b), opt.flat.shard(b)) for b in opt.plan.buckets]
+    for handle in handles:
+        opt.comm.wait(handle)
+
+
+def _source(data: dict[str, list[Tensor]], key: str, bucket: int) -> Tensor | None:
+    if key == "param" and "master" in data and data["master"][bucket].numel():
+        return data["master"][bucket]  # fp32 master is the precise value of a 16-bit parameter
+    tensors = data.get(key)
+    return None if tensors is None else tensors[bucket]
+
+
+def _load_master(opt: ShardedAdamW, layout: _SavedLayout, saved: Any) -> None:
+    """Separate fp32 masters come from the saved masters (or parameters), not the rounded shard."""
+    shards = opt.shards
+    for b, bucket in enumerate(opt.plan.buckets):
+        if not shards.separate_master[b]:
+            continue
+        for seg in opt.plan.segments(bucket, opt.comm.rank):
+            name = opt.plan.params[seg.param_index].name
+            for rank, saved_bucket, offset, numel, at in layout.pieces(name, seg.param_start, seg.param_end):
+                source = _source(saved(rank), "param", saved_bucket)
+                assert source is not None
+                dst = shards.master[b][seg.shard_offset + at : seg.shard_offset + at + numel]
+                dst.copy_(source[offset : offset + numel])
+
+
+def _load_group_hyperparameters(opt: ShardedAdamW, meta: dict[str, Any]) -> None:
+    for group, saved in zip(opt.param_groups, meta["param_groups"], strict=True):
+        group.update({k: v for k, v in saved.items() if k != "param_indices"})

@@ -1,0 +1,101 @@
+"""Rank functions for the sharded checkpoint tests (importable by spawn)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_zero import ShardedAdamW, ZeroConfig
+from lightning_zero.checkpoint import CheckpointError, read_meta, save_sharded
+from lightning_zero.full_state import gather_full_state
+from lightning_zero.reshard import load_sharded, preflight
+from tests.dist.models import TinyNet, param_groups
+
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return (
+        torch.randn(GLOBAL_BATCH, 7, generator=g, dtype=torch.float64),
+        torch.randn(GLOBAL_BATCH, 5, generator=g, dtype=torch.float64),
+    )
+
+
+def build(
+    stage: int, amsgrad: bool = False, seed: int = 0, cap_mb: float = 0.0004
+) -> tuple[TinyNet, ShardedAdamW]:
+    torch.manual_seed(seed)
+    model = TinyNet().double()
+    config = ZeroConfig(stage=stage, bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb / 2)
+    opt = ShardedAdamW(
+        param_groups(model),
+        lr=3e-2,
+        amsgrad=amsgrad,
+        config=config,
+        param_order=model.parameters(),
+        param_names={p: n for n, p in model.named_parameters()},
+    )
+    return model, opt
+
+
+def train(model: TinyNet, opt: ShardedAdamW, steps: range, rank: int, world_size: int) -> None:
+    per_rank = GLOBAL_BATCH // world_size
+    for step in steps:
+        x, y = global_batch(step)
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+
+
+def save_phase(rank: int, world_size: int, path: str, stage: int, steps: int) -> dict[str, Any] | None:
+    model, opt = build(stage)
+    train(model, opt, range(steps), rank, world_size)
+    save_sharded(opt, path, {"global_step": steps}, {}, stage)
+    return gather_full_state(opt)
+
+
+def resume_phase(
+    rank: int, world_size: int, path: str, stage: int, start: int, steps: int, cap_mb: float = 0.0004
+) -> dict[str, Any]:
+    model, opt = build(stage, cap_mb=cap_mb)
+    with torch.no_grad():  # scramble what the checkpoint must restore (the frozen layer is not in it)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_()
+    meta = read_meta(path)
+    preflight(opt, Path(path), meta)
+    load_sharded(opt, Path(path), meta)
+    loaded = gather_full_state(opt)
+    loaded_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train(model, opt, range(start, start + steps), rank, world_size)
+    return {
+        "loaded": loaded,
+        "loaded_params": loaded_params,
+        "final": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
+
+
+def load_error(rank: int, world_size: int, path: str, width: int = 13) -> str:
+    """Try to load ``path`` into a (possibly different) model; the error text, or 'loaded'."""
+    torch.manual_seed(0)
+    model = TinyNet(width=width).double()
+    opt = ShardedAdamW(
+        param_groups(model),
+        lr=3e-2,
+        param_order=model.parameters(),
+        param_names={p: n for n, p in model.named_parameters()},
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        meta = read_meta(path)
+        preflight(opt, Path(path), meta)
+        load_sharded(opt, Path(path), meta)
+    except CheckpointError as err:
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        return f"{err}\nunchanged={unchanged}"
+    return "loaded"
