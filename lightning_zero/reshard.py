@@ -111,7 +111,8 @@ def preflight(opt: ShardedAdamW, path: Path, meta: dict[str, Any]) -> None:
 def load_sharded(opt: ShardedAdamW, path: Path, meta: dict[str, Any], with_optimizer: bool = True) -> None:
     """Fill this rank's parameter shards (then all-gather) and, optionally, its optimizer state.
 
-    Call :func:`preflight` first. Must be called on all ranks.
+    Call :func:`preflight` first. Must be called on all ranks. A ``max_exp_avg_sq`` that the
+    checkpoint lacks (``amsgrad`` switched on since) starts at zero.
     """
     layout = _SavedLayout(meta)
     files: dict[int, dict[str, list[Tensor]]] = {}
@@ -182,3 +183,31 @@ def _load_master(opt: ShardedAdamW, layout: _SavedLayout, saved: Any) -> None:
 def _load_group_hyperparameters(opt: ShardedAdamW, meta: dict[str, Any]) -> None:
     for group, saved in zip(opt.param_groups, meta["param_groups"], strict=True):
         group.update({k: v for k, v in saved.items() if k != "param_indices"})
+
+
+def read_full_param(path: Path, meta: dict[str, Any], name: str, key: str = "param",
+                    files: dict[int, Any] | None = None) -> Tensor | None:
+    """One full parameter (or its ``exp_avg``/``exp_avg_sq``/... state) assembled from the shard files.
+
+    ``files`` caches memory-mapped shard files across calls. Returns ``None`` for a state the
+    checkpoint does not hold. No communication.
+    """
+    layout = _SavedLayout(meta)
+    files = {} if files is None else files
+    spec = layout.params[layout.by_name[name]]
+    numel = 1
+    for d in spec["shape"]:
+        numel *= d
+    out: Tensor | None = None
+    for rank, bucket, offset, count, at in layout.pieces(name, 0, numel):
+        if rank not in files:
+            files[rank] = torch.load(Path(path, shard_name(rank, layout.world_size)), map_location="cpu",
+                                     weights_only=True, mmap=True)
+        source = _source(files[rank], key, bucket)
+        if source is None:
+            return None
+        if out is None:
+            out = torch.empty(numel, dtype=source.dtype)
+        out[at : at + count] = source[offset : offset + count]
+    assert out is not None
+    return out.view(spec["shape"])

@@ -11,8 +11,10 @@ Lightning integration points:
     ``clip_grad_by_norm/value`` (global norm) and an ``optimizer_step`` that unscales the shards and
     agrees on overflow across ranks;
   * LR schedulers are re-pointed at the sharded optimizer (same param-group dicts);
-  * checkpoints: Lightning's ``consolidate_state_dict`` protocol writes a standard single file whose
-    optimizer state is ``torch.optim.AdamW``'s; loading it reshards onto any world size.
+  * checkpoints: a directory of per-rank shard files (:mod:`lightning_zero.checkpoint`), loaded
+    onto any world size (:mod:`lightning_zero.reshard`); or, with ``sharded_checkpoint=False``, one
+    standard file whose optimizer state is gathered into ``torch.optim.AdamW``'s format. A standard
+    file (e.g. from ``"ddp"``) loads too, resharded.
 
 Refused with a clear error: more than one optimizer, optimizers other than Adam/AdamW.
 """
@@ -23,6 +25,7 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -35,7 +38,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_zero.checkpoint import EXTRA, CheckpointError, is_sharded_checkpoint, read_meta, save_sharded
 from lightning_zero.config import ZeroConfig
+from lightning_zero.reshard import load_sharded, preflight, read_full_param
 from lightning_zero.sharded_adam import ShardedAdamW
 
 
@@ -47,6 +52,9 @@ class ZeroStrategy(DDPStrategy):
         align_numel: see :class:`~lightning_zero.ZeroConfig` (validated there).
         log_comm_stats: log per step the seconds spent waiting on communication, their share of the
             step, and the elements sent (``zero/*`` metrics).
+        sharded_checkpoint: ``save_checkpoint`` writes a directory, one shard file per rank
+            (:mod:`lightning_zero.checkpoint`); ``False`` writes one standard Lightning file with the
+            optimizer state gathered on rank 0. Both kinds load on any world size.
         Remaining arguments: as ``DDPStrategy``.
     """
 
@@ -62,6 +70,7 @@ class ZeroStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         align_numel: int = 1,
         log_comm_stats: bool = False,
+        sharded_checkpoint: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -91,7 +100,9 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,  # type: ignore[arg-type]
         )
         self.log_comm_stats = log_comm_stats
+        self.sharded_checkpoint = sharded_checkpoint
         self._sharded: ShardedAdamW | None = None
+        self._pending_load: tuple[Path, dict[str, Any]] | None = None
 
     @property
     def sharded_optimizer(self) -> ShardedAdamW | None:
@@ -147,17 +158,92 @@ class ZeroStrategy(DDPStrategy):
         with self._sharded.no_sync():
             yield None
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the sharded optimizer must exist to receive its state
+
+    def _writes_shards(self) -> bool:
+        return self.sharded_checkpoint and self._sharded is not None
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # parameters are views of flat buffers: clone so each saved tensor owns exactly its data
         assert self.lightning_module is not None
-        return {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
+        state = self.lightning_module.state_dict()
+        if self._writes_shards():  # trainable parameters go into the shard files
+            assert self._sharded is not None
+            trainable = {p.name for p in self._sharded.plan.params}
+            state = {k: v for k, v in state.items() if k not in trainable}
+        # parameters are views of flat buffers: clone so each saved tensor owns exactly its data
+        return {k: v.detach().clone() for k, v in state.items()}
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self._writes_shards():
+            return {}  # written by save_checkpoint, shard by shard
+        return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if not self._writes_shards():
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        assert self._sharded is not None
+        lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_sharded(self._sharded, filepath, lightning_state, checkpoint["state_dict"], self.zero_config.stage)
+        return None
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        path = Path(checkpoint_path)
+        meta = read_meta(path)
+        checkpoint = dict(meta["lightning"])
+        checkpoint["state_dict"] = torch.load(path / EXTRA, map_location="cpu", weights_only=True)
+        checkpoint["optimizer_states"] = [{}]
+        self._pending_load = (path, meta)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        if self._pending_load is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        path, meta = self._pending_load
+        module = self.lightning_module
+        if self._sharded is not None:
+            preflight(self._sharded, path, meta)
+            load_sharded(self._sharded, path, meta, with_optimizer=False)
+            extras = dict(checkpoint["state_dict"])
+        else:  # validate/test/predict: no optimizer, read whole parameters
+            files: dict[int, Any] = {}
+            extras = dict(checkpoint["state_dict"])
+            for spec in meta["plan"]["params"]:
+                extras[spec["name"]] = read_full_param(path, meta, spec["name"], files=files)
+        missing, unexpected = module.load_state_dict(extras, strict=False)
+        if self._sharded is not None:
+            trainable = {p.name for p in self._sharded.plan.params}
+            missing = [k for k in missing if k not in trainable]
+        if strict and (missing or unexpected):
+            raise CheckpointError(f"{path}: model state does not match: missing keys {sorted(missing)}, "
+                                  f"unexpected keys {sorted(unexpected)}")
+        return None
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self._pending_load is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        assert self._sharded is not None
+        path, meta = self._pending_load
+        load_sharded(self._sharded, path, meta, with_optimizer=True)
+        self._pending_load = None
+        return None
 
     @override
     def teardown(self) -> None:
         if self._sharded is not None:
-            self._sharded.reducer.remove_hooks()
-            self._sharded = None
+            self._sharded.reducer.remove_hooks()  # the optimizer stays: a save after fit still works
+        self._pending_load = None
         super().teardown()
 
     @classmethod

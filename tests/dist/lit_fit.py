@@ -27,9 +27,11 @@ class TinyLit(L.LightningModule):
     """TinyNet with AdamW in two groups, a step-wise LR schedule and a parameter unused on steps
     ``2 mod unused_every`` (never unused when 0)."""
 
-    def __init__(self, unused_every: int = 3, batch_size: int = 4, inf_at_step: int | None = None) -> None:
+    def __init__(self, unused_every: int = 3, batch_size: int = 4, inf_at_step: int | None = None,
+                 identical_batches: bool = False) -> None:
         super().__init__()
         self.batch_size = batch_size
+        self.identical_batches = identical_batches
         self.inf_at_step = inf_at_step
         torch.manual_seed(0)
         self.net = TinyNet()
@@ -48,10 +50,11 @@ class TinyLit(L.LightningModule):
     def train_dataloader(self) -> DataLoader:
         # explicit, unshuffled sampler: rank r's i-th batch is the slice r::N of the single
         # process's i-th batch
+        data = repeated_dataset() if self.identical_batches else dataset()
         sampler = DistributedSampler(
-            dataset(), num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
+            data, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
         )
-        return DataLoader(dataset(), batch_size=self.batch_size, sampler=sampler)
+        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(param_groups(self.net), lr=3e-2)
@@ -64,7 +67,16 @@ def dataset(n: int = 512) -> TensorDataset:
     return TensorDataset(torch.randn(n, 7, generator=g), torch.randn(n, 5, generator=g))
 
 
-def make_strategy(name: str, stage: int | None = None, log_comm_stats: bool = False) -> Any:
+def repeated_dataset(rows: int = 12, repeats: int = 64) -> TensorDataset:
+    """``rows`` samples repeated: with ``rows / world_size`` samples per rank, every global batch is the
+    same, so a resume test does not depend on where Lightning restarts the data."""
+    x, y = dataset(rows).tensors
+    return TensorDataset(x.repeat(repeats, 1), y.repeat(repeats, 1))
+
+
+def make_strategy(
+    name: str, stage: int | None = None, log_comm_stats: bool = False, sharded_checkpoint: bool = True
+) -> Any:
     if name == "zero_small_buckets":  # several buckets on a tiny model
         return lightning_zero.ZeroStrategy(
             stage=stage or 2,
@@ -72,6 +84,7 @@ def make_strategy(name: str, stage: int | None = None, log_comm_stats: bool = Fa
             first_bucket_cap_mb=0.0002,
             find_unused_parameters=True,
             log_comm_stats=log_comm_stats,
+            sharded_checkpoint=sharded_checkpoint,
         )
     return name
 
@@ -90,18 +103,22 @@ def fit(
     save: str | None = None,
     csv_dir: str | None = None,
     inf_at_step: int | None = None,
+    identical_batches: bool = False,
+    resume: str | None = None,
+    sharded_checkpoint: bool = True,
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """Fit TinyLit; ``batch_size`` is per rank; ``save``: checkpoint path written at the end; ``csv_dir``:
     log to CSV there, with the strategy's communication figures; ``precision="16-mixed-cpu"``: fp16 autocast
     with a GradScaler on CPU (Lightning itself maps "16-mixed" to bf16 there); ``inf_at_step``: rank 1's loss
-    is inf at that step. Returns (global rank, final parameters and, with a scaler, ``"loss_scale"``)."""
+    is inf at that step; ``identical_batches``: see :func:`repeated_dataset`; ``resume``: ``ckpt_path``.
+    Returns (global rank, final parameters and, with a scaler, ``"loss_scale"``)."""
     plugins = []
     if precision == "16-mixed-cpu":
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
         plugins.append(MixedPrecision("16-mixed", "cpu", scaler=scaler))
         precision = None  # type: ignore[assignment]
     trainer = L.Trainer(
-        strategy=make_strategy(strategy, stage, log_comm_stats=csv_dir is not None),
+        strategy=make_strategy(strategy, stage, csv_dir is not None, sharded_checkpoint),
         devices=devices,
         accelerator="cpu",
         precision=precision,
@@ -117,8 +134,8 @@ def fit(
         use_distributed_sampler=False,
         plugins=plugins,
     )
-    model = TinyLit(unused_every, batch_size, inf_at_step)
-    trainer.fit(model)
+    model = TinyLit(unused_every, batch_size, inf_at_step, identical_batches)
+    trainer.fit(model, ckpt_path=resume)
     if save:
         trainer.save_checkpoint(save)
     result = {n: p.detach().clone() for n, p in model.named_parameters()}
