@@ -81,7 +81,9 @@ def stdlib_corpus(max_corpus_mb: float) -> Corpus:
         total += path.stat().st_size
     if not chosen:
         raise CorpusError(f"data.path=null: no .py files found in the standard library at {root}")
-    return Corpus(tuple(chosen), pretokenized=False, description=f"Python stdlib ({root}), {len(chosen)} files")
+    return Corpus(
+        tuple(chosen), pretokenized=False, description=f"Python stdlib ({root}), {len(chosen)} files"
+    )
 
 
 def _expand(pattern: str) -> list[Path]:

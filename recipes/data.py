@@ -115,7 +115,10 @@ def build_token_cache(corpus: Corpus, tokenizer: Tokenizer, cache_root: Path) ->
     dtype = token_dtype(tokenizer.vocab_size)
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        if bin_path.exists() and bin_path.stat().st_size == meta["n_tokens"] * np.dtype(meta["dtype"]).itemsize:
+        if (
+            bin_path.exists()
+            and bin_path.stat().st_size == meta["n_tokens"] * np.dtype(meta["dtype"]).itemsize
+        ):
             return TokenCache(bin_path, key, meta["n_tokens"], meta["dtype"], hit=True)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = bin_path.with_suffix(f".tmp{os.getpid()}")
@@ -126,7 +129,12 @@ def build_token_cache(corpus: Corpus, tokenizer: Tokenizer, cache_root: Path) ->
             handle.write(ids.astype(dtype).tobytes())
             n_tokens += len(ids)
     os.replace(tmp, bin_path)
-    meta = {"n_tokens": n_tokens, "dtype": dtype.name, "tokenizer": tokenizer.identity, "source": corpus.description}
+    meta = {
+        "n_tokens": n_tokens,
+        "dtype": dtype.name,
+        "tokenizer": tokenizer.identity,
+        "source": corpus.description,
+    }
     tmp_meta = meta_path.with_suffix(f".tmp{os.getpid()}")
     tmp_meta.write_text(json.dumps(meta, indent=1))
     os.replace(tmp_meta, meta_path)
@@ -140,7 +148,9 @@ def load_tokenizer(config: DataConfig, corpus: Corpus, train_if_missing: bool) -
     if config.tokenizer_path is not None:
         return BPETokenizer(Path(config.tokenizer_path).expanduser())
     if corpus.pretokenized:
-        raise CorpusError("data.tokenizer=bpe with a .bin data.path needs data.tokenizer_path=<tokenizer.json>")
+        raise CorpusError(
+            "data.tokenizer=bpe with a .bin data.path needs data.tokenizer_path=<tokenizer.json>"
+        )
     path = config.cache_root / "tokenizers" / f"bpe-{config.bpe_vocab_size}-{corpus.content_hash()[:16]}.json"
     if path.exists():
         return BPETokenizer(path)
@@ -154,7 +164,9 @@ def load_pretokenized(corpus: Corpus, tokenizer: Tokenizer) -> np.ndarray:
     path = corpus.files[0]
     dtype = token_dtype(tokenizer.vocab_size)
     if path.stat().st_size % dtype.itemsize != 0:
-        raise CorpusError(f"data.path={str(path)!r}: size is not a multiple of {dtype.itemsize} ({dtype.name})")
+        raise CorpusError(
+            f"data.path={str(path)!r}: size is not a multiple of {dtype.itemsize} ({dtype.name})"
+        )
     return np.memmap(path, dtype=dtype, mode="r")
 
 
@@ -209,10 +221,10 @@ class SequentialWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 class PretrainDataModule(pl.LightningDataModule):
     """Builds the token cache once per node, then serves train/val windows on every rank."""
 
-    def __init__(self, config: DataConfig) -> None:
+    def __init__(self, config: DataConfig, corpus: Corpus | None = None) -> None:
         super().__init__()
         self.config = config
-        self.corpus = resolve_corpus(config.path, config.max_corpus_mb)
+        self.corpus = corpus if corpus is not None else resolve_corpus(config.path, config.max_corpus_mb)
         self.tokenizer: Tokenizer | None = None
         self.cache: TokenCache | None = None
         self.train_set: RandomWindows | None = None

@@ -109,7 +109,7 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved-half pairs of `x` (batch, heads, seq, head_dim) by position-dependent angles."""
+    """Rotate dimension pairs (i, i + head_dim / 2) of `x` (B, H, T, head_dim) by position angles."""
     x1, x2 = x.float().chunk(2, dim=-1)  # each (B, H, T, head_dim // 2)
     rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return rotated.type_as(x)
@@ -130,7 +130,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = self.qkv(x).split(
-            [self.n_head * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
+            [self.n_head * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim],
+            dim=-1,
         )
         q = q.view(batch, seq, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)

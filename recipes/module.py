@@ -33,7 +33,14 @@ from recipes.model import GPT, GPTConfig
 DEFAULT_CPU_PEAK_FLOPS = 1.5e11
 """FLOP/s assumed per CPU process when `peak_flops_per_device` is null (one core, fp32, AVX-512 FMA)."""
 
-GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+}
 """Dense bf16 tensor-core peaks (vendor data sheets), matched as substrings of the CUDA device name."""
 
 
@@ -57,6 +64,7 @@ class OptimConfig:
     """Put the embedding table (and a tied head) in the decay group."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))  # YAML gives a list
         if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0 or self.warmup_steps < 0:
             raise ValueError("optim.lr must be > 0, optim.min_lr_ratio in [0, 1], optim.warmup_steps >= 0")
         if self.weight_decay < 0 or len(self.betas) != 2:
@@ -121,6 +129,18 @@ class PretrainModule(pl.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
+    def on_train_start(self) -> None:
+        scheduler = self.lr_schedulers()
+        if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) and scheduler.last_epoch > 0:
+            # A restored optimizer carries the lr of the previous command's schedule; recompute it in case
+            # max_steps changed, so the first resumed step already follows the new cosine.
+            groups = scheduler.optimizer.param_groups
+            for group, base_lr, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+                group["lr"] = base_lr * factor(scheduler.last_epoch)
+        if self.trainer.is_global_zero:  # after a resume this shows the restored step
+            params = self.model.num_params()
+            print(f"training {params / 1e6:.2f}M parameters from global step {self.trainer.global_step}")
+
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -153,15 +173,13 @@ class PretrainModule(pl.LightningModule):
         logits = self(inputs)
         self.val_perplexity.update(logits.float(), targets)
         self.log("val/loss", self._loss(logits, targets), sync_dist=True)
-
-    def on_validation_epoch_end(self) -> None:
-        self.log("val/ppl", self.val_perplexity.compute(), prog_bar=True)
-        self.val_perplexity.reset()
+        # Logging the metric object lets Lightning compute it across ranks and reset it per epoch.
+        self.log("val/ppl", self.val_perplexity, prog_bar=True, on_step=False, on_epoch=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
         config = self.optim_config
         groups = param_groups(self.model, config.weight_decay, config.decay_embeddings)
-        optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps)
+        optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
         total_steps = int(self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, config.warmup_steps, total_steps, config.min_lr_ratio)

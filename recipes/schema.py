@@ -41,7 +41,7 @@ class ModelSchema:
 @dataclass
 class DataSchema:
     _target_: str = "recipes.data.DataConfig"
-    path: str | None = None
+    path: str | None = MISSING  # MISSING, not None: a YAML `???` cannot override a default when merged
     tokenizer: str = "byte"
     bpe_vocab_size: int = 4096
     tokenizer_path: str | None = None
@@ -139,7 +139,7 @@ class ClusterSchema:
     name: str = "local"
     nodes: int = 1
     gpus_per_node: int | None = None
-    partition: str | None = None
+    partition: str | None = MISSING
     account: str | None = None
     time: str | None = None  # SLURM time limit, "HH:MM:SS" or "D-HH:MM:SS"
 

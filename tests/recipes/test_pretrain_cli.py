@@ -19,6 +19,7 @@ from recipes.module import lr_factor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 150
+LAUNCH_VARS = frozenset({"LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"})
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,9 @@ class Result:
 
 
 def pretrain(*overrides: str, timeout_s: int = TIMEOUT_S) -> Result:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"}
+    # A test run inside a SLURM job or a launcher must not make Lightning join that job instead.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in LAUNCH_VARS}
+    env = {**inherited, "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"}
     proc = subprocess.run(
         [sys.executable, "-m", "recipes.pretrain", *overrides],
         cwd=REPO_ROOT,

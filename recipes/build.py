@@ -1,0 +1,91 @@
+"""Turn a validated config into the objects of one run: data module, LightningModule, Trainer.
+
+Everything here runs in every process (Lightning's launcher re-runs the script for ranks > 0 with the
+same run directory), so side effects are limited to rank 0: writing the resolved `config.yaml` into the
+run directory and logging it as hyper-parameters. The model dataclass gets its `vocab_size` from the
+tokenizer when `model.vocab_size` is null.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from recipes.data import PretrainDataModule
+from recipes.module import PretrainModule
+from recipes.validate import RecipeConfigs
+
+
+@dataclass
+class Run:
+    """The objects `trainer.fit` needs, plus where the run writes."""
+
+    trainer: pl.Trainer
+    module: PretrainModule
+    datamodule: PretrainDataModule
+    run_dir: Path
+    ckpt_path: str | None
+
+    @property
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        return self.trainer.checkpoint_callback
+
+
+def build_callbacks(cfg: DictConfig) -> list[Callback]:
+    """Instantiate every non-null entry of the `callbacks` group (no progress bar if it is disabled)."""
+    nodes = dict(cfg.callbacks.items())
+    if not cfg.trainer.enable_progress_bar:
+        nodes.pop("progress_bar", None)  # Lightning refuses a progress-bar callback when bars are off
+    return [instantiate(node) for node in nodes.values() if node is not None]
+
+
+def build_loggers(cfg: DictConfig) -> list[Logger]:
+    """Instantiate every entry of the `logger` group (an empty group means no logger)."""
+    return [instantiate(node) for node in cfg.logger.values() if node is not None]
+
+
+def quiet_other_ranks() -> None:
+    """Ranks > 0 log warnings only, so the console shows one copy of Lightning's start-up messages."""
+    if rank_zero_only.rank != 0:
+        for name in ("lightning.pytorch", "lightning.fabric"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates, once per rank; nothing to act on.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+
+
+def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
+    """Instantiate data, module, strategy, loggers, callbacks and the Trainer for `cfg`.
+
+    Must be called on every rank, with the same config.
+    """
+    quiet_other_ranks()
+    pl.seed_everything(cfg.seed, workers=True)
+    datamodule = PretrainDataModule(configs.data, corpus=configs.corpus)
+    module = PretrainModule(configs.model, configs.optim, peak_flops_per_device=cfg.peak_flops_per_device)
+    loggers = build_loggers(cfg)
+    trainer: pl.Trainer = instantiate(
+        cfg.trainer,
+        strategy=instantiate(cfg.strategy),
+        logger=loggers or False,
+        callbacks=build_callbacks(cfg),
+    )
+    run_dir = Path(cfg.run_dir)
+    if rank_zero_only.rank == 0:  # the trainer's own ranks are only set once fit() launches
+        resolved: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        for logger in loggers:
+            logger.log_hyperparams(resolved)
+    return Run(
+        trainer=trainer, module=module, datamodule=datamodule, run_dir=run_dir, ckpt_path=cfg.ckpt_path
+    )

@@ -1,0 +1,94 @@
+"""Pretrain a GPT with Lightning, configured by Hydra: `python -m recipes.pretrain [overrides]`.
+
+Run from the repository root. With no arguments it trains the `tiny` model on a few MB of the Python
+standard library's source with 2 CPU processes (`experiment=cpu_demo`); `--cfg job` prints the composed
+config, `ckpt_path=last` resumes the run named `run_name` (its directory `outputs/<run_name>` is stable,
+not timestamped, so the same command with `ckpt_path=last` finds it).
+
+Flow: compose (Hydra, against the schema of `recipes.schema`) -> validate (`recipes.validate`, before
+any process starts; a bad setting prints one message and exits with status 2) -> instantiate
+(`recipes.build`) -> `trainer.fit` -> on rank 0, print a text sample and where the results are.
+
+Several processes: Lightning's launcher re-runs this command for ranks > 0 with
+`hydra.run.dir=<the same dir> hydra.output_subdir=null`, so all ranks share one run directory; Hydra
+writes nothing there itself (`output_subdir: null`, `job_logging: none`), rank 0 writes `config.yaml`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
+
+from recipes import schema  # noqa: F401  (registers `pretrain_schema` in the ConfigStore)
+from recipes.build import Run, build_run
+from recipes.tokenizer import BPETokenizer
+from recipes.validate import ConfigError, validate
+
+EXIT_CONFIG_ERROR = 2
+
+
+def fail(error: ConfigError, run_dir: Path) -> None:
+    """Print the error once, drop the empty run directory Hydra just created, exit non-zero."""
+    if rank_zero_only.rank == 0:
+        print(f"error: {error}", file=sys.stderr)
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+    sys.exit(EXIT_CONFIG_ERROR)
+
+
+def sample_text(run: Run, cfg: DictConfig) -> str:
+    """Generate `sample.max_new_tokens` tokens after `sample.prompt` with the trained model."""
+    tokenizer = run.datamodule.tokenizer
+    assert tokenizer is not None, "the data module is set up by fit()"
+    model = run.module.model
+    prompt = torch.tensor([tokenizer.encode(cfg.sample.prompt)], dtype=torch.long, device=run.module.device)
+    generator = torch.Generator(device=run.module.device).manual_seed(cfg.seed)
+    ids = model.generate(
+        prompt, cfg.sample.max_new_tokens, cfg.sample.temperature, cfg.sample.top_k, generator=generator
+    )
+    return tokenizer.decode(ids[0].tolist())
+
+
+def report(run: Run, cfg: DictConfig) -> None:
+    """Final metrics, a text sample and the locations of the run's outputs (rank 0 only)."""
+    metrics = {k: float(v) for k, v in run.trainer.callback_metrics.items()}
+    figures = ", ".join(
+        f"{k}={metrics[k]:.4g}" for k in ("train/loss", "val/ppl", "tokens_per_s") if k in metrics
+    )
+    print(f"\nfinished at step {run.trainer.global_step}: {figures}")
+    print(f"--- sample ({cfg.sample.max_new_tokens} tokens after {cfg.sample.prompt!r}) ---")
+    print(sample_text(run, cfg))
+    print("---")
+    tokenizer = run.datamodule.tokenizer
+    if isinstance(tokenizer, BPETokenizer):
+        shutil.copy(tokenizer.path, run.run_dir / "tokenizer.json")
+    print(f"run directory: {run.run_dir.resolve()}")
+    for logger in run.trainer.loggers:
+        print(f"logs ({type(logger).__name__}): {Path(logger.log_dir or logger.save_dir or '.').resolve()}")
+    callback = run.checkpoint_callback
+    if callback is not None and callback.last_model_path:
+        print(f"checkpoint: {Path(callback.last_model_path).resolve()}")
+        print(f"resume with the same command plus: ckpt_path=last run_name={cfg.run_name}")
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="pretrain")
+def main(cfg: DictConfig) -> None:
+    """Compose, validate, instantiate, fit, sample."""
+    try:
+        configs = validate(cfg)
+    except ConfigError as error:
+        fail(error, Path(cfg.run_dir))
+    run = build_run(cfg, configs)
+    run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
+    if run.trainer.is_global_zero:
+        report(run, cfg)
+
+
+if __name__ == "__main__":
+    main()
