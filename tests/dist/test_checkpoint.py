@@ -125,3 +125,28 @@ def test_every_file_loads_weights_only(saved: Path) -> None:
     for file in saved.iterdir():
         torch.load(file, weights_only=True)
     assert read_meta(saved)["world_size"] == 2
+
+
+def test_verify_cli_reports_and_exits(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_zero.cli import main
+
+    assert main(["verify", str(saved)]) == 0
+    report = capsys.readouterr().out
+    assert "world size 2" in report and report.rstrip().endswith("OK")
+    path = corrupt_copy(saved, tmp_path)
+    (path / shard_name(0, 2)).write_bytes(b"garbage")
+    (path / "stray.pt").write_bytes(b"")
+    assert main(["verify", str(path)]) == 1
+    report = capsys.readouterr().out
+    assert f"FAIL {path / shard_name(0, 2)}" in report and "stray.pt: not part of this checkpoint" in report
+    assert main(["verify", str(tmp_path / "nope")]) == 1
+
+
+def test_estimate_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_zero.cli import main
+
+    assert main(["estimate", "--params", "1e9", "--world-size", "8", "--precision", "32-true"]) == 0
+    lines = {line.split()[0]: float(line.split()[1]) for line in capsys.readouterr().out.splitlines()[1:4]}
+    # fp32 Adam: DDP 20 bytes/param (with its bucket copy); zero2 4 + 12/8 bytes/param + 75 MiB in flight
+    assert lines["ddp"] == pytest.approx(20e9 / 2**30, rel=1e-3)
+    assert lines["zero2"] == pytest.approx((5.5e9 + 75 * 2**20) / 2**30, rel=1e-3)

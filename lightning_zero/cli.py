@@ -1,0 +1,105 @@
+"""``lightning-zero``: command-line tools for checkpoints and memory planning.
+
+    lightning-zero verify SRC        completeness, sizes, sha256 and metadata of a checkpoint directory
+    lightning-zero estimate ...      model-state memory per rank for ddp / zero1 / zero2
+
+Exit status: 0 on success, 1 when ``verify`` finds a problem, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lightning_zero.checkpoint import META, CheckpointError, read_meta, shard_name, verify_files
+
+_PRECISION_BYTES = {  # (parameter, gradient on the wire, optimizer arithmetic / master) bytes per element
+    "32-true": (4, 4, 4),
+    "bf16-mixed": (4, 4, 4),
+    "bf16-true": (2, 2, 4),
+    "64-true": (8, 8, 8),
+}
+
+
+def verify(src: Path) -> int:
+    """Print a report of ``src``; 0 if complete and intact, 1 otherwise."""
+    try:
+        meta = read_meta(src)
+    except CheckpointError as err:
+        print(f"FAIL {err}")
+        return 1
+    world_size = meta["world_size"]
+    expected = {shard_name(r, world_size) for r in range(world_size)}
+    problems = [f"{src / name}: shard file not recorded in {META}" for name in sorted(expected - set(meta["files"]))]
+    problems += verify_files(src, meta)
+    on_disk = {p.name for p in src.iterdir() if p.is_file()} - {META}
+    problems += [f"{src / name}: not part of this checkpoint" for name in sorted(on_disk - set(meta["files"]))]
+    params = meta["plan"]["params"]
+    numel = sum(_numel(p["shape"]) for p in params)
+    lightning = meta.get("lightning", {})
+    print(f"checkpoint   {src}")
+    print(f"format       lightning-zero v{meta['format_version']}, stage {meta['stage']}, world size {world_size}")
+    print(f"parameters   {len(params)} trainable tensors, {numel:,} elements, {len(meta['plan']['buckets'])} buckets")
+    print(f"training     global step {lightning.get('global_step', '?')}, epoch {lightning.get('epoch', '?')}")
+    total = sum(f["size"] for f in meta["files"].values())
+    print(f"files        {len(meta['files'])} + {META}, {total / 2**20:.1f} MiB")
+    for problem in problems:
+        print(f"FAIL {problem}")
+    print("OK" if not problems else f"{len(problems)} problem(s)")
+    return 0 if not problems else 1
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def estimate(params: float, world_size: int, precision: str, bucket_cap_mb: float) -> None:
+    """Print model-state bytes per rank (no activations) for DDP and ZeRO stage 1 / 2."""
+    p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
+    separate_master = m_bytes > p_bytes
+    n = world_size
+    adam = 2 * m_bytes
+    in_flight = 3 * bucket_cap_mb * 2**20  # buckets being filled or in flight, transient
+    rows = {
+        # DDP: full gradients plus DDP's bucket copy; torch keeps Adam state in the parameter dtype
+        "ddp": params * (p_bytes + 2 * g_bytes + 2 * p_bytes),
+        # ours, both stages: full parameters, fp32 shard gradient, sharded moments (+ master if 16-bit)
+        "zero1": params * (p_bytes + (m_bytes + adam + (m_bytes if separate_master else 0)) / n) + in_flight,
+        "zero2": params * (p_bytes + (m_bytes + adam + (m_bytes if separate_master else 0)) / n) + in_flight,
+    }
+    print(f"{params / 1e9:.3g}B parameters, {world_size} ranks, {precision}: model state per rank "
+          "(parameters, gradients, optimizer; no activations)")
+    for name, nbytes in rows.items():
+        print(f"  {name:<6} {nbytes / 2**30:10.2f} GiB")
+    print(f"  (zero rows include up to 3 x {bucket_cap_mb:g} MiB of gradient buckets in flight; stage 1 sends "
+          "1.5x stage 2's bytes for the same memory)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-zero", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_verify = sub.add_parser("verify", help="check a checkpoint directory")
+    p_verify.add_argument("src", type=Path)
+    p_est = sub.add_parser("estimate", help="memory per rank of model states")
+    p_est.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 1.3e9")
+    p_est.add_argument("--world-size", type=int, required=True)
+    p_est.add_argument("--precision", choices=sorted(_PRECISION_BYTES), default="bf16-true")
+    p_est.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    args = parser.parse_args(argv)
+    if args.command == "verify":
+        if not args.src.is_dir():
+            print(f"FAIL {args.src} is not a directory (a lightning-zero checkpoint is one)")
+            return 1
+        return verify(args.src)
+    if args.world_size < 1 or args.params <= 0:
+        parser.error(f"--world-size must be >= 1 and --params > 0, got {args.world_size} and {args.params}")
+    estimate(args.params, args.world_size, args.precision, args.bucket_cap_mb)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
