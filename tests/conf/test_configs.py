@@ -49,7 +49,7 @@ def test_default_config_is_the_cpu_demo() -> None:
     cfg = compose_pretrain()
     assert cfg.run_name == "cpu_demo" and cfg.model.n_layer == 4
     assert cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 2
-    assert cfg.strategy._target_ == "lightning.pytorch.strategies.DDPStrategy"
+    assert cfg.strategy._target_ == "lightning_zero.ZeroStrategy" and cfg.strategy.stage == 2
     assert cfg.data.path is None and cfg.data.tokenizer == "byte"
 
 
