@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_zero import ShardedAdamW, ZeroConfig
-from tests.dist.models import TinyNet, param_groups
+from tests.distributed.models import TinyNet, param_groups
 
 
 @pytest.mark.parametrize("amsgrad", [False, True])

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from lightning_zero.checkpoint import META, shard_name
-from tests.dist.lit_fit import fit
-from tests.dist.test_lightning_parity import launch, max_diff
+from tests.distributed.lit_fit import fit
+from tests.distributed.test_lightning_parity import launch, max_diff
 
 GLOBAL = 12  # rows of the repeated dataset: the global batch at every step
 

@@ -4,7 +4,7 @@ Run as a script it performs several fits in one launch (Lightning's launcher re-
 the other ranks, which then run the same fits in the same order) and rank 0 saves every fit's
 final parameters to ``--out``::
 
-    python -m tests.dist.lit_fit --out result.pt --cases '[{"strategy": "zero2", "devices": 2}]'
+    python -m tests.distributed.lit_fit --out result.pt --cases '[{"strategy": "zero2", "devices": 2}]'
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_zero
-from tests.dist.models import TinyNet, param_groups
+from tests.distributed.models import TinyNet, param_groups
 
 
 class TinyLit(L.LightningModule):

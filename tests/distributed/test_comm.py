@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist.harness import run_ranks
-from tests.dist.workers import count_collectives, mismatched_models
+from tests.distributed.harness import run_ranks
+from tests.distributed.workers import count_collectives, mismatched_models
 
 RING = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2}  # times P·(N−1)/N per rank
 

@@ -1,4 +1,4 @@
-"""Functions run on every rank by :func:`tests.dist.harness.run_ranks` (importable by spawn)."""
+"""Functions run on every rank by :func:`tests.distributed.harness.run_ranks` (importable by spawn)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from lightning_zero import ShardedAdamW, ZeroConfig
-from tests.dist.models import TinyNet, batch, param_groups, uses_extra
+from tests.distributed.models import TinyNet, batch, param_groups, uses_extra
 
 
 def parity(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:

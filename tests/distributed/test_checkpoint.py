@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint import META, read_meta, shard_name
-from tests.dist.harness import run_ranks
-from tests.dist.models import TinyNet, param_groups
-from tests.dist.workers_ckpt import global_batch, load_error, resume_phase, save_phase
+from tests.distributed.harness import run_ranks
+from tests.distributed.models import TinyNet, param_groups
+from tests.distributed.workers_ckpt import global_batch, load_error, resume_phase, save_phase
 
 
 def reference_params(steps: int) -> dict[str, torch.Tensor]:
@@ -64,7 +64,7 @@ def test_same_world_size_resume_is_bit_identical(tmp_path: Path) -> None:
 
 
 def save_phase_then_more(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
-    from tests.dist.workers_ckpt import build, train
+    from tests.distributed.workers_ckpt import build, train
 
     model, opt = build(2)
     train(model, opt, range(10), rank, world_size)

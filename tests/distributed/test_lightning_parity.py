@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist.lit_fit import fit
+from tests.distributed.lit_fit import fit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def launch(
     out = tmp_path / "result.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.dist.lit_fit", "--out", str(out), "--cases", json.dumps(cases)],
+        [sys.executable, "-m", "tests.distributed.lit_fit", "--out", str(out), "--cases", json.dumps(cases)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -137,7 +137,7 @@ def test_torchrun_launch_matches_lightning_launcher(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     proc = subprocess.run(
-        [*torchrun, "-m", "tests.dist.lit_fit", "--out", str(out), "--cases", json.dumps([case])],
+        [*torchrun, "-m", "tests.distributed.lit_fit", "--out", str(out), "--cases", json.dumps([case])],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -11,7 +11,7 @@ from lightning_zero import ShardedAdamW, ZeroConfig
 from lightning_zero.checkpoint import CheckpointError, read_meta, save_sharded
 from lightning_zero.full_state import gather_full_state
 from lightning_zero.reshard import load_sharded, preflight
-from tests.dist.models import TinyNet, param_groups
+from tests.distributed.models import TinyNet, param_groups
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4
 

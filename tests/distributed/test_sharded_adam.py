@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from tests.dist.harness import run_ranks
-from tests.dist.workers import parity
+from tests.distributed.harness import run_ranks
+from tests.distributed.workers import parity
 
 CASES = [
     {"stage": stage, "accum": accum, "clip": clip}
