@@ -1,15 +1,18 @@
 """``lightning-zero``: command-line tools for checkpoints and memory planning.
 
+    lightning-zero consolidate SRC DST [--weights-only]
+                                     a checkpoint directory -> one standard Lightning checkpoint file
     lightning-zero verify SRC        completeness, sizes, sha256 and metadata of a checkpoint directory
     lightning-zero estimate ...      model-state memory per rank for ddp / zero1 / zero2
 
-Exit status: 0 on success, 1 when ``verify`` finds a problem, 2 on bad arguments.
+Exit status: 0 on success, 1 when ``verify`` or ``consolidate`` finds a problem, 2 on bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from lightning_zero.checkpoint import META, CheckpointError, read_meta, shard_name, verify_files
@@ -31,23 +34,56 @@ def verify(src: Path) -> int:
         return 1
     world_size = meta["world_size"]
     expected = {shard_name(r, world_size) for r in range(world_size)}
-    problems = [f"{src / name}: shard file not recorded in {META}" for name in sorted(expected - set(meta["files"]))]
+    problems = [
+        f"{src / name}: shard file not recorded in {META}" for name in sorted(expected - set(meta["files"]))
+    ]
     problems += verify_files(src, meta)
     on_disk = {p.name for p in src.iterdir() if p.is_file()} - {META}
-    problems += [f"{src / name}: not part of this checkpoint" for name in sorted(on_disk - set(meta["files"]))]
+    problems += [
+        f"{src / name}: not part of this checkpoint" for name in sorted(on_disk - set(meta["files"]))
+    ]
     params = meta["plan"]["params"]
     numel = sum(_numel(p["shape"]) for p in params)
     lightning = meta.get("lightning", {})
     print(f"checkpoint   {src}")
-    print(f"format       lightning-zero v{meta['format_version']}, stage {meta['stage']}, world size {world_size}")
-    print(f"parameters   {len(params)} trainable tensors, {numel:,} elements, {len(meta['plan']['buckets'])} buckets")
-    print(f"training     global step {lightning.get('global_step', '?')}, epoch {lightning.get('epoch', '?')}")
+    print(
+        f"format       lightning-zero v{meta['format_version']}, stage {meta['stage']}, world size {world_size}"
+    )
+    print(
+        f"parameters   {len(params)} trainable tensors, {numel:,} elements, {len(meta['plan']['buckets'])} buckets"
+    )
+    print(
+        f"training     global step {lightning.get('global_step', '?')}, epoch {lightning.get('epoch', '?')}"
+    )
     total = sum(f["size"] for f in meta["files"].values())
     print(f"files        {len(meta['files'])} + {META}, {total / 2**20:.1f} MiB")
     for problem in problems:
         print(f"FAIL {problem}")
     print("OK" if not problems else f"{len(problems)} problem(s)")
     return 0 if not problems else 1
+
+
+def _consolidate(src: Path, dst: Path, weights_only: bool, force: bool) -> int:
+    from lightning_zero.consolidate import consolidate
+
+    if dst.exists() and not force:
+        print(f"FAIL {dst} exists; pass --force to replace it")
+        return 1
+    if not dst.parent.is_dir():
+        print(f"FAIL {dst.parent} is not a directory")
+        return 1
+    start = time.perf_counter()
+    try:
+        consolidate(src, dst, weights_only=weights_only)
+    except CheckpointError as err:
+        print(f"FAIL {err}")
+        return 1
+    size = dst.stat().st_size
+    print(
+        f"wrote {dst} ({size / 2**20:.1f} MiB, {'weights only' if weights_only else 'full state'}) "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
+    return 0
 
 
 def _numel(shape: list[int]) -> int:
@@ -71,17 +107,28 @@ def estimate(params: float, world_size: int, precision: str, bucket_cap_mb: floa
         "zero1": params * (p_bytes + (m_bytes + adam + (m_bytes if separate_master else 0)) / n) + in_flight,
         "zero2": params * (p_bytes + (m_bytes + adam + (m_bytes if separate_master else 0)) / n) + in_flight,
     }
-    print(f"{params / 1e9:.3g}B parameters, {world_size} ranks, {precision}: model state per rank "
-          "(parameters, gradients, optimizer; no activations)")
+    print(
+        f"{params / 1e9:.3g}B parameters, {world_size} ranks, {precision}: model state per rank "
+        "(parameters, gradients, optimizer; no activations)"
+    )
     for name, nbytes in rows.items():
         print(f"  {name:<6} {nbytes / 2**30:10.2f} GiB")
-    print(f"  (zero rows include up to 3 x {bucket_cap_mb:g} MiB of gradient buckets in flight; stage 1 sends "
-          "1.5x stage 2's bytes for the same memory)")
+    print(
+        f"  (zero rows include up to 3 x {bucket_cap_mb:g} MiB of gradient buckets in flight; stage 1 sends "
+        "1.5x stage 2's bytes for the same memory)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-zero", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    p_cons = sub.add_parser("consolidate", help="write one standard Lightning checkpoint file")
+    p_cons.add_argument("src", type=Path)
+    p_cons.add_argument("dst", type=Path)
+    p_cons.add_argument(
+        "--weights-only", action="store_true", help="model weights only, no optimizer/loop state"
+    )
+    p_cons.add_argument("--force", action="store_true", help="replace DST if it exists")
     p_verify = sub.add_parser("verify", help="check a checkpoint directory")
     p_verify.add_argument("src", type=Path)
     p_est = sub.add_parser("estimate", help="memory per rank of model states")
@@ -90,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p_est.add_argument("--precision", choices=sorted(_PRECISION_BYTES), default="bf16-true")
     p_est.add_argument("--bucket-cap-mb", type=float, default=25.0)
     args = parser.parse_args(argv)
+    if args.command == "consolidate":
+        return _consolidate(args.src, args.dst, args.weights_only, args.force)
     if args.command == "verify":
         if not args.src.is_dir():
             print(f"FAIL {args.src} is not a directory (a lightning-zero checkpoint is one)")

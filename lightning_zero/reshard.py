@@ -185,8 +185,9 @@ def _load_group_hyperparameters(opt: ShardedAdamW, meta: dict[str, Any]) -> None
         group.update({k: v for k, v in saved.items() if k != "param_indices"})
 
 
-def read_full_param(path: Path, meta: dict[str, Any], name: str, key: str = "param",
-                    files: dict[int, Any] | None = None) -> Tensor | None:
+def read_full_param(
+    path: Path, meta: dict[str, Any], name: str, key: str = "param", files: dict[int, Any] | None = None
+) -> Tensor | None:
     """One full parameter (or its ``exp_avg``/``exp_avg_sq``/... state) assembled from the shard files.
 
     ``files`` caches memory-mapped shard files across calls. Returns ``None`` for a state the
@@ -201,8 +202,12 @@ def read_full_param(path: Path, meta: dict[str, Any], name: str, key: str = "par
     out: Tensor | None = None
     for rank, bucket, offset, count, at in layout.pieces(name, 0, numel):
         if rank not in files:
-            files[rank] = torch.load(Path(path, shard_name(rank, layout.world_size)), map_location="cpu",
-                                     weights_only=True, mmap=True)
+            files[rank] = torch.load(
+                Path(path, shard_name(rank, layout.world_size)),
+                map_location="cpu",
+                weights_only=True,
+                mmap=True,
+            )
         source = _source(files[rank], key, bucket)
         if source is None:
             return None

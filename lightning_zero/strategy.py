@@ -189,7 +189,9 @@ class ZeroStrategy(DDPStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         assert self._sharded is not None
         lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_sharded(self._sharded, filepath, lightning_state, checkpoint["state_dict"], self.zero_config.stage)
+        save_sharded(
+            self._sharded, filepath, lightning_state, checkpoint["state_dict"], self.zero_config.stage
+        )
         return None
 
     @override
@@ -225,8 +227,10 @@ class ZeroStrategy(DDPStrategy):
             trainable = {p.name for p in self._sharded.plan.params}
             missing = [k for k in missing if k not in trainable]
         if strict and (missing or unexpected):
-            raise CheckpointError(f"{path}: model state does not match: missing keys {sorted(missing)}, "
-                                  f"unexpected keys {sorted(unexpected)}")
+            raise CheckpointError(
+                f"{path}: model state does not match: missing keys {sorted(missing)}, "
+                f"unexpected keys {sorted(unexpected)}"
+            )
         return None
 
     @override

@@ -27,8 +27,13 @@ class TinyLit(L.LightningModule):
     """TinyNet with AdamW in two groups, a step-wise LR schedule and a parameter unused on steps
     ``2 mod unused_every`` (never unused when 0)."""
 
-    def __init__(self, unused_every: int = 3, batch_size: int = 4, inf_at_step: int | None = None,
-                 identical_batches: bool = False) -> None:
+    def __init__(
+        self,
+        unused_every: int = 3,
+        batch_size: int = 4,
+        inf_at_step: int | None = None,
+        identical_batches: bool = False,
+    ) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.identical_batches = identical_batches

@@ -127,7 +127,9 @@ def test_every_file_loads_weights_only(saved: Path) -> None:
     assert read_meta(saved)["world_size"] == 2
 
 
-def test_verify_cli_reports_and_exits(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_cli_reports_and_exits(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from lightning_zero.cli import main
 
     assert main(["verify", str(saved)]) == 0

@@ -104,8 +104,14 @@ def test_bf16_close_to_ddp_under_same_precision(precision: str, tmp_path: Path) 
 def test_checkpoint_optimizer_state_is_torch_adamw_state(tmp_path: Path) -> None:
     """With sharded_checkpoint=False, the single file of a 3-rank zero2 fit holds the state that
     single-process AdamW would."""
-    case = {"devices": 3, "stage": 2, "accum": 2, "clip": 0.05, "save": str(tmp_path / "zero.ckpt"),
-            "sharded_checkpoint": False}
+    case = {
+        "devices": 3,
+        "stage": 2,
+        "accum": 2,
+        "clip": 0.05,
+        "save": str(tmp_path / "zero.ckpt"),
+        "sharded_checkpoint": False,
+    }
     launch([case], tmp_path)
     reference(dict(case, save=str(tmp_path / "ref.ckpt")))
     ours = torch.load(tmp_path / "zero.ckpt", weights_only=True)["optimizer_states"][0]
