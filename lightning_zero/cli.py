@@ -47,10 +47,12 @@ def verify(src: Path) -> int:
     lightning = meta.get("lightning", {})
     print(f"checkpoint   {src}")
     print(
-        f"format       lightning-zero v{meta['format_version']}, stage {meta['stage']}, world size {world_size}"
+        f"format       lightning-zero v{meta['format_version']}, stage {meta['stage']}, "
+        f"world size {world_size}"
     )
     print(
-        f"parameters   {len(params)} trainable tensors, {numel:,} elements, {len(meta['plan']['buckets'])} buckets"
+        f"parameters   {len(params)} trainable tensors, {numel:,} elements, "
+        f"{len(meta['plan']['buckets'])} buckets"
     )
     print(
         f"training     global step {lightning.get('global_step', '?')}, epoch {lightning.get('epoch', '?')}"
