@@ -23,10 +23,13 @@ survives a save over an existing path. A failure on any rank raises on every ran
 
 from __future__ import annotations
 
+import copy as copy_module
 import hashlib
 import os
 import shutil
+import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,18 +75,24 @@ def plan_meta(opt: ShardedAdamW) -> dict[str, Any]:
     }
 
 
-def _shard_payload(opt: ShardedAdamW) -> dict[str, list[torch.Tensor]]:
+def _shard_payload(opt: ShardedAdamW, copy: bool) -> dict[str, list[torch.Tensor]]:
+    """This rank's tensors to save. Parameter shards are views of the flat buffer and are always
+    copied (saving a view writes its whole storage); ``copy`` copies the optimizer state too."""
     shards = opt.shards
-    # clone the parameter shards: saving a view would write the whole flat buffer
-    payload = {"param": [opt.flat.shard(b).clone() for b in opt.plan.buckets]}
+
+    def own(t: torch.Tensor, always: bool = False) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True) if copy or always else t
+
+    payload = {"param": [own(opt.flat.shard(b), always=True) for b in opt.plan.buckets]}
     if any(shards.separate_master):
         payload["master"] = [
-            m if sep else torch.empty(0) for m, sep in zip(shards.master, shards.separate_master, strict=True)
+            own(m) if sep else torch.empty(0)
+            for m, sep in zip(shards.master, shards.separate_master, strict=True)
         ]
     for key in _STATE_KEYS:
         tensors = getattr(shards, key)
         if tensors is not None:
-            payload[key] = list(tensors)
+            payload[key] = [own(t) for t in tensors]
     return payload
 
 
@@ -113,6 +122,83 @@ def _agree(comm_group: Any, world_size: int, status: Any) -> list[Any]:
     return out
 
 
+@dataclass
+class _StagedSave:
+    """Everything one rank writes for one checkpoint, copied out of the live training state."""
+
+    target: Path
+    tmp: Path
+    rank: int
+    world_size: int
+    payload: dict[str, list[torch.Tensor]]
+    extra: dict[str, torch.Tensor]
+    meta: dict[str, Any]  # without "files" (added by rank 0 once every rank has written)
+
+    def write(self, group: Any) -> None:
+        """Write, agree with the other ranks over ``group``, commit on rank 0. On all ranks."""
+        status: Any
+        try:
+            self.tmp.mkdir(parents=True, exist_ok=True)
+            status = [_write(self.payload, self.tmp / shard_name(self.rank, self.world_size))]
+            if self.rank == 0:
+                status.append(_write(self.extra, self.tmp / EXTRA))
+        except Exception as err:  # noqa: BLE001 - reported to every rank below
+            status = f"rank {self.rank}: {type(err).__name__}: {err}"
+        everyone = _agree(group, self.world_size, status)
+        errors = [s for s in everyone if isinstance(s, str)]
+        if not errors and self.rank == 0:
+            try:
+                files = {name: {"size": size, "sha256": digest} for s in everyone for name, size, digest in s}
+                _write({**self.meta, "files": files}, self.tmp / META)
+                _commit(self.tmp, self.target)
+            except Exception as err:  # noqa: BLE001
+                errors.append(f"rank 0: {type(err).__name__}: {err}")
+        if self.world_size > 1:  # rank 0's commit outcome reaches everyone
+            errors = [e for rank_errors in _agree(group, self.world_size, errors) for e in rank_errors]
+        if errors:
+            if self.rank == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise CheckpointError(
+                f"saving checkpoint {self.target} failed; the previous one (if any) is kept:\n"
+                + "\n".join(sorted(set(errors)))
+            )
+
+
+def stage_save(
+    opt: ShardedAdamW,
+    path: str | os.PathLike[str],
+    lightning_state: dict[str, Any],
+    extra_tensors: dict[str, torch.Tensor],
+    stage: int,
+    copy: bool,
+) -> _StagedSave:
+    """Snapshot what this rank will write (``copy``: into fresh CPU tensors, so that training may
+    go on while it is written). Must be called on all ranks (one broadcast of a directory token)."""
+    comm, target = opt.comm, Path(path)
+    token = [uuid.uuid4().hex if comm.rank == 0 else None]
+    if comm.world_size > 1:
+        dist.broadcast_object_list(token, src=0, group=comm.group)
+    payload = _shard_payload(opt, copy)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "world_size": comm.world_size,
+        "stage": stage,
+        "plan": plan_meta(opt),
+        "steps": torch.tensor(opt.shards.steps, dtype=torch.int64),
+        "param_groups": copy_module.deepcopy(opt.group_hyperparameters()),
+        "lightning": lightning_state,
+    }
+    return _StagedSave(
+        target,
+        target.parent / f".{target.name}.tmp-{token[0]}",
+        comm.rank,
+        comm.world_size,
+        payload,
+        {k: v.detach().cpu() for k, v in extra_tensors.items()},
+        meta,
+    )
+
+
 def save_sharded(
     opt: ShardedAdamW,
     path: str | os.PathLike[str],
@@ -120,52 +206,59 @@ def save_sharded(
     extra_tensors: dict[str, torch.Tensor],
     stage: int,
 ) -> None:
-    """Write a checkpoint directory at ``path``. Must be called on all ranks.
+    """Write a checkpoint directory at ``path``, blocking. Must be called on all ranks.
 
     Raises:
         CheckpointError: on every rank, if any rank failed to write (the previous ``path`` is kept).
     """
-    comm, target = opt.comm, Path(path)
-    token = [uuid.uuid4().hex if comm.rank == 0 else None]
-    if comm.world_size > 1:
-        dist.broadcast_object_list(token, src=0, group=comm.group)
-    tmp = target.parent / f".{target.name}.tmp-{token[0]}"
-    status: Any
-    try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        status = [_write(_shard_payload(opt), tmp / shard_name(comm.rank, comm.world_size))]
-        if comm.rank == 0:
-            status.append(_write({k: v.detach().cpu() for k, v in extra_tensors.items()}, tmp / EXTRA))
-    except Exception as err:  # noqa: BLE001 - reported to every rank below
-        status = f"rank {comm.rank}: {type(err).__name__}: {err}"
-    everyone = _agree(comm.group, comm.world_size, status)
-    errors = [s for s in everyone if isinstance(s, str)]
-    if not errors and comm.rank == 0:
+    stage_save(opt, path, lightning_state, extra_tensors, stage, copy=False).write(opt.comm.group)
+
+
+class AsyncCheckpointWriter:
+    """Writes staged checkpoints in a background thread, one at a time.
+
+    ``save`` stages a copy of this rank's shards (the bounded extra memory: one staging copy),
+    then returns; the files are written, agreed on over a dedicated gloo group (so it never
+    interleaves with training collectives) and committed in the background. The next ``save``,
+    and ``wait``, block until the previous one is committed and raise its error on every rank.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._group: Any = None
+
+    def save(
+        self,
+        opt: ShardedAdamW,
+        path: str | os.PathLike[str],
+        lightning_state: dict[str, Any],
+        extra_tensors: dict[str, torch.Tensor],
+        stage: int,
+    ) -> None:
+        """Call on all ranks."""
+        self.wait()
+        if self._group is None and opt.comm.world_size > 1:
+            self._group = dist.new_group(backend="gloo")  # collective: first save, all ranks
+        staged = stage_save(opt, path, lightning_state, extra_tensors, stage, copy=True)
+        # not a daemon: an interpreter that exits right after a save still finishes writing it
+        self._thread = threading.Thread(target=self._run, args=(staged,), name="lightning-zero-save")
+        self._thread.start()
+
+    def _run(self, staged: _StagedSave) -> None:
         try:
-            files = {name: {"size": size, "sha256": digest} for s in everyone for name, size, digest in s}
-            meta = {
-                "format_version": FORMAT_VERSION,
-                "world_size": comm.world_size,
-                "stage": stage,
-                "plan": plan_meta(opt),
-                "steps": torch.tensor(opt.shards.steps, dtype=torch.int64),
-                "param_groups": opt.group_hyperparameters(),
-                "files": files,
-                "lightning": lightning_state,
-            }
-            _write(meta, tmp / META)
-            _commit(tmp, target)
-        except Exception as err:  # noqa: BLE001
-            errors.append(f"rank 0: {type(err).__name__}: {err}")
-    if comm.world_size > 1:  # rank 0's commit outcome reaches everyone
-        errors = [e for rank_errors in _agree(comm.group, comm.world_size, errors) for e in rank_errors]
-    if errors:
-        if comm.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"saving checkpoint {target} failed; the previous one (if any) is kept:\n"
-            + "\n".join(sorted(set(errors)))
-        )
+            staged.write(self._group)
+        except BaseException as err:  # noqa: BLE001 - re-raised by wait()
+            self._error = err
+
+    def wait(self) -> None:
+        """Block until the pending save is committed; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def _commit(tmp: Path, target: Path) -> None:

@@ -38,7 +38,14 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_zero.checkpoint import EXTRA, CheckpointError, is_sharded_checkpoint, read_meta, save_sharded
+from lightning_zero.checkpoint import (
+    EXTRA,
+    AsyncCheckpointWriter,
+    CheckpointError,
+    is_sharded_checkpoint,
+    read_meta,
+    save_sharded,
+)
 from lightning_zero.config import ZeroConfig
 from lightning_zero.reshard import load_sharded, preflight, read_full_param
 from lightning_zero.sharded_adam import ShardedAdamW
@@ -55,6 +62,9 @@ class ZeroStrategy(DDPStrategy):
         sharded_checkpoint: ``save_checkpoint`` writes a directory, one shard file per rank
             (:mod:`lightning_zero.checkpoint`); ``False`` writes one standard Lightning file with the
             optimizer state gathered on rank 0. Both kinds load on any world size.
+        async_checkpoint: sharded saves copy this rank's shards to CPU and return; files are written
+            in the background (:class:`~lightning_zero.checkpoint.AsyncCheckpointWriter`). The next
+            save and the end of ``fit`` wait for it.
         Remaining arguments: as ``DDPStrategy``.
     """
 
@@ -71,6 +81,7 @@ class ZeroStrategy(DDPStrategy):
         align_numel: int = 1,
         log_comm_stats: bool = False,
         sharded_checkpoint: bool = True,
+        async_checkpoint: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -101,6 +112,7 @@ class ZeroStrategy(DDPStrategy):
         )
         self.log_comm_stats = log_comm_stats
         self.sharded_checkpoint = sharded_checkpoint
+        self._async_writer = AsyncCheckpointWriter() if async_checkpoint else None
         self._sharded: ShardedAdamW | None = None
         self._pending_load: tuple[Path, dict[str, Any]] | None = None
 
@@ -194,8 +206,14 @@ class ZeroStrategy(DDPStrategy):
         )
         return None
 
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save is committed (raises its error). Call on all ranks."""
+        if self._async_writer is not None:
+            self._async_writer.wait()
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.wait_for_checkpoint()
         if not is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = Path(checkpoint_path)
@@ -245,6 +263,7 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self.wait_for_checkpoint()
         if self._sharded is not None:
             self._sharded.reducer.remove_hooks()  # the optimizer stays: a save after fit still works
         self._pending_load = None

@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -80,7 +81,11 @@ def repeated_dataset(rows: int = 12, repeats: int = 64) -> TensorDataset:
 
 
 def make_strategy(
-    name: str, stage: int | None = None, log_comm_stats: bool = False, sharded_checkpoint: bool = True
+    name: str,
+    stage: int | None = None,
+    log_comm_stats: bool = False,
+    sharded_checkpoint: bool = True,
+    async_checkpoint: bool = False,
 ) -> Any:
     if name == "zero_small_buckets":  # several buckets on a tiny model
         return lightning_zero.ZeroStrategy(
@@ -90,6 +95,7 @@ def make_strategy(
             find_unused_parameters=True,
             log_comm_stats=log_comm_stats,
             sharded_checkpoint=sharded_checkpoint,
+            async_checkpoint=async_checkpoint,
         )
     return name
 
@@ -111,11 +117,15 @@ def fit(
     identical_batches: bool = False,
     resume: str | None = None,
     sharded_checkpoint: bool = True,
+    async_checkpoint: bool = False,
+    checkpoint_dir: str | None = None,
+    save_last: bool | str = True,
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """Fit TinyLit; ``batch_size`` is per rank; ``save``: checkpoint path written at the end; ``csv_dir``:
     log to CSV there, with the strategy's communication figures; ``precision="16-mixed-cpu"``: fp16 autocast
     with a GradScaler on CPU (Lightning itself maps "16-mixed" to bf16 there); ``inf_at_step``: rank 1's loss
-    is inf at that step; ``identical_batches``: see :func:`repeated_dataset`; ``resume``: ``ckpt_path``.
+    is inf at that step; ``identical_batches``: see :func:`repeated_dataset`; ``resume``: ``ckpt_path``;
+    ``checkpoint_dir``: a ModelCheckpoint there every 2 steps (top 2 by step, ``save_last``).
     Returns (global rank, final parameters and, with a scaler, ``"loss_scale"``)."""
     plugins = []
     if precision == "16-mixed-cpu":
@@ -123,7 +133,7 @@ def fit(
         plugins.append(MixedPrecision("16-mixed", "cpu", scaler=scaler))
         precision = None  # type: ignore[assignment]
     trainer = L.Trainer(
-        strategy=make_strategy(strategy, stage, csv_dir is not None, sharded_checkpoint),
+        strategy=make_strategy(strategy, stage, csv_dir is not None, sharded_checkpoint, async_checkpoint),
         devices=devices,
         accelerator="cpu",
         precision=precision,
@@ -133,7 +143,9 @@ def fit(
         gradient_clip_algorithm=clip_algorithm,
         logger=CSVLogger(csv_dir, name="", version="") if csv_dir else False,
         log_every_n_steps=1,
-        enable_checkpointing=False,
+        enable_checkpointing=checkpoint_dir is not None,
+        callbacks=[ModelCheckpoint(checkpoint_dir, every_n_train_steps=2, save_top_k=2, monitor="step",
+                                   mode="max", save_last=save_last)] if checkpoint_dir else None,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,

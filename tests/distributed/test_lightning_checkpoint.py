@@ -77,3 +77,33 @@ def test_saving_over_a_checkpoint_from_more_ranks_leaves_no_stale_shard(tmp_path
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".same.ckpt")], (
         "temporary dirs left behind"
     )
+
+
+def _shard_tensors(directory: Path) -> dict[str, list[torch.Tensor]]:
+    return {p.name: torch.load(p, weights_only=True) for p in sorted(directory.glob("shard-*.pt"))}
+
+
+def test_model_checkpoint_async_equals_sync(tmp_path: Path) -> None:
+    """ModelCheckpoint every 2 steps, top-2, save_last: the asynchronous writer produces the same
+    checkpoints as the blocking one, keeps only the newest two, and "last" resumes."""
+    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
+    launch([case(2, steps=7, checkpoint_dir=str(sync_dir)),
+            case(2, steps=7, checkpoint_dir=str(async_dir), async_checkpoint=True)], tmp_path)
+    names = sorted(p.name for p in sync_dir.iterdir())
+    assert names == sorted(p.name for p in async_dir.iterdir())
+    assert names == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"], names
+    for name in names:
+        ours, ref = _shard_tensors(async_dir / name), _shard_tensors(sync_dir / name)
+        assert ours.keys() == ref.keys() and len(ours) == 2
+        for file, payload in ref.items():
+            for key, tensors in payload.items():
+                assert all(torch.equal(a, b) for a, b in zip(ours[file][key], tensors, strict=True)), (name, key)
+    resumed = launch([case(2, steps=9, resume=str(async_dir / "last.ckpt"))], tmp_path)[0]
+    uninterrupted = launch([case(2, steps=9)], tmp_path)[0]
+    assert max_diff(resumed, uninterrupted) == 0.0
+
+
+def test_save_last_link(tmp_path: Path) -> None:
+    launch([case(2, steps=5, checkpoint_dir=str(tmp_path / "ck"), save_last="link")], tmp_path)
+    last = tmp_path / "ck" / "last.ckpt"
+    assert last.is_symlink() and (last / META).is_file()
