@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 import lightning as L
@@ -21,6 +22,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_zero
+import lightning_zero.checkpoint as checkpoint_module
 from tests.distributed.models import TinyNet, param_groups
 
 
@@ -120,6 +122,7 @@ def fit(
     async_checkpoint: bool = False,
     checkpoint_dir: str | None = None,
     save_last: bool | str = True,
+    die_at_save: int | None = None,
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """Fit TinyLit; ``batch_size`` is per rank; ``save``: checkpoint path written at the end; ``csv_dir``:
     log to CSV there, with the strategy's communication figures; ``precision="16-mixed-cpu"``: fp16 autocast
@@ -127,6 +130,8 @@ def fit(
     is inf at that step; ``identical_batches``: see :func:`repeated_dataset`; ``resume``: ``ckpt_path``;
     ``checkpoint_dir``: a ModelCheckpoint there every 2 steps (top 2 by step, ``save_last``).
     Returns (global rank, final parameters and, with a scaler, ``"loss_scale"``)."""
+    if die_at_save is not None:
+        _kill_rank1_while_writing(die_at_save)
     plugins = []
     if precision == "16-mixed-cpu":
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
@@ -159,6 +164,22 @@ def fit(
     if plugins:
         result["loss_scale"] = torch.tensor(plugins[0].scaler.get_scale())
     return trainer.global_rank, result
+
+
+def _kill_rank1_while_writing(save_number: int) -> None:
+    """Fault injection: rank 1 dies half-way through writing its shard file in save ``save_number``."""
+    original = checkpoint_module._write
+    calls = {"n": 0}
+
+    def write(obj: Any, path: Any) -> Any:
+        if path.name.startswith("shard-00001"):
+            calls["n"] += 1
+            if calls["n"] == save_number:
+                path.write_bytes(b"partial")
+                os._exit(17)
+        return original(obj, path)
+
+    checkpoint_module._write = write
 
 
 def main() -> None:

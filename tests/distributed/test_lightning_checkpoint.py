@@ -107,3 +107,29 @@ def test_save_last_link(tmp_path: Path) -> None:
     launch([case(2, steps=5, checkpoint_dir=str(tmp_path / "ck"), save_last="link")], tmp_path)
     last = tmp_path / "ck" / "last.ckpt"
     assert last.is_symlink() and (last / META).is_file()
+
+
+def test_rank_killed_mid_save_ends_every_rank_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from lightning_zero.cli import main as cli
+    from tests.distributed.test_lightning_parity import ROOT
+
+    ck = tmp_path / "ck"
+    cases = [case(2, steps=7, checkpoint_dir=str(ck), die_at_save=3)]  # saves: step2, last, step4 (dies)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "tests.distributed.lit_fit", "--out", str(tmp_path / "r.pt"),
+                           "--cases", json.dumps(cases)], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=180)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0 and elapsed < 60, (proc.returncode, elapsed)
+    complete = sorted(p.name for p in ck.iterdir() if p.name.endswith(".ckpt"))
+    assert complete == ["epoch=0-step=2.ckpt", "last.ckpt"], complete  # the step-4 save never committed
+    for name in complete:
+        assert cli(["verify", str(ck / name)]) == 0
+    resumed = launch([case(2, steps=4, resume=str(ck / "last.ckpt"))], tmp_path)[0]
+    assert max_diff(resumed, launch([case(2, steps=4)], tmp_path)[0]) == 0.0
