@@ -22,8 +22,16 @@ STRATEGIES = ("zero", "zero1", "ddp")
 
 def run(strategy: str, steps: int, out: Path, round_index: int) -> list[float]:
     name = f"{strategy}_r{round_index}"
-    cmd = [sys.executable, "-m", "recipes.pretrain", f"strategy={strategy}", f"trainer.max_steps={steps}",
-           f"output_root={out}", f"run_name={name}", "sample.max_new_tokens=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.pretrain",
+        f"strategy={strategy}",
+        f"trainer.max_steps={steps}",
+        f"output_root={out}",
+        f"run_name={name}",
+        "sample.max_new_tokens=0",
+    ]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -46,8 +54,10 @@ def main() -> None:
             print(f"round {k + 1}/{args.rounds}: {strategy} ...", flush=True)
             samples[strategy] += run(strategy, args.steps, args.out.resolve(), k)
     ddp = statistics.median(samples["ddp"])
-    print(f"\ndefault recipe (tiny GPT, 2 CPU processes), {args.steps} steps x {args.rounds} rounds, "
-          "median tokens/s of steps >= 10\n")
+    print(
+        f"\ndefault recipe (tiny GPT, 2 CPU processes), {args.steps} steps x {args.rounds} rounds, "
+        "median tokens/s of steps >= 10\n"
+    )
     print(f"{'strategy':<10}{'tokens/s':>10}{'vs ddp':>8}")
     for strategy, values in samples.items():
         median = statistics.median(values)
