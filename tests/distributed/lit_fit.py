@@ -21,8 +21,6 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import lightning_zero
-import lightning_zero.checkpoint as checkpoint_module
 from tests.distributed.models import TinyNet, param_groups
 
 
@@ -90,6 +88,8 @@ def make_strategy(
     async_checkpoint: bool = False,
 ) -> Any:
     if name == "zero_small_buckets":  # several buckets on a tiny model
+        import lightning_zero  # here, not at the top: a test loads checkpoints with lightning_zero blocked
+
         return lightning_zero.ZeroStrategy(
             stage=stage or 2,
             bucket_cap_mb=0.0004,
@@ -168,6 +168,8 @@ def fit(
 
 def _kill_rank1_while_writing(save_number: int) -> None:
     """Fault injection: rank 1 dies half-way through writing its shard file in save ``save_number``."""
+    import lightning_zero.checkpoint as checkpoint_module
+
     original = checkpoint_module._write
     calls = {"n": 0}
 
@@ -183,6 +185,8 @@ def _kill_rank1_while_writing(save_number: int) -> None:
 
 
 def main() -> None:
+    import lightning_zero  # noqa: F401  # registers "zero", "zero1", "zero2" for cases naming them
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", required=True, help="JSON list of keyword-argument dicts for fit()")

@@ -94,3 +94,17 @@ def test_weights_only_and_refusals(checkpoints: tuple[Path, Path], tmp_path: Pat
     result = cli("consolidate", str(broken), str(tmp_path / "never.ckpt"))
     assert result.returncode == 1 and "meta.pt does not exist" in result.stdout
     assert not (tmp_path / "never.ckpt").exists()
+
+
+def test_consolidated_file_loads_without_lightning_zero(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
+    directory, _ = checkpoints
+    out = tmp_path / "plain.ckpt"
+    assert cli("consolidate", str(directory), str(out)).returncode == 0
+    code = (
+        "import sys; sys.modules['lightning_zero'] = None\n"  # any import of it now fails
+        "from tests.distributed.lit_fit import TinyLit\n"
+        f"model = TinyLit.load_from_checkpoint({str(out)!r}, weights_only=True)\n"
+        "print('loaded', sum(p.numel() for p in model.parameters()))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "loaded 395" in result.stdout, result.stderr[-3000:]
