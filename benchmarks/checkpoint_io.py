@@ -10,6 +10,8 @@ checkpoint and a fresh launch loads it. Printed side by side (rank 0; wall times
   * load: seconds from the LightningModule's ``setup`` hook to ``on_train_start`` (strategy setup
     and restore), and the peak RSS then;
   * size on disk;
+  * plain ``torch.distributed.checkpoint`` (DCP) under "ddp", for reference: its load figures are the
+    restore alone (no Lightning setup), so compare its load time with care;
   * ``lightning-zero consolidate``: seconds and peak RSS of the process, against a plain
     ``torch.load`` of the equivalent single file.
 """
@@ -20,7 +22,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import time
@@ -41,6 +42,7 @@ VARIANTS = {
     "zero (sharded dir, async)": {"strategy": "zero", "async_checkpoint": True},
     "zero (gathered single file)": {"strategy": "zero", "sharded_checkpoint": False},
     "ddp (single file)": {"strategy": "ddp"},
+    "ddp + plain DCP": {"strategy": "ddp", "dcp": True},
 }
 
 
@@ -65,8 +67,10 @@ class Timed(GPT):
 def strategy_of(spec: dict[str, Any]) -> Any:
     if spec["strategy"] == "ddp":
         return "ddp"
-    return lightning_zero.ZeroStrategy(async_checkpoint=spec.get("async_checkpoint", False),
-                                       sharded_checkpoint=spec.get("sharded_checkpoint", True))
+    return lightning_zero.ZeroStrategy(
+        async_checkpoint=spec.get("async_checkpoint", False),
+        sharded_checkpoint=spec.get("sharded_checkpoint", True),
+    )
 
 
 def run_variant(name: str, args: argparse.Namespace) -> None:
@@ -78,11 +82,22 @@ def run_variant(name: str, args: argparse.Namespace) -> None:
     figures: dict[str, float] = {}
     for phase, steps in (("save", 3), ("load", 4)):  # load: one more step, so on_train_start runs
         model = Timed(8192, args.dim, args.layers, 128, zero_redundancy=False)
-        trainer = L.Trainer(strategy=strategy_of(spec), devices=2, accelerator="cpu", max_steps=steps, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(
+            strategy=strategy_of(spec),
+            devices=2,
+            accelerator="cpu",
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.fit(model, data, ckpt_path=str(path) if phase == "load" else None)
+        if spec.get("dcp"):
+            figures.update(dcp_figures(trainer, model, path))
+            break
         if phase == "save":
-            for attempt in range(2):  # the second save is the steady state (the first sets up groups)
+            for _attempt in range(2):  # the second save is the steady state (the first sets up groups)
                 wait = getattr(trainer.strategy, "wait_for_checkpoint", lambda: None)
                 trainer.strategy.barrier()
                 before = _status_mb("VmRSS")
@@ -98,9 +113,44 @@ def run_variant(name: str, args: argparse.Namespace) -> None:
         else:
             figures["load_s"], figures["load_peak_mb"] = model.load_s, model.load_peak
     if trainer.global_rank == 0:
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+        if spec.get("dcp"):
+            path = Path(str(path) + ".1")
+        size = (
+            sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            if path.is_dir()
+            else path.stat().st_size
+        )
         figures["size_mb"] = size / 2**20
         Path(args.out, "figures.jsonl").open("a").write(json.dumps({"name": name, **figures}) + "\n")
+
+
+def dcp_figures(trainer: L.Trainer, model: GPT, path: Path) -> dict[str, float]:
+    """torch.distributed.checkpoint save and in-place load of the same model and AdamW state (no
+    Lightning loop state), timed like the other variants; load is the restore alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    wrapped, optimizer = trainer.strategy.model, trainer.optimizers[0]
+    figures: dict[str, float] = {"params": sum(p.numel() for p in model.parameters())}
+    for attempt in range(2):  # the second save is the steady state
+        model_state, optim_state = get_state_dict(wrapped, optimizer)
+        trainer.strategy.barrier()
+        before = _status_mb("VmRSS")
+        _reset_peak()
+        start = time.perf_counter()
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path) + f".{attempt}")
+        trainer.strategy.barrier()
+        figures["save_blocked_s"] = figures["save_total_s"] = time.perf_counter() - start
+        figures["save_peak_added_mb"] = _status_mb("VmHWM") - before
+    model_state, optim_state = get_state_dict(wrapped, optimizer)
+    _reset_peak()
+    start = time.perf_counter()
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path) + ".1")
+    set_state_dict(wrapped, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    trainer.strategy.barrier()
+    figures["load_s"], figures["load_peak_mb"] = time.perf_counter() - start, _status_mb("VmHWM")
+    return figures
 
 
 def child_peak(cmd: list[str]) -> tuple[float, float]:
@@ -118,21 +168,32 @@ def child_peak(cmd: list[str]) -> tuple[float, float]:
 def report(args: argparse.Namespace) -> None:
     rows = [json.loads(line) for line in Path(args.out, "figures.jsonl").read_text().splitlines()]
     print(f"\nGPT {rows[0]['params'] / 1e6:.1f}M parameters, fp32 AdamW, 2 ranks (gloo, 1 thread each)\n")
-    print(f"{'variant':<30}{'save blocks s':>14}{'save total s':>13}{'save +RSS MB':>13}"
-          f"{'load s':>8}{'load peak MB':>13}{'size MB':>9}")
+    print(
+        f"{'variant':<30}{'save blocks s':>14}{'save total s':>13}{'save +RSS MB':>13}"
+        f"{'load s':>8}{'load peak MB':>13}{'size MB':>9}"
+    )
     for r in rows:
-        print(f"{r['name']:<30}{r['save_blocked_s']:>14.2f}{r['save_total_s']:>13.2f}{r['save_peak_added_mb']:>13.0f}"
-              f"{r['load_s']:>8.2f}{r['load_peak_mb']:>13.0f}{r['size_mb']:>9.0f}")
+        print(
+            f"{r['name']:<30}{r['save_blocked_s']:>14.2f}{r['save_total_s']:>13.2f}{r['save_peak_added_mb']:>13.0f}"
+            f"{r['load_s']:>8.2f}{r['load_peak_mb']:>13.0f}{r['size_mb']:>9.0f}"
+        )
     src = Path(args.out, "zero_sharded_dir_.ckpt")
     dst = Path(args.out, "consolidated.ckpt")
     dst.unlink(missing_ok=True)
-    cons_s, cons_mb = child_peak([sys.executable, "-m", "lightning_zero.cli", "consolidate", str(src), str(dst)])
+    cons_s, cons_mb = child_peak(
+        [sys.executable, "-m", "lightning_zero.cli", "consolidate", str(src), str(dst)]
+    )
     single = Path(args.out, "zero_gathered_single_file_.ckpt")
-    load_s, load_mb = child_peak([sys.executable, "-c", f"import torch; torch.load({str(single)!r}, weights_only=True)"])
+    load_s, load_mb = child_peak(
+        [sys.executable, "-c", f"import torch; torch.load({str(single)!r}, weights_only=True)"]
+    )
     base_s, base_mb = child_peak([sys.executable, "-c", "import torch, lightning_zero.consolidate"])
-    print(f"\nconsolidate {src.name} -> {dst.stat().st_size / 2**20:.0f} MB file: {cons_s:.2f} s, peak RSS {cons_mb:.0f} MB"
-          f"\nplain torch.load of the same state as one file:   {load_s:.2f} s, peak RSS {load_mb:.0f} MB"
-          f"\n(python + torch + lightning_zero imported alone:    {base_s:.2f} s, peak RSS {base_mb:.0f} MB)")
+    print(
+        f"\nconsolidate {src.name} -> {dst.stat().st_size / 2**20:.0f} MB file: "
+        f"{cons_s:.2f} s, peak RSS {cons_mb:.0f} MB"
+        f"\nplain torch.load of the same state as one file:   {load_s:.2f} s, peak RSS {load_mb:.0f} MB"
+        f"\n(python + torch + lightning_zero imported alone:    {base_s:.2f} s, peak RSS {base_mb:.0f} MB)"
+    )
 
 
 def main() -> None:
@@ -150,7 +211,9 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for name in VARIANTS:
         print(f"{name} ...", flush=True)
-        proc = subprocess.run([sys.executable, *sys.argv, "--only", name], env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, *sys.argv, "--only", name], env=env, capture_output=True, text=True
+        )
         if proc.returncode:
             sys.exit(f"{name} failed:\n{proc.stderr[-4000:]}")
     report(args)

@@ -149,8 +149,18 @@ def fit(
         logger=CSVLogger(csv_dir, name="", version="") if csv_dir else False,
         log_every_n_steps=1,
         enable_checkpointing=checkpoint_dir is not None,
-        callbacks=[ModelCheckpoint(checkpoint_dir, every_n_train_steps=2, save_top_k=2, monitor="step",
-                                   mode="max", save_last=save_last)] if checkpoint_dir else None,
+        callbacks=[
+            ModelCheckpoint(
+                checkpoint_dir,
+                every_n_train_steps=2,
+                save_top_k=2,
+                monitor="step",
+                mode="max",
+                save_last=save_last,
+            )
+        ]
+        if checkpoint_dir
+        else None,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,

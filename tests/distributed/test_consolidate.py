@@ -96,7 +96,9 @@ def test_weights_only_and_refusals(checkpoints: tuple[Path, Path], tmp_path: Pat
     assert not (tmp_path / "never.ckpt").exists()
 
 
-def test_consolidated_file_loads_without_lightning_zero(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
+def test_consolidated_file_loads_without_lightning_zero(
+    checkpoints: tuple[Path, Path], tmp_path: Path
+) -> None:
     directory, _ = checkpoints
     out = tmp_path / "plain.ckpt"
     assert cli("consolidate", str(directory), str(out)).returncode == 0
@@ -106,5 +108,7 @@ def test_consolidated_file_loads_without_lightning_zero(checkpoints: tuple[Path,
         f"model = TinyLit.load_from_checkpoint({str(out)!r}, weights_only=True)\n"
         "print('loaded', sum(p.numel() for p in model.parameters()))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0 and "loaded 395" in result.stdout, result.stderr[-3000:]

@@ -87,8 +87,13 @@ def test_model_checkpoint_async_equals_sync(tmp_path: Path) -> None:
     """ModelCheckpoint every 2 steps, top-2, save_last: the asynchronous writer produces the same
     checkpoints as the blocking one, keeps only the newest two, and "last" resumes."""
     sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
-    launch([case(2, steps=7, checkpoint_dir=str(sync_dir)),
-            case(2, steps=7, checkpoint_dir=str(async_dir), async_checkpoint=True)], tmp_path)
+    launch(
+        [
+            case(2, steps=7, checkpoint_dir=str(sync_dir)),
+            case(2, steps=7, checkpoint_dir=str(async_dir), async_checkpoint=True),
+        ],
+        tmp_path,
+    )
     names = sorted(p.name for p in sync_dir.iterdir())
     assert names == sorted(p.name for p in async_dir.iterdir())
     assert names == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"], names
@@ -97,7 +102,10 @@ def test_model_checkpoint_async_equals_sync(tmp_path: Path) -> None:
         assert ours.keys() == ref.keys() and len(ours) == 2
         for file, payload in ref.items():
             for key, tensors in payload.items():
-                assert all(torch.equal(a, b) for a, b in zip(ours[file][key], tensors, strict=True)), (name, key)
+                assert all(torch.equal(a, b) for a, b in zip(ours[file][key], tensors, strict=True)), (
+                    name,
+                    key,
+                )
     resumed = launch([case(2, steps=9, resume=str(async_dir / "last.ckpt"))], tmp_path)[0]
     uninterrupted = launch([case(2, steps=9)], tmp_path)[0]
     assert max_diff(resumed, uninterrupted) == 0.0
@@ -122,9 +130,22 @@ def test_rank_killed_mid_save_ends_every_rank_and_keeps_the_previous_checkpoint(
     ck = tmp_path / "ck"
     cases = [case(2, steps=7, checkpoint_dir=str(ck), die_at_save=3)]  # saves: step2, last, step4 (dies)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "tests.distributed.lit_fit", "--out", str(tmp_path / "r.pt"),
-                           "--cases", json.dumps(cases)], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.distributed.lit_fit",
+            "--out",
+            str(tmp_path / "r.pt"),
+            "--cases",
+            json.dumps(cases),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode != 0 and elapsed < 60, (proc.returncode, elapsed)
     complete = sorted(p.name for p in ck.iterdir() if p.name.endswith(".ckpt"))

@@ -169,8 +169,5 @@ def test_bad_input_fails_clearly_and_leaves_earlier_runs(
 def test_cfg_job_prints_the_config_without_running(tmp_path: Path) -> None:
     result = pretrain("--cfg", "job", f"output_root={tmp_path}", "model.n_layer=3", timeout_s=60)
     assert result.returncode == 0
-    assert (
-        "n_layer: 3" in result.stdout
-        and "_target_: lightning_zero.ZeroStrategy" in result.stdout
-    )
+    assert "n_layer: 3" in result.stdout and "_target_: lightning_zero.ZeroStrategy" in result.stdout
     assert not any(tmp_path.iterdir())
