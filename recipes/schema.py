@@ -142,6 +142,8 @@ class ClusterSchema:
     partition: str | None = MISSING
     account: str | None = None
     time: str | None = None  # SLURM time limit, "HH:MM:SS" or "D-HH:MM:SS"
+    cpus_per_task: int | None = None  # SLURM --cpus-per-task (data loader workers + the rank itself)
+    sbatch_extra: list[str] = field(default_factory=list)  # more #SBATCH lines, e.g. ["--exclusive"]
 
 
 @dataclass

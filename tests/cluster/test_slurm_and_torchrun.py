@@ -1,0 +1,187 @@
+"""The recipe on a real single-node SLURM (started by scripts/slurm_cluster.sh) and under torchrun
+with two "nodes" on localhost. Polls with deadlines; the cluster is stopped afterwards if this
+module started it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_zero.checkpoint import read_meta, shard_name
+from recipes.sbatch import ROOT, compose_config, sbatch_script
+
+SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
+TINY = ["trainer.max_steps=6", "trainer.val_check_interval=3", "sample.max_new_tokens=5"]
+
+
+def _slurm_running() -> bool:
+    return subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[None]:
+    was_running = _slurm_running()
+    start = subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True, timeout=600)
+    assert start.returncode == 0, start.stdout + start.stderr
+    try:
+        yield
+    finally:
+        if not was_running:
+            subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, timeout=60)
+
+
+def wait_for_job(job_id: str, deadline_s: float) -> str:
+    end = time.monotonic() + deadline_s
+    state = "UNKNOWN"
+    while time.monotonic() < end:
+        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+        match = re.search(r"JobState=(\w+)", out)
+        state = match.group(1) if match else "UNKNOWN"
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return state
+        time.sleep(2)
+    subprocess.run(["scancel", job_id], capture_output=True)
+    raise AssertionError(f"job {job_id} still {state} after {deadline_s} s (cancelled)")
+
+
+def test_generated_script_matches_the_config() -> None:
+    overrides = [
+        "cluster=slurm",
+        "cluster.partition=gpu",
+        "cluster.nodes=4",
+        "cluster.account=proj",
+        "trainer=gpu",
+        "trainer.devices=8",
+        "run_name=big",
+        "cluster.cpus_per_task=6",
+        "cluster.sbatch_extra=[--exclusive]",
+    ]
+    text = sbatch_script(compose_config(overrides), overrides, python="python")
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj",
+        "#SBATCH --signal=SIGUSR1@90",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --cpus-per-task=6",
+        "#SBATCH --exclusive",
+    ):
+        assert line in text.splitlines(), line
+    assert text.rstrip().endswith(
+        "srun python -m recipes.pretrain " + " ".join(shlex.quote(o) for o in overrides)
+    )
+
+
+def test_bad_override_fails_before_writing(tmp_path: Path) -> None:
+    out = tmp_path / "job.sbatch"
+    result = subprocess.run(
+        [sys.executable, "-m", "recipes.sbatch", "--output", str(out), "cluster.nodez=2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and "nodez" in result.stderr and not out.exists()
+
+
+def test_generated_sbatch_runs_the_recipe_on_two_tasks(slurm: None, tmp_path: Path) -> None:
+    overrides = [
+        "cluster=slurm",
+        "cluster.partition=debug",
+        "cluster.nodes=1",
+        "trainer.devices=2",
+        f"output_root={tmp_path}",
+        "run_name=slurm_e2e",
+        *TINY,
+    ]
+    script = tmp_path / "job.sbatch"
+    made = subprocess.run(
+        [sys.executable, "-m", "recipes.sbatch", "--output", str(script), *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30)
+    assert job.returncode == 0, job.stderr
+    job_id = job.stdout.strip().split(";")[0]
+    state = wait_for_job(job_id, deadline_s=300)
+    log = (tmp_path / "slurm_e2e" / f"slurm-{job_id}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    assert "SLURM auto-requeueing enabled" in log and "MEMBER: 1/2" in log
+    meta = read_meta(tmp_path / "slurm_e2e" / "checkpoints" / "last.ckpt")
+    assert meta["world_size"] == 2 and meta["lightning"]["global_step"] == 6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_nodes_matches_one_node(tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    common = [f"output_root={tmp_path}", *TINY]
+    one = subprocess.run(
+        [sys.executable, "-m", "recipes.pretrain", "run_name=one_node", "trainer.devices=2", *common],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    port = _free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                f"--node-rank={rank}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "-m",
+                "recipes.pretrain",
+                "run_name=two_nodes",
+                "trainer.devices=1",
+                "cluster.nodes=2",
+                *common,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert all(p.returncode == 0 for p in nodes), outputs[0][-3000:] + outputs[1][-3000:]
+    a, b = (tmp_path / name / "checkpoints" / "last.ckpt" for name in ("one_node", "two_nodes"))
+    assert read_meta(b)["world_size"] == 2
+    for rank in (0, 1):
+        ours = torch.load(b / shard_name(rank, 2), weights_only=True)
+        ref = torch.load(a / shard_name(rank, 2), weights_only=True)
+        for key, tensors in ref.items():
+            assert all(torch.equal(x, y) for x, y in zip(ours[key], tensors, strict=True)), key
