@@ -18,9 +18,11 @@ import lightning.pytorch as pl
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from recipes.callbacks import SlurmRequeue
 from recipes.data import PretrainDataModule
 from recipes.module import PretrainModule
 from recipes.validate import RecipeConfigs
@@ -73,11 +75,16 @@ def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
     datamodule = PretrainDataModule(configs.data, corpus=configs.corpus)
     module = PretrainModule(configs.model, configs.optim, peak_flops_per_device=cfg.peak_flops_per_device)
     loggers = build_loggers(cfg)
+    callbacks, plugins = build_callbacks(cfg), []
+    if SLURMEnvironment.detect():  # one requeue mechanism: ours, not Lightning's signal-handler save
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+        callbacks.append(SlurmRequeue())
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
         strategy=instantiate(cfg.strategy),
         logger=loggers or False,
-        callbacks=build_callbacks(cfg),
+        callbacks=callbacks,
+        plugins=plugins or None,
     )
     run_dir = Path(cfg.run_dir)
     if rank_zero_only.rank == 0:  # the trainer's own ranks are only set once fit() launches

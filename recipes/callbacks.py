@@ -5,12 +5,19 @@
 `ckpt_path=last` always resumes from where the previous command ended. (The stock callback only saves
 `last` at train end when it never saved anything during the run.) Saving runs on every rank, as
 `trainer.save_checkpoint` requires for sharded strategies.
+
+`SlurmRequeue` is the recipe's one requeue mechanism under SLURM (see its docstring).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
 
@@ -23,3 +30,56 @@ class RunCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
             self._last_global_step_saved = trainer.global_step
         super().on_train_end(trainer, pl_module)
+
+
+class SlurmRequeue(Callback):
+    """The one requeue mechanism under SLURM: save together at a step boundary, requeue, stop.
+
+    SIGUSR1 (``#SBATCH --signal=SIGUSR1@90`` before the time limit, or ``scancel -s USR1 JOB``) only
+    sets a flag. After every training batch the ranks agree on it (a one-element max all-reduce);
+    when set, all ranks save ``hpc_ckpt_N.ckpt`` in the run directory together, rank 0 runs
+    ``scontrol requeue``, and training stops. The requeued job finds that checkpoint itself
+    (Lightning resumes from the newest ``hpc_ckpt_*`` under SLURM when no ``ckpt_path`` is given).
+    It replaces Lightning's own SIGUSR1 handler (``SLURMEnvironment(auto_requeue=False)``), which
+    saves from inside the signal handler, wherever each rank happens to be: with a sharded
+    checkpoint's collectives that could interleave with training's.
+    """
+
+    def __init__(self) -> None:
+        self._signalled = False
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signalled = True
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        signal.signal(signal.SIGUSR1, self._on_signal)
+        if trainer.is_global_zero:
+            print(f"SLURM job {os.environ.get('SLURM_JOB_ID')}: world size {trainer.world_size}; on SIGUSR1 "
+                  "the ranks save hpc_ckpt_N.ckpt together and the job requeues", flush=True)
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: object,
+        batch: object,
+        batch_idx: int,
+    ) -> None:
+        flag = torch.tensor([1.0 if self._signalled else 0.0], device=pl_module.device)
+        if float(trainer.strategy.reduce(flag, reduce_op="max")) == 0.0:
+            return
+        path = trainer._checkpoint_connector.hpc_save_path(
+            trainer.default_root_dir
+        )  # where Lightning resumes
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            job = os.environ.get("SLURM_ARRAY_JOB_ID")
+            job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ.get("SLURM_JOB_ID", "")
+            print(
+                f"SIGUSR1: saved {path} at step {trainer.global_step}; requeueing SLURM job {job}", flush=True
+            )
+            subprocess.run(["scontrol", "requeue", job], check=False)
+        trainer.should_stop = True
+        self._signalled = False
