@@ -246,3 +246,37 @@ def test_requeue_resumes_from_its_checkpoint_and_finishes(slurm: None, tmp_path:
         saved,
     )
     assert read_meta(tmp_path / "requeue" / "checkpoints" / "last.ckpt")["lightning"]["global_step"] == steps
+
+
+def test_submitit_launcher_submits_the_recipe(slurm: None, tmp_path: Path) -> None:
+    overrides = [
+        "-m",
+        "hydra/launcher=slurm",
+        "cluster=slurm",
+        "cluster.partition=debug",
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=null",
+        "trainer.devices=2",
+        f"output_root={tmp_path}",
+        "run_name=submitit_e2e",
+        *TINY,
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "recipes.pretrain", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    run_dir = tmp_path / "submitit_e2e"
+    logs = "\n".join(p.read_text() for p in run_dir.glob(".submitit/*/*.out"))
+    assert result.returncode == 0, result.stderr[-3000:] + logs[-3000:]
+    assert re.search(r"SLURM job \d+: world size 2", logs), logs[-3000:]
+    meta = read_meta(run_dir / "checkpoints" / "last.ckpt")
+    assert meta["world_size"] == 2 and meta["lightning"]["global_step"] == 6
+    sbatch = next(run_dir.glob(".submitit/*/*_submission.sh")).read_text()
+    assert (
+        "#SBATCH --signal=USR1@90" in sbatch
+        and "USR2" not in sbatch
+        and "#SBATCH --ntasks-per-node=2" in sbatch
+    )

@@ -39,10 +39,41 @@ def _model(cfg: DictConfig) -> GPT:
 
 
 def test_every_yaml_belongs_to_a_tested_group() -> None:
-    tested = {"model", "data", "strategy", "trainer", "logger", "callbacks", "cluster", "experiment"}
+    tested = {
+        "model",
+        "data",
+        "strategy",
+        "trainer",
+        "logger",
+        "callbacks",
+        "cluster",
+        "experiment",
+        "launcher",
+    }
     groups = {path.parent.name for path in CONF_DIR.rglob("*.yaml") if path.parent != CONF_DIR}
     assert groups == tested
     assert [path.name for path in CONF_DIR.glob("*.yaml")] == ["pretrain.yaml"]
+
+
+def test_slurm_launcher_is_sized_from_cluster_and_trainer() -> None:
+    """conf/hydra/launcher/slurm.yaml: submitit's sbatch numbers follow the recipe's own settings."""
+    from hydra import compose, initialize_config_dir
+
+    overrides = [
+        "hydra/launcher=slurm",
+        "cluster=slurm",
+        "cluster.partition=gpu",
+        "cluster.nodes=3",
+        "trainer.devices=4",
+        "cluster.cpus_per_task=5",
+    ]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("pretrain", overrides=overrides, return_hydra_config=True)
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=False)
+    assert launcher["tasks_per_node"] == "${trainer.devices}" and launcher["nodes"] == "${cluster.nodes}"
+    assert cfg.hydra.launcher.partition == "gpu" and cfg.hydra.launcher.cpus_per_task == 5
+    assert cfg.hydra.launcher.max_num_timeout == 0  # one requeue mechanism: the recipe's SIGUSR1 callback
+    assert cfg.hydra.launcher.additional_parameters.signal == "USR1@90"
 
 
 def test_default_config_is_the_cpu_demo() -> None:
