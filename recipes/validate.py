@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,24 @@ def check_devices(accelerator: str, devices: Any) -> None:
         )
 
 
+def check_slurm_launch(env: Mapping[str, str] | None = None) -> None:
+    """Inside an sbatch allocation of several tasks, refuse to start outside `srun`.
+
+    Lightning would take SLURM's task count as the world size and wait forever for ranks that were
+    never started. (Under `srun`, Lightning itself checks tasks per node against `trainer.devices`.)
+    """
+    env = os.environ if env is None else env
+    if "SLURM_JOB_ID" not in env or env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+        return
+    ntasks = int(env.get("SLURM_NTASKS", "1"))
+    if ntasks > 1 and "SLURM_STEP_ID" not in env:
+        raise ConfigError(
+            f"running inside SLURM job {env['SLURM_JOB_ID']} with {ntasks} tasks but not through srun: "
+            "start the recipe with `srun python -m recipes.pretrain ...` (python -m recipes.sbatch writes "
+            "such a script)"
+        )
+
+
 def check_ckpt_path(ckpt_path: str | None, run_dir: Path, run_name: str) -> None:
     """`last` needs a checkpoint in this run's directory; any other value must be an existing path."""
     if ckpt_path is None:
@@ -181,6 +200,7 @@ def validate(cfg: DictConfig) -> RecipeConfigs:
         )
     corpus = check_corpus(data, data_vocab)
     check_devices(str(cfg.trainer.accelerator), cfg.trainer.devices)
+    check_slurm_launch()
     check_ckpt_path(cfg.ckpt_path, Path(cfg.run_dir), cfg.run_name)
     check_strategy(cfg.strategy)
     return RecipeConfigs(model=model, data=data, optim=optim, corpus=corpus)

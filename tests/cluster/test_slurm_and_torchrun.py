@@ -280,3 +280,22 @@ def test_submitit_launcher_submits_the_recipe(slurm: None, tmp_path: Path) -> No
         and "USR2" not in sbatch
         and "#SBATCH --ntasks-per-node=2" in sbatch
     )
+
+
+def test_sbatch_without_srun_fails_at_once_with_a_message(slurm: None, tmp_path: Path) -> None:
+    """A hand-written script that forgets `srun` must not wait forever for ranks never started."""
+    script = tmp_path / "no_srun.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --ntasks-per-node=2\n#SBATCH --nodes=1\n"
+        f"#SBATCH --output={tmp_path}/no_srun-%j.out\n"
+        f"cd {ROOT}\n"
+        f"{sys.executable} -m recipes.pretrain trainer.devices=2 output_root={tmp_path} run_name=no_srun\n"
+    )
+    job_id = (
+        subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True)
+        .stdout.strip()
+        .split(";")[0]
+    )
+    state = wait_for_job(job_id, deadline_s=120)
+    log = (tmp_path / f"no_srun-{job_id}.out").read_text()
+    assert state == "FAILED" and "but not through srun" in log, log[-2000:]
