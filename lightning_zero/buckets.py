@@ -14,6 +14,7 @@ mismatch (different model, different ``requires_grad``, different settings) is a
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,10 +36,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

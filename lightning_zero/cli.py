@@ -11,6 +11,7 @@ Exit status: 0 on success, 1 when ``verify`` or ``consolidate`` finds a problem,
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -43,7 +44,7 @@ def verify(src: Path) -> int:
         f"{src / name}: not part of this checkpoint" for name in sorted(on_disk - set(meta["files"]))
     ]
     params = meta["plan"]["params"]
-    numel = sum(_numel(p["shape"]) for p in params)
+    numel = sum(math.prod(p["shape"]) for p in params)
     lightning = meta.get("lightning", {})
     print(f"checkpoint   {src}")
     print(
@@ -86,13 +87,6 @@ def _consolidate(src: Path, dst: Path, weights_only: bool, force: bool) -> int:
         f"in {time.perf_counter() - start:.1f} s"
     )
     return 0
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def estimate(params: float, world_size: int, precision: str, bucket_cap_mb: float) -> None:

@@ -17,6 +17,7 @@ goes to a temporary name first and is renamed when complete.
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import sys
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from lightning_zero.checkpoint import EXTRA, CheckpointError, read_meta, verify_files
-from lightning_zero.reshard import read_full_param
+from lightning_zero.reshard import ShardFiles, read_full_param
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -75,9 +76,7 @@ class _StreamingWriter:
     ) -> _Tensor:
         key = str(self.count)
         self.count += 1
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         self.pending[key] = source
         return _Tensor(_Storage(key, dtype, numel), tuple(shape))
 
@@ -195,11 +194,11 @@ def _write_tensors(
         slot[0]: b for b, bucket in enumerate(meta["plan"]["buckets"]) for slot in bucket["slots"]
     }
     order = sorted(range(len(meta["plan"]["params"])), key=lambda i: layout_bucket[i])
-    files: dict[int, Any] = {}
+    files = ShardFiles(src, meta["world_size"])
     current_bucket = None
     for plan_index in order:
         if layout_bucket[plan_index] != current_bucket:
-            files.clear()  # unmap the previous bucket's pages
+            files.release()  # unmap the previous bucket's pages
             current_bucket = layout_bucket[plan_index]
         name = meta["plan"]["params"][plan_index]["name"]
         for state_key in (None, *_STATE_KEYS):

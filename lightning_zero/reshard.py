@@ -15,6 +15,7 @@ every rank with a message instead of a hang, and nothing is modified.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,48 +108,53 @@ def preflight(opt: ShardedAdamW, path: Path, meta: dict[str, Any]) -> None:
         raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(found))
 
 
+class ShardFiles:
+    """The shard files of one checkpoint, memory-mapped on first use (``release`` unmaps them)."""
+
+    def __init__(self, path: Path, world_size: int) -> None:
+        self.path, self.world_size = Path(path), world_size
+        self._open: dict[int, dict[str, list[Tensor]]] = {}
+
+    def __getitem__(self, rank: int) -> dict[str, list[Tensor]]:
+        if rank not in self._open:
+            file = self.path / shard_name(rank, self.world_size)
+            self._open[rank] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        return self._open[rank]
+
+    def release(self) -> None:
+        self._open.clear()
+
+
 @torch.no_grad()
 def load_sharded(opt: ShardedAdamW, path: Path, meta: dict[str, Any], with_optimizer: bool = True) -> None:
     """Fill this rank's parameter shards (then all-gather) and, optionally, its optimizer state.
 
-    Call :func:`preflight` first. Must be called on all ranks. A ``max_exp_avg_sq`` that the
-    checkpoint lacks (``amsgrad`` switched on since) starts at zero.
+    Call :func:`preflight` first. Must be called on all ranks. Separate fp32 masters are read from
+    the saved masters (or parameters), not from the rounded 16-bit shard. A ``max_exp_avg_sq`` that
+    the checkpoint lacks (``amsgrad`` switched on since) starts at zero.
     """
     layout = _SavedLayout(meta)
-    files: dict[int, dict[str, list[Tensor]]] = {}
-
-    def saved(rank: int) -> dict[str, list[Tensor]]:
-        if rank not in files:
-            files[rank] = torch.load(
-                Path(path, shard_name(rank, layout.world_size)),
-                map_location="cpu",
-                weights_only=True,
-                mmap=True,
-            )
-        return files[rank]
-
+    files = ShardFiles(path, layout.world_size)
     shards = opt.shards
-    keys = ["param"] + (["exp_avg", "exp_avg_sq", "max_exp_avg_sq"] if with_optimizer else [])
     for b, bucket in enumerate(opt.plan.buckets):
-        targets = {"param": opt.flat.shard(bucket)}
+        targets = {
+            "param": [opt.flat.shard(bucket)] + ([shards.master[b]] if shards.separate_master[b] else [])
+        }
         if with_optimizer:
-            targets.update(exp_avg=shards.exp_avg[b], exp_avg_sq=shards.exp_avg_sq[b])
+            targets.update(exp_avg=[shards.exp_avg[b]], exp_avg_sq=[shards.exp_avg_sq[b]])
             if shards.max_exp_avg_sq is not None:
-                targets["max_exp_avg_sq"] = shards.max_exp_avg_sq[b]
+                targets["max_exp_avg_sq"] = [shards.max_exp_avg_sq[b]]
         for seg in opt.plan.segments(bucket, opt.comm.rank):
             name = opt.plan.params[seg.param_index].name
             for rank, saved_bucket, offset, numel, at in layout.pieces(name, seg.param_start, seg.param_end):
-                data = saved(rank)
-                for key in keys:
-                    if key not in targets:
-                        continue
-                    dst = targets[key][seg.shard_offset + at : seg.shard_offset + at + numel]
-                    source = _source(data, key, saved_bucket)
-                    if source is None:
-                        dst.zero_()  # e.g. amsgrad now, not when saved
-                    else:
-                        dst.copy_(source[offset : offset + numel])
-    _load_master(opt, layout, saved)
+                window = slice(seg.shard_offset + at, seg.shard_offset + at + numel)
+                for key, destinations in targets.items():
+                    source = _source(files[rank], key, saved_bucket)
+                    for dst in destinations:
+                        if source is None:
+                            dst[window].zero_()
+                        else:
+                            dst[window].copy_(source[offset : offset + numel])
     if with_optimizer:
         by_name = {layout.params[i]["name"]: int(s) for i, s in enumerate(meta["steps"].tolist())}
         shards.steps = [by_name[p.name] for p in opt.plan.params]
@@ -165,49 +171,25 @@ def _source(data: dict[str, list[Tensor]], key: str, bucket: int) -> Tensor | No
     return None if tensors is None else tensors[bucket]
 
 
-def _load_master(opt: ShardedAdamW, layout: _SavedLayout, saved: Any) -> None:
-    """Separate fp32 masters come from the saved masters (or parameters), not the rounded shard."""
-    shards = opt.shards
-    for b, bucket in enumerate(opt.plan.buckets):
-        if not shards.separate_master[b]:
-            continue
-        for seg in opt.plan.segments(bucket, opt.comm.rank):
-            name = opt.plan.params[seg.param_index].name
-            for rank, saved_bucket, offset, numel, at in layout.pieces(name, seg.param_start, seg.param_end):
-                source = _source(saved(rank), "param", saved_bucket)
-                assert source is not None
-                dst = shards.master[b][seg.shard_offset + at : seg.shard_offset + at + numel]
-                dst.copy_(source[offset : offset + numel])
-
-
 def _load_group_hyperparameters(opt: ShardedAdamW, meta: dict[str, Any]) -> None:
     for group, saved in zip(opt.param_groups, meta["param_groups"], strict=True):
         group.update({k: v for k, v in saved.items() if k != "param_indices"})
 
 
 def read_full_param(
-    path: Path, meta: dict[str, Any], name: str, key: str = "param", files: dict[int, Any] | None = None
+    path: Path, meta: dict[str, Any], name: str, key: str = "param", files: ShardFiles | None = None
 ) -> Tensor | None:
     """One full parameter (or its ``exp_avg``/``exp_avg_sq``/... state) assembled from the shard files.
 
-    ``files`` caches memory-mapped shard files across calls. Returns ``None`` for a state the
-    checkpoint does not hold. No communication.
+    ``files`` keeps shard files mapped across calls. Returns ``None`` for a state the checkpoint
+    does not hold. No communication.
     """
     layout = _SavedLayout(meta)
-    files = {} if files is None else files
-    spec = layout.params[layout.by_name[name]]
-    numel = 1
-    for d in spec["shape"]:
-        numel *= d
+    files = ShardFiles(path, layout.world_size) if files is None else files
+    shape = layout.params[layout.by_name[name]]["shape"]
+    numel = math.prod(shape)
     out: Tensor | None = None
     for rank, bucket, offset, count, at in layout.pieces(name, 0, numel):
-        if rank not in files:
-            files[rank] = torch.load(
-                Path(path, shard_name(rank, layout.world_size)),
-                map_location="cpu",
-                weights_only=True,
-                mmap=True,
-            )
         source = _source(files[rank], key, bucket)
         if source is None:
             return None
@@ -215,4 +197,4 @@ def read_full_param(
             out = torch.empty(numel, dtype=source.dtype)
         out[at : at + count] = source[offset : offset + count]
     assert out is not None
-    return out.view(spec["shape"])
+    return out.view(shape)

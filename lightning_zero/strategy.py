@@ -47,7 +47,7 @@ from lightning_zero.checkpoint import (
     save_sharded,
 )
 from lightning_zero.config import ZeroConfig
-from lightning_zero.reshard import load_sharded, preflight, read_full_param
+from lightning_zero.reshard import ShardFiles, load_sharded, preflight, read_full_param
 from lightning_zero.sharded_adam import ShardedAdamW
 
 
@@ -236,7 +236,7 @@ class ZeroStrategy(DDPStrategy):
             load_sharded(self._sharded, path, meta, with_optimizer=False)
             extras = dict(checkpoint["state_dict"])
         else:  # validate/test/predict: no optimizer, read whole parameters
-            files: dict[int, Any] = {}
+            files = ShardFiles(path, meta["world_size"])
             extras = dict(checkpoint["state_dict"])
             for spec in meta["plan"]["params"]:
                 extras[spec["name"]] = read_full_param(path, meta, spec["name"], files=files)

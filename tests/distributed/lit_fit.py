@@ -53,6 +53,10 @@ class TinyLit(L.LightningModule):
         self.log("loss", loss)
         return loss
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
     def train_dataloader(self) -> DataLoader:
         # explicit, unshuffled sampler: rank r's i-th batch is the slice r::N of the single
         # process's i-th batch

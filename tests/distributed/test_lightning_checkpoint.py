@@ -154,3 +154,30 @@ def test_rank_killed_mid_save_ends_every_rank_and_keeps_the_previous_checkpoint(
         assert cli(["verify", str(ck / name)]) == 0
     resumed = launch([case(2, steps=4, resume=str(ck / "last.ckpt"))], tmp_path)[0]
     assert max_diff(resumed, launch([case(2, steps=4)], tmp_path)[0]) == 0.0
+
+
+def test_validate_loads_a_sharded_checkpoint_without_an_optimizer(tmp_path: Path) -> None:
+    """trainer.validate(ckpt_path=dir) under "zero": no optimizer, whole parameters read from the shards."""
+    import subprocess
+    import sys
+
+    from tests.distributed.test_lightning_parity import ROOT
+
+    ckpt = tmp_path / "v.ckpt"
+    trained = launch([case(3, steps=3, save=str(ckpt))], tmp_path)[0]
+    out = tmp_path / "validated.pt"
+    code = (
+        "import torch, lightning as L, lightning_zero\n"
+        "from torch.utils.data import DataLoader\n"
+        "from tests.distributed.lit_fit import TinyLit, dataset\n"
+        "model = TinyLit()\n"
+        "trainer = L.Trainer(strategy=lightning_zero.ZeroStrategy(), devices=1, accelerator='cpu',\n"
+        "                    precision='64-true', logger=False, enable_progress_bar=False)\n"
+        f"trainer.validate(model, DataLoader(dataset(24), batch_size=12), ckpt_path={str(ckpt)!r})\n"
+        f"torch.save({{n: p.detach() for n, p in model.named_parameters()}}, {str(out)!r})\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert max_diff(torch.load(out, weights_only=True), trained) == 0.0
