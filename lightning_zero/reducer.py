@@ -110,7 +110,7 @@ class GradReducer:
     def _take_grad(self, index: int, param: torch.nn.Parameter) -> None:
         """Move ``param.grad`` (divided by world size) into its bucket's wire buffer."""
         bucket_index, slot = self._where[index]
-        if self._handles[bucket_index] is not None:
+        if bucket_index < self._next_launch:  # buckets launch in order: this one is already on the wire
             name = self.plan.params[index].name
             raise RuntimeError(
                 f"parameter {name!r} received a gradient after its bucket was communicated in this step "

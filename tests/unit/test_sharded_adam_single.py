@@ -98,3 +98,13 @@ def test_strategy_names_are_registered() -> None:
         pl.Trainer(strategy="zero", accelerator="cpu", devices=1, logger=False).strategy.zero_config.stage
         == 2
     )
+
+
+def test_gradient_after_its_bucket_was_sent_is_an_error_not_a_silent_drop() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    config = ZeroConfig(bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)  # one parameter per bucket
+    opt = ShardedAdamW(model.parameters(), config=config, param_order=model.parameters())
+    assert len(opt.plan.buckets) == 4
+    model(torch.ones(1, 3)).sum().backward()  # every bucket launched, the early ones already collected
+    with pytest.raises(RuntimeError, match="received a gradient after its bucket was communicated"):
+        model(torch.ones(1, 3)).sum().backward()
