@@ -107,5 +107,7 @@ def test_gradient_after_its_bucket_was_sent_is_an_error_not_a_silent_drop() -> N
     assert len(opt.plan.buckets) == 4
     model(torch.ones(1, 3)).sum().backward()  # every bucket launched, the early ones already collected
     first = opt.plan.params[opt.plan.buckets[0].slots[0].param_index].name  # first gradient of a backward
-    with pytest.raises(RuntimeError, match=f"'{first}' received a gradient after its bucket was communicated"):
+    with pytest.raises(
+        RuntimeError, match=f"'{first}' received a gradient after its bucket was communicated"
+    ):
         model(torch.ones(1, 3)).sum().backward()
