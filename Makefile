@@ -25,6 +25,7 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check lightning_zero recipes tests benchmarks
+	$(VENV)/bin/mypy lightning_zero --ignore-missing-imports
 
 bench: install
 	$(PY) benchmarks/step_time.py $(ARGS)

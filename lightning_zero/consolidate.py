@@ -24,7 +24,7 @@ import sys
 import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
@@ -47,12 +47,13 @@ class _Tensor:
     def __init__(self, storage: _Storage, shape: tuple[int, ...]) -> None:
         self.storage, self.shape = storage, shape
 
-    def __reduce_ex__(self, protocol: int) -> Any:
-        stride, step = [], 1
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        stride: list[int] = []
+        step = 1
         for d in reversed(self.shape):
             stride.insert(0, step)
             step *= max(d, 1)
-        args = (self.storage, 0, torch.Size(self.shape), tuple(stride), False, OrderedDict())
+        args: tuple[Any, ...] = (self.storage, 0, torch.Size(self.shape), tuple(stride), False, OrderedDict())
         return torch._utils._rebuild_tensor_v2, args
 
 
@@ -82,7 +83,8 @@ class _StreamingWriter:
 
     def write_tensor(self, key: str, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous().cpu()
-        self.writer.write_record(f"data/{key}", tensor.untyped_storage(), tensor.untyped_storage().nbytes())
+        storage = tensor.untyped_storage()
+        self.writer.write_record(f"data/{key}", storage, storage.nbytes())  # type: ignore[arg-type]  # stub omits UntypedStorage
 
     def pickle(self, obj: Any) -> bytes:
         writer = self
@@ -102,13 +104,13 @@ class _StreamingWriter:
         buffer = io.BytesIO()
         Pickler(buffer, protocol=2).dump(obj)
         for key, storage in real:
-            self.writer.write_record(f"data/{key}", storage, storage.nbytes())
+            self.writer.write_record(f"data/{key}", storage, storage.nbytes())  # type: ignore[arg-type]
         return buffer.getvalue()
 
     def finish(self, data_pkl: bytes) -> None:
         self.writer.write_record("data.pkl", data_pkl, len(data_pkl))
-        self.writer.write_record(".format_version", "1", 1)
-        self.writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        self.writer.write_record(".format_version", b"1", 1)
+        self.writer.write_record("byteorder", sys.byteorder.encode(), len(sys.byteorder))
         self.writer.write_end_of_file()
 
 

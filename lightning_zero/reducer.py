@@ -119,6 +119,7 @@ class GradReducer:
             )
         wire = self._wire_buffer(bucket_index)
         view = wire[slot.bucket_offset : slot.bucket_offset + slot.numel]
+        assert param.grad is not None  # callers check
         grad = param.grad.detach().reshape(-1)
         if self._filled[index]:
             view.add_(grad / self.comm.world_size)
@@ -221,8 +222,11 @@ class GradReducer:
         if self.config.stage == 1:
             start, end = shard_range(wire.numel(), self.comm.world_size, self.comm.rank)
             shard.copy_(wire[start:end])
-        elif self._outputs[bucket_index] is not shard:
-            shard.copy_(self._outputs[bucket_index])
+        else:
+            out = self._outputs[bucket_index]
+            assert out is not None
+            if out is not shard:
+                shard.copy_(out)
         self._handles[bucket_index] = self._wire[bucket_index] = self._outputs[bucket_index] = None
 
     def reset(self) -> None:

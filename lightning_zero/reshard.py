@@ -86,7 +86,7 @@ def check_compatible(opt: ShardedAdamW, meta: dict[str, Any], path: Path) -> lis
 
 
 def _needed_ranks(opt: ShardedAdamW, layout: _SavedLayout) -> set[int]:
-    ranks = set()
+    ranks: set[int] = set()
     for bucket in opt.plan.buckets:
         for seg in opt.plan.segments(bucket, opt.comm.rank):
             name = opt.plan.params[seg.param_index].name

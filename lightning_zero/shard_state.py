@@ -132,14 +132,14 @@ def _adam_foreach(pieces: list[_Piece], step: int, group: dict[str, Any]) -> Non
     params = [p.master for p in pieces]
     exp_avgs = [p.exp_avg for p in pieces]
     exp_avg_sqs = [p.exp_avg_sq for p in pieces]
-    grads = [p.grad for p in pieces]
+    grads: list[Tensor] = [p.grad for p in pieces]
     if group["maximize"]:
-        grads = torch._foreach_neg(grads)
+        grads = list(torch._foreach_neg(grads))
     if weight_decay != 0:
         if group["decoupled_weight_decay"]:
             torch._foreach_mul_(params, 1 - lr * weight_decay)
         else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+            grads = list(torch._foreach_add(grads, params, alpha=weight_decay))
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)

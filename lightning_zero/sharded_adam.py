@@ -261,13 +261,14 @@ class ShardedAdamW(torch.optim.Optimizer):
         Raises:
             RuntimeError: if this rank holds no consolidated state.
         """
-        if getattr(self, "_consolidated", None) is None:
+        state: dict[str, Any] | None = getattr(self, "_consolidated", None)
+        if state is None:
             raise RuntimeError(
                 f"rank {self.comm.rank} holds no consolidated optimizer state: "
                 "call consolidate_state_dict(to=...) "
                 "on every rank first, then state_dict() on the destination rank"
             )
-        state, self._consolidated = self._consolidated, None
+        self._consolidated = None
         return state
 
     def group_hyperparameters(self) -> list[dict[str, Any]]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +136,7 @@ class ZeroStrategy(DDPStrategy):
             if self.log_comm_stats:
                 from lightning_zero.monitor import CommStatsMonitor
 
-                trainer.callbacks.append(CommStatsMonitor())
+                trainer.callbacks.append(CommStatsMonitor())  # type: ignore[attr-defined]  # set by Lightning
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
@@ -342,9 +341,15 @@ def _sharded_of(optimizer: Any) -> ShardedAdamW:
     return optimizer
 
 
-@cache
+_SHARD_AWARE: dict[type, type] = {}
+
+
 def _shard_aware(precision_cls: type[Precision]) -> type[Precision]:
     """``precision_cls`` with shard-aware clipping and loss scaling (one subclass per plugin class)."""
     if issubclass(precision_cls, _ShardAwarePrecision):
         return precision_cls
-    return type(f"Zero{precision_cls.__name__}", (_ShardAwarePrecision, precision_cls), {})
+    if precision_cls not in _SHARD_AWARE:
+        _SHARD_AWARE[precision_cls] = type(
+            f"Zero{precision_cls.__name__}", (_ShardAwarePrecision, precision_cls), {}
+        )
+    return _SHARD_AWARE[precision_cls]
