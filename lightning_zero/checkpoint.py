@@ -14,8 +14,9 @@ Every file is written with ``torch.save`` of tensors and plain containers only, 
 custom class would need ``weights_only=False`` for ``meta.pt`` alone).
 
 Commit protocol (all ranks): files go into a fresh hidden sibling ``.CKPT.tmp-<token>``; ranks
-exchange their status and checksums; rank 0 writes ``meta.pt`` last, moves any previous ``CKPT``
-aside, renames the temporary directory to ``CKPT`` and deletes the old one. A crash before the
+exchange their status and checksums; rank 0 writes ``meta.pt`` last, then swaps the temporary
+directory with any previous ``CKPT`` in one atomic ``renameat2(RENAME_EXCHANGE)`` (Linux; elsewhere
+the old one is moved aside first) and deletes the old one. A crash before the
 rename leaves the previous checkpoint untouched (the temporary directory is ignored by
 ``ckpt_path="last"``, which looks for ``*.ckpt``), and nothing stale from an older world size
 survives a save over an existing path. A failure on any rank raises on every rank.
@@ -24,6 +25,8 @@ survives a save over an existing path. A failure on any rank raises on every ran
 from __future__ import annotations
 
 import copy as copy_module
+import ctypes
+import errno
 import hashlib
 import os
 import shutil
@@ -261,22 +264,45 @@ class AsyncCheckpointWriter:
             raise error
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False  # kernel or file system without RENAME_EXCHANGE
+    raise OSError(ctypes.get_errno(), f"renameat2({a}, {b}, RENAME_EXCHANGE) failed")
+
+
 def _commit(tmp: Path, target: Path) -> None:
-    """Replace ``target`` by ``tmp``: a directory rename, with the old one moved aside first."""
-    old = None
-    if target.is_symlink() or target.is_file():
-        target.unlink()
-    elif target.exists():
+    """Put ``tmp`` at ``target``, atomically where the OS allows.
+
+    A new path is a rename. An existing one (directory, file or symlink) is swapped with ``tmp`` in
+    one ``renameat2(RENAME_EXCHANGE)`` and then deleted, so ``target`` is never missing; without
+    that call the old one is moved aside first (a short window with neither under ``target``).
+    """
+    if not (target.exists() or target.is_symlink()):
+        tmp.rename(target)
+        old = None
+    elif _exchange(tmp, target):
+        old = tmp
+    else:
         old = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
         target.rename(old)
-    tmp.rename(target)
+        tmp.rename(target)
     fd = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
