@@ -158,9 +158,9 @@ def test_torchrun_two_nodes_matches_one_node(tmp_path: Path) -> None:
                 "torch.distributed.run",
                 "--nnodes=2",
                 "--nproc-per-node=1",
-                f"--node-rank={rank}",
-                "--master-addr=127.0.0.1",
-                f"--master-port={port}",
+                "--rdzv-backend=c10d",  # as on clusters without SLURM; ranks are assigned at rendezvous
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id=lzero-{port}",
                 "-m",
                 "recipes.pretrain",
                 "run_name=two_nodes",
@@ -174,7 +174,7 @@ def test_torchrun_two_nodes_matches_one_node(tmp_path: Path) -> None:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for rank in (0, 1)
+        for _node in (0, 1)
     ]
     try:
         outputs = [p.communicate(timeout=300)[0] for p in nodes]
