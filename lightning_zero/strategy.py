@@ -213,6 +213,7 @@ class ZeroStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         self.wait_for_checkpoint()
+        self._pending_load = None
         if not is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = Path(checkpoint_path)
