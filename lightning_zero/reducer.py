@@ -76,7 +76,8 @@ class GradReducer:
         self._sync = True
         # at world size 1 the local mask is the global one: torch's exact semantics for free
         self._skip_unused = config.find_unused_parameters or comm.world_size == 1
-        self._used = torch.zeros(len(self.params), dtype=torch.int32, device=comm.device)
+        self._used = [False] * len(self.params)  # got a gradient on this rank in this step
+        self._used_global: Tensor | None = None
         self._filled = [False] * len(self.params)
         self._pending = [len(b.slots) for b in plan.buckets]
         self._wire: list[Tensor | None] = [None] * n_buckets
@@ -100,7 +101,7 @@ class GradReducer:
 
     def _make_hook(self, index: int):  # noqa: ANN202 - a closure over the parameter index
         def hook(param: torch.nn.Parameter) -> None:
-            self._used[index] = 1
+            self._used[index] = True
             if self._sync and param.grad is not None:
                 self._take_grad(index, param)
                 self._launch_ready()
@@ -199,20 +200,23 @@ class GradReducer:
         used when ``find_unused_parameters`` is on (or at world size 1), else ``None``.
         """
         if self._finalized:
-            return self._used if self._skip_unused else None
+            return self._used_global
         for bucket_index in range(self._next_launch, len(self.plan.buckets)):
             self._fill_missing(bucket_index)
             self._launch(bucket_index)
         used_handle = None  # launched after every bucket: the same collective order on every rank
         if self._skip_unused:
-            used_handle = self.comm.all_reduce(self._used, op=torch.distributed.ReduceOp.MAX, control=True)
+            self._used_global = torch.tensor(self._used, dtype=torch.int32, device=self.comm.device)
+            used_handle = self.comm.all_reduce(
+                self._used_global, op=torch.distributed.ReduceOp.MAX, control=True
+            )
         for bucket_index in range(len(self.plan.buckets)):
             if self._handles[bucket_index] is not None:
                 self._collect(bucket_index)
         if used_handle is not None:
             self.comm.wait(used_handle)
         self._finalized = True
-        return self._used if self._skip_unused else None
+        return self._used_global
 
     def _collect(self, bucket_index: int) -> None:
         handle, wire = self._handles[bucket_index], self._wire[bucket_index]
@@ -237,7 +241,8 @@ class GradReducer:
             self._handles[bucket_index] = self._wire[bucket_index] = self._outputs[bucket_index] = None
         for param in self.params:
             param.grad = None
-        self._used.zero_()
+        self._used = [False] * len(self.params)
+        self._used_global = None
         self._filled = [False] * len(self.params)
         self._pending = [len(b.slots) for b in self.plan.buckets]
         self._next_launch = 0

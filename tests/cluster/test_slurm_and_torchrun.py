@@ -58,6 +58,26 @@ def wait_for_job(job_id: str, deadline_s: float) -> str:
     raise AssertionError(f"job {job_id} still {state} after {deadline_s} s (cancelled)")
 
 
+SLURM_TWO_TASKS = ["cluster=slurm", "cluster.partition=debug", "cluster.nodes=1", "trainer.devices=2"]
+
+
+def submit_generated(overrides: list[str], tmp_path: Path) -> str:
+    """Write the recipe's sbatch script for ``overrides`` with ``python -m recipes.sbatch``, submit it,
+    return the job id."""
+    script = tmp_path / "job.sbatch"
+    made = subprocess.run(
+        [sys.executable, "-m", "recipes.sbatch", "--output", str(script), *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30)
+    assert job.returncode == 0, job.stderr
+    return job.stdout.strip().split(";")[0]
+
+
 def test_generated_script_matches_the_config() -> None:
     overrides = [
         "cluster=slurm",
@@ -102,27 +122,9 @@ def test_bad_override_fails_before_writing(tmp_path: Path) -> None:
 
 
 def test_generated_sbatch_runs_the_recipe_on_two_tasks(slurm: None, tmp_path: Path) -> None:
-    overrides = [
-        "cluster=slurm",
-        "cluster.partition=debug",
-        "cluster.nodes=1",
-        "trainer.devices=2",
-        f"output_root={tmp_path}",
-        "run_name=slurm_e2e",
-        *TINY,
-    ]
-    script = tmp_path / "job.sbatch"
-    made = subprocess.run(
-        [sys.executable, "-m", "recipes.sbatch", "--output", str(script), *overrides],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    job_id = submit_generated(
+        [*SLURM_TWO_TASKS, f"output_root={tmp_path}", "run_name=slurm_e2e", *TINY], tmp_path
     )
-    assert made.returncode == 0, made.stderr
-    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30)
-    assert job.returncode == 0, job.stderr
-    job_id = job.stdout.strip().split(";")[0]
     state = wait_for_job(job_id, deadline_s=300)
     log = (tmp_path / "slurm_e2e" / f"slurm-{job_id}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
@@ -196,29 +198,14 @@ def test_requeue_resumes_from_its_checkpoint_and_finishes(slurm: None, tmp_path:
     the job requeues itself, resumes from that checkpoint and ends at max_steps, no step trained twice."""
     steps = 40
     overrides = [
-        "cluster=slurm",
-        "cluster.partition=debug",
-        "cluster.nodes=1",
-        "trainer.devices=2",
+        *SLURM_TWO_TASKS,
         f"output_root={tmp_path}",
         "run_name=requeue",
         f"trainer.max_steps={steps}",
         "trainer.val_check_interval=1000",
         "sample.max_new_tokens=5",
     ]
-    script = tmp_path / "job.sbatch"
-    subprocess.run(
-        [sys.executable, "-m", "recipes.sbatch", "--output", str(script), *overrides],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    job_id = (
-        subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True)
-        .stdout.strip()
-        .split(";")[0]
-    )
+    job_id = submit_generated(overrides, tmp_path)
     log = tmp_path / "requeue" / f"slurm-{job_id}.out"
     deadline = time.monotonic() + 240
     while True:  # wait until training is part-way
@@ -252,11 +239,8 @@ def test_submitit_launcher_submits_the_recipe(slurm: None, tmp_path: Path) -> No
     overrides = [
         "-m",
         "hydra/launcher=slurm",
-        "cluster=slurm",
-        "cluster.partition=debug",
-        "cluster.nodes=1",
+        *SLURM_TWO_TASKS,
         "cluster.gpus_per_node=null",
-        "trainer.devices=2",
         f"output_root={tmp_path}",
         "run_name=submitit_e2e",
         *TINY,
