@@ -212,6 +212,9 @@ def main() -> None:
         results.append(params)
     if rank == 0:
         torch.save(results, args.out)
+    if torch.distributed.is_initialized():
+        # an interpreter exit with a live gloo group can abort in its threads' destructors
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
