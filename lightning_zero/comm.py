@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ class CommStats:
     def reset(self) -> None:
         self.elements_sent = self.control_elements_sent = self.collectives = 0
         self.wait_s = 0.0
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 class _Done:
@@ -70,10 +74,9 @@ class Comm:
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return fn(output, input_, group=self.group, async_op=True)
 
-    def all_reduce(
-        self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, control: bool = False
-    ) -> object:
-        """Async in-place all-reduce. ``control`` counts it apart from gradient traffic."""
+    def all_reduce(self, tensor: Tensor, op: str = "sum", control: bool = False) -> object:
+        """Async in-place all-reduce (``op``: ``"sum"`` or ``"max"``). ``control`` counts it apart
+        from gradient traffic."""
         sent = 2 * self._ring(tensor.numel())
         if control:
             self.stats.control_elements_sent += sent
@@ -82,7 +85,7 @@ class Comm:
         self.stats.collectives += 1
         if self.world_size == 1:
             return _Done()
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        return dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
 
     def all_gather(self, output: Tensor, input_: Tensor) -> object:
         """Async all-gather of every rank's ``input_`` into ``output`` (may be in place)."""
@@ -101,6 +104,25 @@ class Comm:
         handle.wait()  # type: ignore[attr-defined]
         self.stats.wait_s += time.perf_counter() - start
 
+    def broadcast_tensors(self, tensors: list[Tensor], src: int = 0) -> None:
+        """Overwrite ``tensors`` with rank ``src``'s values, one broadcast per dtype (blocking, control)."""
+        if self.world_size == 1 or not tensors:
+            return
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)
+            self.stats.control_elements_sent += flat.numel() if self.rank == src else 0
+            dist.broadcast(
+                flat, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group
+            )
+            offset = 0
+            with torch.no_grad():
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Gather a short list of integers from every rank (a blocking control collective)."""
         local = torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -111,6 +133,47 @@ class Comm:
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         fn(out, local, group=self.group)
         return out.view(self.world_size, len(values)).tolist()
+
+    def gather(self, tensor: Tensor, dst: int = 0) -> Tensor | None:
+        """Every rank's ``tensor`` concatenated on rank ``dst`` (``None`` elsewhere). Blocking."""
+        if self.world_size == 1:
+            return tensor
+        out = (
+            torch.empty(tensor.numel() * self.world_size, dtype=tensor.dtype, device=tensor.device)
+            if self.rank == dst
+            else None
+        )
+        self.stats.control_elements_sent += tensor.numel() if self.rank != dst else 0
+        chunks = list(out.chunk(self.world_size)) if out is not None else None
+        dist.gather(tensor, chunks, dst=self._global(dst), group=self.group)
+        return out
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order, on every rank (blocking)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s picklable ``obj`` on every rank (blocking)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(src), group=self.group)
+        return box[0]
+
+    def new_group(self, backend: str) -> Comm:
+        """A :class:`Comm` over the same ranks on a new process group (e.g. gloo for background
+        work that must not interleave with training collectives). Call on all ranks."""
+        if self.world_size == 1:
+            return Comm(self.group)
+        ranks = [self._global(r) for r in range(self.world_size)]
+        return Comm(dist.new_group(ranks=ranks, backend=backend))
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     @property
     def device(self) -> torch.device:

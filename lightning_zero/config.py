@@ -23,9 +23,10 @@ class ZeroConfig:
     """Launch each bucket's collective from the gradient hooks while backward goes on. ``False``
     launches all of them after backward (useful to measure what overlap buys)."""
     reduce_dtype: str | None = None
-    """Dtype of gradients on the wire: ``None`` (the parameters' dtype), ``"fp32"``, ``"bf16"``
-    (half the bytes of fp32, like DDP's bf16 compression hook) or ``"fp16"``. The owned shard is
-    always accumulated in the optimizer's (fp32 or wider) master dtype."""
+    """Dtype of gradients on the wire: ``None`` (the master dtype: fp32 for 16-bit parameters, the
+    parameters' dtype otherwise), ``"fp32"``, ``"bf16"`` (half the bytes of fp32, like DDP's bf16
+    compression hook; what DDP sends for a ``bf16-true`` model) or ``"fp16"``. Gradients are always
+    accumulated, across micro-batches and in the owned shard, in the master dtype."""
     find_unused_parameters: bool = False
     """Agree across ranks, every step, which parameters got a gradient (one small all-reduce), so a
     parameter that no rank used is skipped by the optimizer exactly as ``torch.optim.AdamW`` skips a
@@ -58,4 +59,9 @@ class ZeroConfig:
 
     def wire_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         """The dtype a gradient of ``param_dtype`` travels in."""
-        return param_dtype if self.reduce_dtype is None else _REDUCE_DTYPES[self.reduce_dtype]
+        return master_dtype(param_dtype) if self.reduce_dtype is None else _REDUCE_DTYPES[self.reduce_dtype]
+
+
+def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """Optimizer arithmetic dtype: fp32 for 16-bit parameters, the parameter dtype otherwise."""
+    return torch.float32 if param_dtype.itemsize < 4 else param_dtype

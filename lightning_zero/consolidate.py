@@ -140,6 +140,32 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], weight
         raise
 
 
+def load_module_checkpoint(
+    src: str | os.PathLike[str], map_location: str | torch.device | None = None
+) -> dict[str, Any]:
+    """The checkpoint dict that ``LightningModule.load_from_checkpoint`` reads, assembled in memory
+    from a checkpoint directory: Lightning's state and the full ``state_dict`` (no optimizer state).
+
+    ``map_location``: a device (or its name) to put the tensors on; anything else leaves them on CPU.
+
+    Raises:
+        CheckpointError: if ``src`` is incomplete or corrupt.
+    """
+    src = Path(src)
+    meta = read_meta(src)
+    problems = verify_files(src, meta)
+    if problems:
+        raise CheckpointError(f"{src} cannot be loaded:\n  " + "\n  ".join(problems))
+    state_dict: dict[str, torch.Tensor] = dict(torch.load(src / EXTRA, map_location="cpu", weights_only=True))
+    files = ShardFiles(src, meta["world_size"])
+    for spec in meta["plan"]["params"]:
+        state_dict[spec["name"]] = read_full_param(src, meta, spec["name"], files=files)  # type: ignore[assignment]
+    files.release()
+    if isinstance(map_location, str | torch.device):
+        state_dict = {k: v.to(map_location) for k, v in state_dict.items()}
+    return {**meta["lightning"], "state_dict": state_dict}
+
+
 def _structure(
     meta: dict[str, Any], extras: dict[str, torch.Tensor], out: _StreamingWriter, weights_only: bool
 ) -> dict[str, Any]:

@@ -52,6 +52,14 @@ class FlatParams:
                     view = flat[slot.bucket_offset : slot.bucket_offset + slot.numel]
                     view.copy_(param.detach().reshape(-1))
                     param.data = view.view_as(param)
+        self._data_ptrs = [0] * len(params)
+        for bucket in plan.buckets:
+            for slot in bucket.slots:
+                self._data_ptrs[slot.param_index] = params[slot.param_index].data_ptr()
+
+    def is_bound(self, params: Sequence[torch.nn.Parameter]) -> bool:
+        """Whether ``params`` (in plan order) still are the views this object bound."""
+        return all(p.data_ptr() == ptr for p, ptr in zip(params, self._data_ptrs, strict=True))
 
     def bucket(self, bucket: Bucket) -> Tensor:
         """The whole bucket, padding included: ``(padded_numel,)``."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -41,7 +40,7 @@ def gather_full_state(opt: ShardedAdamW, dst: int = 0) -> dict[str, Any] | None:
     state: dict[int, dict[str, Tensor]] = {}
     for b, bucket in enumerate(plan.buckets):
         for name in moments:
-            full = _gather_bucket(getattr(shards, name)[b], comm.world_size, dst, comm.group)
+            full = comm.gather(getattr(shards, name)[b], dst)  # (padded_numel,) on dst
             if full is None:
                 continue
             for slot in bucket.slots:
@@ -67,20 +66,6 @@ def gather_full_state(opt: ShardedAdamW, dst: int = 0) -> dict[str, Any] | None:
         )
         groups.append(saved)
     return {"state": state, "param_groups": groups}
-
-
-def _gather_bucket(shard: Tensor, world_size: int, dst: int, group: Any) -> Tensor | None:
-    """Concatenate every rank's shard of one bucket on ``dst``: ``(padded_numel,)``."""
-    if world_size == 1:
-        return shard
-    rank = dist.get_rank(group)
-    out = (
-        torch.empty(shard.numel() * world_size, dtype=shard.dtype, device=shard.device)
-        if rank == dst
-        else None
-    )
-    dist.gather(shard, list(out.chunk(world_size)) if out is not None else None, dst=dst, group=group)
-    return out
 
 
 @torch.no_grad()

@@ -7,8 +7,6 @@ error naming the ranks and the first differing bucket line of rank 0's and the r
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from lightning_zero.buckets import BucketPlan
 from lightning_zero.comm import Comm
 
@@ -26,8 +24,7 @@ def check_same_plan(plan: BucketPlan, comm: Comm) -> None:
     everyone = comm.all_gather_ints(mine)
     if all(row == everyone[0] for row in everyone):
         return
-    descriptions: list[list[str] | None] = [None] * comm.world_size
-    dist.all_gather_object(descriptions, lines, group=comm.group)
+    descriptions: list[list[str] | None] = comm.all_gather_object(lines)
     reference = descriptions[0] or []
     details = []
     for rank, other in enumerate(descriptions):

@@ -1,25 +1,32 @@
 """Gradient hooks -> one collective per bucket -> this rank's shard of the averaged gradient.
 
-Per step (one optimizer step, possibly several micro-batches):
+Per optimizer step (one or more backward passes):
 
-  1. ``no_sync`` micro-batches: autograd accumulates into ``param.grad`` as usual; nothing is
-     sent. Hooks only note which parameters got a gradient.
-  2. The last micro-batch: as each parameter's gradient is accumulated (a
-     ``post_accumulate_grad`` hook), it is divided by ``world_size`` into the bucket's wire buffer
-     and ``param.grad`` is released. When every parameter of a bucket has arrived, and every
-     earlier bucket has been launched, the bucket's collective starts asynchronously while
-     backward goes on. Launching strictly in bucket order keeps the collective sequence identical
-     on every rank even when ranks see different unused parameters.
-  3. :meth:`GradReducer.finalize` (before clipping and the optimizer step) launches what is left,
-     with zeros for parameters that got no gradient, and waits.
+  1. Every gradient, as autograd accumulates it (a ``post_accumulate_grad`` hook), is added into
+     its bucket's *accumulation buffer* (the master dtype: fp32 for 16-bit parameters, so
+     micro-batches of a ``bf16-true`` model accumulate in fp32, not in a bf16 ``param.grad``) and
+     ``param.grad`` is released. Inside ``no_sync`` nothing more happens: nothing is sent.
+  2. Outside ``no_sync`` a backward pass is a *round*: when every parameter of a bucket has
+     arrived, and every earlier bucket has been launched, the bucket is divided by the world size,
+     cast to the wire dtype and its collective starts asynchronously while backward goes on.
+     Launching strictly in bucket order keeps the collective sequence identical on every rank even
+     when ranks see different unused parameters.
+  3. At the end of the round's backward (a callback queued on the autograd engine, as torch DDP's
+     reducer does) the remaining buckets are launched, with zeros for parameters that got no
+     gradient, and every collective is waited for. The result is copied into ``grad_shards`` (the
+     first round of a step) or added to it (later rounds: several backward passes before one
+     optimizer step, e.g. accumulation by hand in manual optimization, sum as in torch DDP).
+     :meth:`GradReducer.finalize` (clipping, the optimizer step) closes a round that is still open.
 
 The stage 1 / stage 2 difference lives only in :meth:`GradReducer._launch` / ``_collect``:
 stage 1 all-reduces the bucket and keeps the owned slice; stage 2 reduce-scatters it. Either way
 the optimizer sees only ``grad_shards[b]``: ``(padded_numel // world_size,)`` in the master dtype.
 
-Wire buffers live only from a bucket's first gradient until its collective completes (finished
-buckets are collected as later ones launch, and at most ``_MAX_IN_FLIGHT`` wait at once), so
-stage 2 holds ``1/N`` of the gradients plus the buckets being filled or in flight.
+Memory: accumulation buffers live from a bucket's first gradient of the step until its collective
+completes. A launched bucket is collected as soon as its collective has finished (checked when
+later buckets launch), and at most ``_MAX_IN_FLIGHT`` launched buckets wait uncollected at any
+time, so stage 2 holds ``1/N`` of the gradients plus the buckets being filled and those in flight.
+Across the micro-batches of ``no_sync`` all buckets hold data (like ``param.grad`` under DDP).
 """
 
 from __future__ import annotations
@@ -27,18 +34,19 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lightning_zero.buckets import BucketPlan
+from lightning_zero.buckets import Bucket, BucketPlan
 from lightning_zero.comm import Comm
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import ZeroConfig, master_dtype
 from lightning_zero.flat import FlatParams, dtype_from_str
 from lightning_zero.partition import shard_range
 
 _MAX_IN_FLIGHT = 2
-"""Buckets whose collective may be pending at once (bounds stage 2's transient gradient memory)."""
+"""Launched buckets that may wait uncollected at once (bounds stage 2's transient gradient memory)."""
 
 
 def _is_completed(handle: object) -> bool:
@@ -46,9 +54,24 @@ def _is_completed(handle: object) -> bool:
     return bool(done()) if done is not None else True
 
 
-def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    """Optimizer arithmetic dtype: fp32 for 16-bit parameters, the parameter dtype otherwise."""
-    return torch.float32 if param_dtype.itemsize < 4 else param_dtype
+@dataclass
+class _BucketState:
+    """One bucket's per-step communication state (lives and dies together)."""
+
+    bucket: Bucket
+    accum: Tensor | None = None
+    """``(padded_numel,)`` sum of this step's local gradients, master dtype (padding zero)."""
+    wire: Tensor | None = None
+    """What is on the wire: ``accum`` itself, or its cast to the wire dtype."""
+    output: Tensor | None = None
+    """Stage 2: the reduce-scatter's output ``(shard_numel,)``, when it is not the shard itself."""
+    handle: object | None = None
+    """The pending collective."""
+    waiting: int = 0
+    """Parameters of the bucket that have not yet arrived in this round."""
+
+    def clear(self) -> None:
+        self.accum = self.wire = self.output = self.handle = None
 
 
 class GradReducer:
@@ -68,23 +91,22 @@ class GradReducer:
         self.comm = comm
         self.config = config
         self._where = plan.locate()
-        n_buckets = len(plan.buckets)
         self.grad_shards: list[Tensor] = [
             torch.zeros(plan.shard_numel(b), dtype=master_dtype(dtype_from_str(b.dtype)), device=flat.device)
             for b in plan.buckets
         ]
+        self._buckets = [_BucketState(b, waiting=len(b.slots)) for b in plan.buckets]
         self._sync = True
         # at world size 1 the local mask is the global one: torch's exact semantics for free
         self._skip_unused = config.find_unused_parameters or comm.world_size == 1
         self._used = [False] * len(self.params)  # got a gradient on this rank in this step
         self._used_global: Tensor | None = None
-        self._filled = [False] * len(self.params)
-        self._pending = [len(b.slots) for b in plan.buckets]
-        self._wire: list[Tensor | None] = [None] * n_buckets
-        self._outputs: list[Tensor | None] = [None] * n_buckets
-        self._handles: list[object | None] = [None] * n_buckets
+        self._has_data = [False] * len(self.params)  # accumulated in this round's buffers
+        self._arrived = [False] * len(self.params)  # arrived in this round's backward
         self._next_launch = 0
-        self._finalized = False
+        self._rounds = 0  # rounds whose result is in grad_shards
+        self._round_open = False
+        self._callback_queued = False
         self._warned_unused = False
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
@@ -99,154 +121,195 @@ class GradReducer:
         finally:
             self._sync = previous
 
+    @property
+    def syncing(self) -> bool:
+        """False inside :meth:`no_sync`."""
+        return self._sync
+
+    @property
+    def idle(self) -> bool:
+        """Nothing accumulated or in flight since the last :meth:`reset` (an optimizer-step boundary)."""
+        return not self._round_open and self._rounds == 0
+
     def _make_hook(self, index: int):  # noqa: ANN202 - a closure over the parameter index
         def hook(param: torch.nn.Parameter) -> None:
+            if param.grad is None:
+                return
             self._used[index] = True
-            if self._sync and param.grad is not None:
-                self._take_grad(index, param)
+            self._take_grad(index, param)
+            if self._sync:
+                self._arrive(index)
+                if not self._callback_queued:
+                    self._callback_queued = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
                 self._launch_ready()
 
         return hook
 
     def _take_grad(self, index: int, param: torch.nn.Parameter) -> None:
-        """Move ``param.grad`` (divided by world size) into its bucket's wire buffer."""
+        """Add ``param.grad`` into its bucket's accumulation buffer and release it."""
         bucket_index, slot = self._where[index]
-        if bucket_index < self._next_launch:  # buckets launch in order: this one is already on the wire
-            name = self.plan.params[index].name
-            raise RuntimeError(
-                f"parameter {name!r} received a gradient after its bucket was communicated in this step "
-                "(a second backward without an optimizer step in between?); "
-                "use no_sync() for all but the last"
-            )
-        wire = self._wire_buffer(bucket_index)
-        view = wire[slot.bucket_offset : slot.bucket_offset + slot.numel]
+        if bucket_index < self._next_launch:  # already on the wire: this gradient opens a new round
+            self._finish_round()
+        view = self._accum(bucket_index)[slot.bucket_offset : slot.bucket_offset + slot.numel]
         assert param.grad is not None  # callers check
         grad = param.grad.detach().reshape(-1)
-        if self._filled[index]:
-            view.add_(grad / self.comm.world_size)
+        if self._has_data[index]:
+            view.add_(grad)
         else:
-            torch.div(grad, self.comm.world_size, out=view)
-            self._filled[index] = True
-            self._pending[bucket_index] -= 1
+            view.copy_(grad)
+            self._has_data[index] = True
+        self._round_open = True
         param.grad = None
 
-    def _wire_buffer(self, bucket_index: int) -> Tensor:
-        wire = self._wire[bucket_index]
-        if wire is None:
-            bucket = self.plan.buckets[bucket_index]
-            dtype = self.config.wire_dtype(dtype_from_str(bucket.dtype))
-            wire = torch.empty(bucket.padded_numel, dtype=dtype, device=self.flat.device)
-            wire[bucket.numel :].zero_()
-            self._wire[bucket_index] = wire
-        return wire
+    def _arrive(self, index: int) -> None:
+        if not self._arrived[index]:
+            self._arrived[index] = True
+            self._buckets[self._where[index][0]].waiting -= 1
+
+    def _accum(self, bucket_index: int) -> Tensor:
+        state = self._buckets[bucket_index]
+        if state.accum is None:
+            bucket = state.bucket
+            dtype = master_dtype(dtype_from_str(bucket.dtype))
+            state.accum = torch.empty(bucket.padded_numel, dtype=dtype, device=self.flat.device)
+            state.accum[bucket.numel :].zero_()
+        return state.accum
 
     def _launch_ready(self) -> None:
         if not self.config.overlap_comm:
             return
-        while self._next_launch < len(self.plan.buckets) and self._pending[self._next_launch] == 0:
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].waiting == 0:
             self._launch(self._next_launch)
 
     def _launch(self, bucket_index: int) -> None:
-        wire = self._wire_buffer(bucket_index)
+        state = self._buckets[bucket_index]
+        accum = self._accum(bucket_index)
+        wire_dtype = self.config.wire_dtype(dtype_from_str(state.bucket.dtype))
+        # average before the cast: a 16-bit wire then carries the mean, not a sum that may overflow
+        if wire_dtype == accum.dtype:
+            state.wire = accum.div_(self.comm.world_size)
+        else:
+            state.wire = torch.empty(accum.numel(), dtype=wire_dtype, device=accum.device)
+            torch.div(accum, self.comm.world_size, out=state.wire)
+            state.accum = None  # the wire copy is all that is needed from here on
         if self.config.stage == 1:
-            self._handles[bucket_index] = self.comm.all_reduce(wire)
+            state.handle = self.comm.all_reduce(state.wire)
         else:
             shard = self.grad_shards[bucket_index]
-            out = (
-                shard
-                if shard.dtype == wire.dtype
-                else torch.empty(shard.numel(), dtype=wire.dtype, device=wire.device)
+            direct = self._rounds == 0 and shard.dtype == wire_dtype
+            state.output = (
+                shard if direct else torch.empty(shard.numel(), dtype=wire_dtype, device=shard.device)
             )
-            self._outputs[bucket_index] = out
-            self._handles[bucket_index] = self.comm.reduce_scatter(out, wire)
+            state.handle = self.comm.reduce_scatter(state.output, state.wire)
         self._next_launch = bucket_index + 1
         self._collect_finished(bucket_index)
 
     def _collect_finished(self, newest: int) -> None:
-        """Free wire buffers of finished buckets; keep at most ``_MAX_IN_FLIGHT`` buckets in flight."""
-        in_flight = [b for b in range(newest) if self._handles[b] is not None]
+        """Collect launched buckets that have finished; keep at most ``_MAX_IN_FLIGHT`` uncollected
+        (the newest included: it is never waited for here)."""
+        in_flight = [b for b in range(newest + 1) if self._buckets[b].handle is not None]
         excess = len(in_flight) - _MAX_IN_FLIGHT
-        for b in in_flight:  # oldest first
-            if excess > 0 or _is_completed(self._handles[b]):
+        for b in in_flight[:-1]:  # oldest first
+            if excess > 0 or _is_completed(self._buckets[b].handle):
                 self._collect(b)
                 excess -= 1
 
     def _fill_missing(self, bucket_index: int) -> None:
-        """Zeros (or an accumulated leftover ``.grad``) for parameters whose hook did not fire."""
-        wire = self._wire_buffer(bucket_index)
-        for slot in self.plan.buckets[bucket_index].slots:
-            if self._filled[slot.param_index]:
+        """Zeros for parameters that have no gradient in this round's buffers."""
+        bucket = self._buckets[bucket_index].bucket
+        accum = self._accum(bucket_index)
+        for slot in bucket.slots:
+            if self._has_data[slot.param_index]:
                 continue
-            param = self.params[slot.param_index]
-            if param.grad is not None:
-                self._take_grad(slot.param_index, param)
-                continue
-            wire[slot.bucket_offset : slot.bucket_offset + slot.numel].zero_()
-            self._filled[slot.param_index] = True
-            self._pending[bucket_index] -= 1
-            if not self._skip_unused and not self._warned_unused:
+            accum[slot.bucket_offset : slot.bucket_offset + slot.numel].zero_()
+            self._has_data[slot.param_index] = True
+            if not self._skip_unused and not self._warned_unused and not self._used[slot.param_index]:
                 self._warned_unused = True
                 warnings.warn(
                     f"parameter {self.plan.params[slot.param_index].name!r} got no gradient on rank "
                     f"{self.comm.rank} in this step; it counts as a zero gradient. Pass "
                     "find_unused_parameters=True to skip parameters no rank used, as torch.optim does.",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
 
-    def finalize(self) -> Tensor | None:
-        """Finish this step's communication; ``grad_shards`` are then valid. Idempotent.
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self._round_open:
+            self._finish_round()
 
-        Must be called on all ranks. Returns a ``(num_params,)`` mask of parameters some rank
-        used when ``find_unused_parameters`` is on (or at world size 1), else ``None``.
-        """
-        if self._finalized:
-            return self._used_global
-        for bucket_index in range(self._next_launch, len(self.plan.buckets)):
+    def _finish_round(self) -> None:
+        """Launch what is left of this round, wait for all of it, fold it into ``grad_shards``."""
+        for bucket_index in range(self._next_launch, len(self._buckets)):
             self._fill_missing(bucket_index)
             self._launch(bucket_index)
         used_handle = None  # launched after every bucket: the same collective order on every rank
         if self._skip_unused:
             self._used_global = torch.tensor(self._used, dtype=torch.int32, device=self.comm.device)
-            used_handle = self.comm.all_reduce(
-                self._used_global, op=torch.distributed.ReduceOp.MAX, control=True
-            )
-        for bucket_index in range(len(self.plan.buckets)):
-            if self._handles[bucket_index] is not None:
+            used_handle = self.comm.all_reduce(self._used_global, op="max", control=True)
+        for bucket_index in range(len(self._buckets)):
+            if self._buckets[bucket_index].handle is not None:
                 self._collect(bucket_index)
         if used_handle is not None:
             self.comm.wait(used_handle)
-        self._finalized = True
+        self._rounds += 1
+        self._round_open = False
+        self._next_launch = 0
+        self._has_data = [False] * len(self.params)
+        self._arrived = [False] * len(self.params)
+        for state in self._buckets:
+            state.waiting = len(state.bucket.slots)
+
+    def finalize(self) -> Tensor | None:
+        """Finish this step's communication; ``grad_shards`` are then valid. Idempotent.
+
+        Must be called on all ranks (that ran a backward pass since the last :meth:`reset`; a rank
+        that ran none communicates nothing, as under torch DDP, whose collectives run in backward,
+        so every rank must run backward or none). Returns a ``(num_params,)`` mask of parameters some rank
+        used when ``find_unused_parameters`` is on (or at world size 1), else ``None``.
+        """
+        if self.idle:  # no backward since the last step: torch's step with every .grad None
+            for shard in self.grad_shards:
+                shard.zero_()
+        elif self._round_open:
+            self._finish_round()
         return self._used_global
 
     def _collect(self, bucket_index: int) -> None:
-        handle, wire = self._handles[bucket_index], self._wire[bucket_index]
-        assert handle is not None and wire is not None
-        self.comm.wait(handle)
+        state = self._buckets[bucket_index]
+        assert state.handle is not None and state.wire is not None
+        self.comm.wait(state.handle)
         shard = self.grad_shards[bucket_index]
         if self.config.stage == 1:
-            start, end = shard_range(wire.numel(), self.comm.world_size, self.comm.rank)
-            shard.copy_(wire[start:end])
+            start, end = shard_range(state.wire.numel(), self.comm.world_size, self.comm.rank)
+            result = state.wire[start:end]
         else:
-            out = self._outputs[bucket_index]
-            assert out is not None
-            if out is not shard:
-                shard.copy_(out)
-        self._handles[bucket_index] = self._wire[bucket_index] = self._outputs[bucket_index] = None
+            assert state.output is not None
+            result = state.output
+        if result is not shard:
+            if self._rounds == 0:
+                shard.copy_(result)
+            else:
+                shard.add_(result)
+        state.clear()
 
     def reset(self) -> None:
         """Start a new step: drop gradients and per-step state (waits for anything in flight)."""
-        for bucket_index, handle in enumerate(self._handles):
-            if handle is not None:
-                self.comm.wait(handle)
-            self._handles[bucket_index] = self._wire[bucket_index] = self._outputs[bucket_index] = None
+        for state in self._buckets:
+            if state.handle is not None:
+                self.comm.wait(state.handle)
+            state.clear()
+            state.waiting = len(state.bucket.slots)
         for param in self.params:
             param.grad = None
         self._used = [False] * len(self.params)
         self._used_global = None
-        self._filled = [False] * len(self.params)
-        self._pending = [len(b.slots) for b in self.plan.buckets]
+        self._has_data = [False] * len(self.params)
+        self._arrived = [False] * len(self.params)
         self._next_launch = 0
-        self._finalized = False
+        self._rounds = 0
+        self._round_open = False
+        self._callback_queued = False
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

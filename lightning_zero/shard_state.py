@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from lightning_zero.buckets import BucketPlan
+from lightning_zero.config import master_dtype
 from lightning_zero.flat import FlatParams, dtype_from_str
-from lightning_zero.reducer import master_dtype
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,21 @@ class ShardState:
                 _adam_foreach(pieces, step, group)
         if self.separate_master[bucket_index]:
             self.flat.shard(self.plan.buckets[bucket_index]).copy_(self.master[bucket_index])
+
+    @torch.no_grad()
+    def adopt_external_writes(self) -> None:
+        """Take into the fp32 masters any 16-bit parameter element written since the last step.
+
+        A write from outside the optimizer (weights loaded in ``on_fit_start``, a callback that
+        averages or resets parameters) changes the 16-bit parameter but not its master, which would
+        bring the old value back at the next update. Elements whose parameter no longer equals the
+        master rounded to its dtype are re-read from the parameter; no host synchronisation.
+        """
+        for b, bucket in enumerate(self.plan.buckets):
+            if self.separate_master[b]:
+                shard, master = self.flat.shard(bucket), self.master[b]
+                written = shard != master.to(shard.dtype)
+                master.copy_(torch.where(written, shard.to(master.dtype), master))
 
     def refresh_master(self) -> None:
         """Re-read separate master shards from the parameter shards (after the parameters were loaded)."""

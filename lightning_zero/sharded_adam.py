@@ -24,10 +24,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero.buckets import ParamSpec, plan_buckets
@@ -37,7 +36,11 @@ from lightning_zero.flat import FlatParams
 from lightning_zero.full_state import gather_full_state, scatter_full_state
 from lightning_zero.plan_check import check_same_plan
 from lightning_zero.reducer import GradReducer
+from lightning_zero.replan import Parked, carry_state
 from lightning_zero.shard_state import ShardState
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _REFUSED_FLAGS = ("differentiable", "capturable")
 
@@ -76,7 +79,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         maximize: bool = False,
         decoupled_weight_decay: bool = True,
         config: ZeroConfig | None = None,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: ProcessGroup | None = None,
         param_order: Iterable[torch.nn.Parameter] | None = None,
         param_names: dict[torch.nn.Parameter, str] | None = None,
     ) -> None:
@@ -95,7 +98,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.comm = Comm(process_group)
         for group in self.param_groups:
             _check_group(group)
-        self._build(param_order, param_names or {})
+        self._param_order = None if param_order is None else list(param_order)
+        self._names = param_names or {}
+        self._parked = Parked()
+        self._build(self._param_order, self._names)
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, **kwargs: Any) -> ShardedAdamW:
@@ -114,11 +120,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         decoupled = type(optimizer) is torch.optim.AdamW or bool(
             defaults.get("decoupled_weight_decay", False)
         )
-        groups = []
-        for group in optimizer.param_groups:
-            group = dict(group)
+        # the twin takes over the very group dicts (not copies): LR schedulers, including the children
+        # of SequentialLR/ChainedScheduler, and user code holding a group keep reading and writing them
+        groups = optimizer.param_groups
+        for group in groups:
             group["decoupled_weight_decay"] = decoupled
-            groups.append(group)
         return cls(
             groups,
             lr=defaults["lr"],
@@ -165,6 +171,49 @@ class ShardedAdamW(torch.optim.Optimizer):
             [in_groups[p] for p in order],
             amsgrad=any(g["amsgrad"] for g in self.param_groups),
         )
+        self._trainable = self._trainable_signature()
+
+    def _trainable_signature(self) -> tuple[tuple[bool, ...], ...]:
+        return tuple(tuple(p.requires_grad for p in g["params"]) for g in self.param_groups)
+
+    def trainable_changed(self) -> bool:
+        """Whether a param group was added or a ``requires_grad`` flag flipped since the plan was built."""
+        return self._trainable_signature() != self._trainable
+
+    def replan(
+        self,
+        param_order: Iterable[torch.nn.Parameter] | None = None,
+        param_names: dict[torch.nn.Parameter, str] | None = None,
+    ) -> None:
+        """Rebuild buckets, flat buffers and shards for the parameters that are trainable now.
+
+        Call on all ranks between optimizer steps, after changing ``requires_grad`` or adding a param
+        group (fine-tuning). Every parameter keeps its Adam state; one that is frozen now keeps it
+        parked, as torch keeps the state of a parameter without gradient, until it trains again.
+
+        Raises:
+            PlanMismatchError: if the ranks do not agree on the new plan.
+        """
+        for group in self.param_groups:
+            _check_group(group)
+        if param_order is not None:
+            self._param_order = list(param_order)
+        if param_names is not None:
+            self._names = param_names
+        self.reducer.reset()
+        self.reducer.remove_hooks()
+        old = (self.plan, self.params_in_order, self.shards)
+        self._build(self._param_order, self._names)
+        carry_state(self.comm, old, (self.plan, self.params_in_order, self.shards), self._parked)
+        kept = set(self.params_in_order)
+        for param in old[1]:
+            if param not in kept:  # its own storage: the old flat buffer is freed with the old plan
+                param.data = param.data.clone()
+
+    def is_bound(self) -> bool:
+        """Whether every planned parameter still is a view of the flat buffers (``module.to(...)`` or
+        Lightning's teardown on a GPU gives parameters new storage)."""
+        return self.flat.is_bound(self.params_in_order)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop this step's gradients (on every rank: it may wait for collectives in flight)."""
@@ -184,7 +233,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         grads = self.reducer.grad_shards
         if math.isinf(norm_type):
             local = torch.stack([g.abs().max() for g in grads]).max().to(self.comm.device, torch.float64)
-            self.comm.wait(self.comm.all_reduce(local, op=dist.ReduceOp.MAX, control=True))
+            self.comm.wait(self.comm.all_reduce(local, op="max", control=True))
             total = local
         else:
             local = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads])
@@ -212,7 +261,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         local = (
             torch.stack([~torch.isfinite(g).all() for g in grads]).any().to(self.comm.device, torch.float32)
         )
-        self.comm.wait(self.comm.all_reduce(local.reshape(1), op=dist.ReduceOp.MAX, control=True))
+        self.comm.wait(self.comm.all_reduce(local.reshape(1), op="max", control=True))
         return bool(local.item())
 
     @torch.no_grad()
@@ -232,7 +281,17 @@ class ShardedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.trainable_changed():
+            raise RuntimeError(
+                "the trainable parameters changed after the last backward (requires_grad flipped or a "
+                "param group added); change them between optimizer steps and call replan() on every "
+                "rank before the next backward (the zero strategy does this before each training step)"
+            )
+        if self.reducer.idle:  # no backward since the last step: like torch with every .grad None
+            self.reducer.reset()
+            return loss
         used = self.reducer.finalize()
+        self.shards.adopt_external_writes()
         self._opt_called = True  # what LR schedulers check to warn about call order
         used_mask = None if used is None else used.cpu().bool().tolist()
         self.shards.count_steps(used_mask)

@@ -30,7 +30,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -46,6 +45,7 @@ from lightning_zero.checkpoint import (
     save_sharded,
 )
 from lightning_zero.config import ZeroConfig
+from lightning_zero.precision import shard_aware, unwrap_optimizer
 from lightning_zero.reshard import ShardFiles, load_sharded, preflight, read_full_param
 from lightning_zero.sharded_adam import ShardedAdamW
 
@@ -64,6 +64,8 @@ class ZeroStrategy(DDPStrategy):
         async_checkpoint: sharded saves copy this rank's shards to CPU and return; files are written
             in the background (:class:`~lightning_zero.checkpoint.AsyncCheckpointWriter`). The next
             save and the end of ``fit`` wait for it.
+        broadcast_buffers: module buffers (BatchNorm statistics) are broadcast from rank 0 before a
+            forward pass exactly when torch DDP's default ``broadcast_buffers=True`` does it.
         Remaining arguments: as ``DDPStrategy``.
     """
 
@@ -81,6 +83,7 @@ class ZeroStrategy(DDPStrategy):
         log_comm_stats: bool = False,
         sharded_checkpoint: bool = True,
         async_checkpoint: bool = False,
+        broadcast_buffers: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -112,6 +115,10 @@ class ZeroStrategy(DDPStrategy):
         self.log_comm_stats = log_comm_stats
         self.sharded_checkpoint = sharded_checkpoint
         self._async_writer = AsyncCheckpointWriter() if async_checkpoint else None
+        if not isinstance(broadcast_buffers, bool):
+            raise ValueError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
+        self.broadcast_buffers = broadcast_buffers
+        self._buffers_need_sync = True
         self._sharded: ShardedAdamW | None = None
         self._pending_load: tuple[Path, dict[str, Any]] | None = None
 
@@ -124,15 +131,21 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True, as DDPStrategy does
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING and self.root_device.type == "cpu":
+            if any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.model.modules()):
+                raise ValueError("SyncBatchNorm layers only work with GPU modules")  # torch DDP's own refusal
+        self._buffers_need_sync = True  # a fresh DDP wrapper's state
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._shard_optimizer()  # compares bucket plans first: a mismatch is an error, not a hang
             _sync_module_states(self.model)  # identical start on every rank, as DDP does (in place)
             assert self._sharded is not None
             self._sharded.shards.refresh_master()
-            self.precision_plugin.__class__ = _shard_aware(type(self.precision_plugin))
+            self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
             if self.log_comm_stats:
                 from lightning_zero.monitor import CommStatsMonitor
 
@@ -149,14 +162,15 @@ class ZeroStrategy(DDPStrategy):
             )
         assert self.lightning_module is not None
         module = self.lightning_module
-        sharded = ShardedAdamW.from_optimizer(
-            _unwrap(self.optimizers[0]),
+        original = unwrap_optimizer(self.optimizers[0])
+        sharded = _twin_class(type(original)).from_optimizer(
+            original,
             config=self.zero_config,
             param_order=module.parameters(),
             param_names={p: n for n, p in module.named_parameters()},
         )
         for config in self.lr_scheduler_configs:
-            config.scheduler.optimizer = sharded  # type: ignore[union-attr]
+            _repoint_scheduler(config.scheduler, sharded)
         self.optimizers = [sharded]
         self._sharded = sharded
 
@@ -169,13 +183,68 @@ class ZeroStrategy(DDPStrategy):
         with self._sharded.no_sync():
             yield None
 
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sharded is not None and self._sharded.trainable_changed():
+            self._replan()
+        self._before_forward()
+        output = super().training_step(*args, **kwargs)
+        self._after_forward()
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._fitting():  # trainer.validate(): DDP's wrapper is not there either
+            return super().validation_step(*args, **kwargs)
+        self._before_forward()
+        output = super().validation_step(*args, **kwargs)
+        self._after_forward()
+        return output
+
+    def _fitting(self) -> bool:
+        module = self.lightning_module
+        return (
+            module is not None
+            and module._trainer is not None
+            and module.trainer.state.fn == TrainerFn.FITTING
+        )
+
+    def _before_forward(self) -> None:
+        """DDP's buffer rule: broadcast rank 0's buffers before a forward that follows a forward
+        run with gradients and gradient sync (so not after ``no_sync`` micro-batches, evaluation, or
+        in manual optimization, where Lightning turns DDP's sync off around the forward)."""
+        if self._buffers_need_sync and self.broadcast_buffers and self._sharded is not None:
+            assert self.lightning_module is not None
+            self._sharded.comm.broadcast_tensors(list(self.lightning_module.buffers()), src=0)
+
+    def _after_forward(self) -> None:
+        assert self.lightning_module is not None
+        syncing = self._sharded is not None and self._sharded.reducer.syncing
+        self._buffers_need_sync = (
+            torch.is_grad_enabled() and syncing and self.lightning_module.automatic_optimization
+        )
+
+    def _replan(self) -> None:
+        """The trainable set changed (fine-tuning): new buckets and shards, state carried over."""
+        assert self._sharded is not None and self.lightning_module is not None
+        if not self._sharded.reducer.idle:
+            raise RuntimeError(
+                "the trainable parameters changed in the middle of a gradient accumulation window "
+                f"(global step {self.lightning_module.trainer.global_step}); change requires_grad or "
+                "add param groups at an optimizer-step boundary"
+            )
+        module = self.lightning_module
+        self._sharded.replan(module.parameters(), {p: n for n, p in module.named_parameters()})
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the sharded optimizer must exist to receive its state
 
     def _writes_shards(self) -> bool:
-        return self.sharded_checkpoint and self._sharded is not None
+        # parameters that left the flat buffers (Lightning's teardown on a GPU moves the module to
+        # CPU) make the shards stale: save what the module holds, as a standard file
+        return self.sharded_checkpoint and self._sharded is not None and self._sharded.is_bound()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -231,7 +300,7 @@ class ZeroStrategy(DDPStrategy):
             return super().load_model_state_dict(checkpoint, strict=strict)
         path, meta = self._pending_load
         module = self.lightning_module
-        if self._sharded is not None:
+        if self._sharded is not None and self._fitting():
             preflight(self._sharded, path, meta)
             load_sharded(self._sharded, path, meta, with_optimizer=False)
             extras = dict(checkpoint["state_dict"])
@@ -241,7 +310,7 @@ class ZeroStrategy(DDPStrategy):
             for spec in meta["plan"]["params"]:
                 extras[spec["name"]] = read_full_param(path, meta, spec["name"], files=files)
         missing, unexpected = module.load_state_dict(extras, strict=False)
-        if self._sharded is not None:
+        if self._sharded is not None and self._fitting():
             trainable = {p.name for p in self._sharded.plan.params}
             missing = [k for k in missing if k not in trainable]
         if strict and (missing or unexpected):
@@ -267,6 +336,8 @@ class ZeroStrategy(DDPStrategy):
         if self._sharded is not None:
             self._sharded.reducer.remove_hooks()  # the optimizer stays: a save after fit still works
         self._pending_load = None
+        if self.model is not None and self._fitting() and self._layer_sync:
+            self.model = self._layer_sync.revert(self.model)
         super().teardown()
 
     @classmethod
@@ -279,78 +350,22 @@ class ZeroStrategy(DDPStrategy):
                 )
 
 
-def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+_TWINS: dict[type, type[ShardedAdamW]] = {}
 
 
-class _ShardAwarePrecision:
-    """Mixed into the Trainer's precision plugin: clipping and loss scaling on sharded gradients.
-
-    Clipping uses the global norm over all ranks' shards. With a ``GradScaler`` (``16-mixed``) the
-    shard gradients are unscaled, overflow is agreed across ranks, the step is skipped on every
-    rank or none, and the scale is updated by torch's own rule.
-    """
-
-    scaler: torch.amp.GradScaler | None
-
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        _sharded_of(optimizer).clip_grad_norm_(float(clip_val))
-
-    def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        _sharded_of(optimizer).clip_grad_value_(float(clip_val))
-
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
-        scaler = getattr(self, "scaler", None)
-        if scaler is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[misc]
-        sharded = _sharded_of(optimizer)
-        closure_result = closure()
-        if closure_result is None and model.automatic_optimization:
-            sharded.zero_grad()  # backward was skipped: nothing to step, keep ranks in lockstep
-            return None
-        found_inf = sharded.unscale_(scaler.get_scale())
-        self._after_closure(model, optimizer)  # type: ignore[attr-defined]  # hooks, then clipping (unscaled)
-        if found_inf:
-            sharded.zero_grad()
-        else:
-            sharded.step(**kwargs)
-        _update_scale(scaler, found_inf)
-        return closure_result
+def _twin_class(optimizer_cls: type) -> type[ShardedAdamW]:
+    """A ``ShardedAdamW`` subclass named like the user's optimizer class, so that what Lightning
+    derives from the class name (``LearningRateMonitor``'s ``lr-AdamW/pg1``) is what "ddp" shows."""
+    if optimizer_cls not in _TWINS:
+        name = optimizer_cls.__name__
+        _TWINS[optimizer_cls] = type(name, (ShardedAdamW,), {"__qualname__": name, "__module__": __name__})
+    return _TWINS[optimizer_cls]
 
 
-def _update_scale(scaler: torch.amp.GradScaler, found_inf: bool) -> None:
-    """torch's dynamic loss-scale rule (backoff on overflow, growth after ``growth_interval`` good steps),
-    applied to the scaler's own state so that it checkpoints as usual."""
-    scale, tracker = scaler._scale, scaler._growth_tracker  # noqa: SLF001 - no public hook for external inf checks
-    if scale is None or tracker is None:
-        return
-    found = torch.full((1,), float(found_inf), device=scale.device)
-    torch._amp_update_scale_(
-        scale,
-        tracker,
-        found,
-        scaler.get_growth_factor(),
-        scaler.get_backoff_factor(),
-        scaler.get_growth_interval(),
-    )
-
-
-def _sharded_of(optimizer: Any) -> ShardedAdamW:
-    optimizer = _unwrap(optimizer)
-    if not isinstance(optimizer, ShardedAdamW):
-        raise TypeError(f"expected the sharded optimizer, got {type(optimizer).__name__}")
-    return optimizer
-
-
-_SHARD_AWARE: dict[type, type] = {}
-
-
-def _shard_aware(precision_cls: type[Precision]) -> type[Precision]:
-    """``precision_cls`` with shard-aware clipping and loss scaling (one subclass per plugin class)."""
-    if issubclass(precision_cls, _ShardAwarePrecision):
-        return precision_cls
-    if precision_cls not in _SHARD_AWARE:
-        _SHARD_AWARE[precision_cls] = type(
-            f"Zero{precision_cls.__name__}", (_ShardAwarePrecision, precision_cls), {}
-        )
-    return _SHARD_AWARE[precision_cls]
+def _repoint_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Point ``scheduler`` and every scheduler it contains (``SequentialLR``, ``ChainedScheduler``)
+    at ``optimizer``. The groups are shared already; this keeps torch's call-order check and any
+    ``scheduler.optimizer`` reader right."""
+    scheduler.optimizer = optimizer
+    for child in getattr(scheduler, "_schedulers", ()):
+        _repoint_scheduler(child, optimizer)

@@ -30,7 +30,10 @@ def _parity_case(
     amsgrad: bool = False,
     reduce_dtype: str | None = None,
     overlap: bool = True,
+    no_sync: bool = True,
 ) -> dict[str, Any]:
+    """``no_sync=False``: every micro-batch's backward communicates (accumulation by hand, as a
+    manual-optimization loop does under DDP); the sum must be the same."""
     torch_dtype = getattr(torch, dtype)
     torch.manual_seed(0)
     model = TinyNet().to(torch_dtype)
@@ -58,7 +61,7 @@ def _parity_case(
         for micro in range(accum):
             x, y = batch(step, micro, rank, micro_size, torch_dtype)
             loss = torch.nn.functional.mse_loss(model(x, uses_extra(step, rank)), y) / accum
-            if micro < accum - 1:
+            if micro < accum - 1 and no_sync:
                 with opt.no_sync():
                     loss.backward()
             else:
@@ -182,3 +185,60 @@ def mismatched_models(rank: int, world_size: int) -> str:
     except PlanMismatchError as err:
         return str(err)
     return "no error"
+
+
+def bf16_accumulation(
+    rank: int, world_size: int, reduce_dtype: str | None, micro: int = 16
+) -> dict[str, float]:
+    """A bf16 layer, ``micro`` micro-batches per rank accumulated under ``no_sync``: the gradient
+    shard against the exact mean (fp32 sum of every rank's bf16 micro-batch gradients), and, for
+    scale, what accumulating in a bf16 ``param.grad`` (as autograd does) gets."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    ref_model = copy.deepcopy(model)
+    config = ZeroConfig(reduce_dtype=reduce_dtype, bucket_cap_mb=0.004, first_bucket_cap_mb=0.002)
+    opt = ShardedAdamW(model.parameters(), lr=0.0, config=config, param_order=model.parameters())
+    exact = [torch.zeros(p.shape) for p in ref_model.parameters()]
+    in_bf16 = [torch.zeros(p.shape, dtype=torch.bfloat16) for p in ref_model.parameters()]
+    for m in range(micro):
+        for r in range(world_size):
+            g = torch.Generator().manual_seed(100 * m + r)
+            x = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+            w = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+            grads = torch.autograd.grad((ref_model(x) * w).sum(), list(ref_model.parameters()))
+            for e, b, grad in zip(exact, in_bf16, grads, strict=True):
+                e.add_(grad.float() / world_size)
+                if r == rank:
+                    b.add_(grad / world_size)  # one rank's bf16 running sum (as param.grad would hold)
+            if r == rank:
+                loss = (model(x) * w).sum()
+                if m < micro - 1:
+                    with opt.no_sync():
+                        loss.backward()
+                else:
+                    loss.backward()
+    opt.reducer.finalize()
+    flat_exact = [e.reshape(-1) for e in exact]
+    scale = max(e.abs().max().item() for e in exact)
+    ours = 0.0
+    for b, bucket in enumerate(opt.plan.buckets):
+        for seg in opt.plan.segments(bucket, rank):
+            piece = opt.reducer.grad_shards[b][seg.shard_offset : seg.shard_offset + seg.numel]
+            expected = flat_exact[_ref_index(opt, model, seg.param_index)][seg.param_start : seg.param_end]
+            ours = max(ours, (piece - expected).abs().max().item())
+    # the bf16 running sum of this rank only: compare with this rank's exact share
+    own = [torch.zeros(p.shape) for p in ref_model.parameters()]
+    for m in range(micro):
+        g = torch.Generator().manual_seed(100 * m + rank)
+        x = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+        w = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+        grads = torch.autograd.grad((ref_model(x) * w).sum(), list(ref_model.parameters()))
+        for o, grad in zip(own, grads, strict=True):
+            o.add_(grad.float() / world_size)
+    bf16_err = max((b.float() - o).abs().max().item() for b, o in zip(in_bf16, own, strict=True))
+    return {"ours": ours / scale, "bf16_accumulation": bf16_err / scale}
+
+
+def _ref_index(opt: ShardedAdamW, model: torch.nn.Module, plan_index: int) -> int:
+    target = opt.params_in_order[plan_index]
+    return next(i for i, p in enumerate(model.parameters()) if p is target)

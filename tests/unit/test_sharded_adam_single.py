@@ -100,14 +100,111 @@ def test_strategy_names_are_registered() -> None:
     )
 
 
-def test_gradient_after_its_bucket_was_sent_is_an_error_not_a_silent_drop() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    config = ZeroConfig(bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)  # one parameter per bucket
-    opt = ShardedAdamW(model.parameters(), config=config, param_order=model.parameters())
+def test_second_backward_before_step_accumulates_like_torch() -> None:
+    """Two backward passes without ``no_sync`` (the second opens a new round of communication after
+    the first was sent) give torch's accumulated gradient; one parameter per bucket."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double()
+    reference = copy.deepcopy(model)
+    config = ZeroConfig(bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)
+    opt = ShardedAdamW(model.parameters(), lr=0.1, config=config, param_order=model.parameters())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.1)
     assert len(opt.plan.buckets) == 4
-    model(torch.ones(1, 3)).sum().backward()  # every bucket launched, the early ones already collected
-    first = opt.plan.params[opt.plan.buckets[0].slots[0].param_index].name  # first gradient of a backward
-    with pytest.raises(
-        RuntimeError, match=f"'{first}' received a gradient after its bucket was communicated"
-    ):
-        model(torch.ones(1, 3)).sum().backward()
+    for m, o in ((model, opt), (reference, ref_opt)):
+        for scale in (1.0, -3.0):
+            (m(torch.ones(1, 3, dtype=torch.float64)) * scale).pow(2).sum().backward()
+        o.step()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_bf16_master_follows_in_place_writes() -> None:
+    """A write into a bf16 parameter between steps (weights loaded by a callback) is what the next
+    update starts from: with lr 0 the parameter stays exactly the written value."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3).to(torch.bfloat16)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2)
+    x = torch.ones(2, 5, dtype=torch.bfloat16)
+    model(x).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        model.weight.fill_(0.25)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    model(x).sum().backward()
+    opt.step()
+    assert torch.equal(model.weight, torch.full_like(model.weight, 0.25))
+
+
+def _freeze_unfreeze_run(model: TinyNet, opt: torch.optim.Optimizer, replan: bool) -> None:
+    """3 steps; freeze ``out``; 2 steps; unfreeze it and add the frozen layer as a new group; 3 steps."""
+
+    def steps(n: int, start: int) -> None:
+        for step in range(start, start + n):
+            g = torch.Generator().manual_seed(step)
+            model(torch.randn(6, 7, generator=g, dtype=torch.float64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    steps(3, 0)
+    model.out.requires_grad_(False)
+    if replan:
+        opt.replan()  # type: ignore[attr-defined]
+    steps(2, 3)
+    model.out.requires_grad_(True)
+    model.frozen.requires_grad_(True)
+    opt.add_param_group({"params": list(model.frozen.parameters()), "lr": 5e-3, "weight_decay": 0.3})
+    if replan:
+        opt.replan()  # type: ignore[attr-defined]
+    steps(3, 5)
+
+
+def test_replan_after_freezing_and_adding_a_group_equals_torch() -> None:
+    """A frozen parameter is skipped and keeps its state (torch), resumes from it when unfrozen; a
+    group added later trains from its first step; one parameter per bucket, so buckets move."""
+    torch.manual_seed(0)
+    model = TinyNet().double()
+    reference = copy.deepcopy(model)
+    opt = ShardedAdamW(
+        param_groups(model), lr=1e-2, config=ZeroConfig(bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)
+    )
+    _freeze_unfreeze_run(model, opt, replan=True)
+    _freeze_unfreeze_run(reference, torch.optim.AdamW(param_groups(reference), lr=1e-2), replan=False)
+    assert not torch.equal(model.frozen.weight, TinyNet().double().frozen.weight)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_step_after_an_unplanned_trainable_change_is_an_error() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = ShardedAdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    model[0].requires_grad_(False)
+    with pytest.raises(RuntimeError, match="call replan"):
+        opt.step()
+
+
+def test_reentrant_activation_checkpointing_stays_exact() -> None:
+    """A reentrant checkpoint runs a nested backward whose end may close a gradient round early;
+    the rest arrives in a second round, and the sum is still torch's gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    )
+    model = model.double()
+    reference = copy.deepcopy(model)
+    opt = ShardedAdamW(
+        model.parameters(), lr=0.1, config=ZeroConfig(bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)
+    )
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    for m, o in ((model, opt), (reference, ref_opt)):
+        for _ in range(3):
+            h = checkpoint(m[:2], x, use_reentrant=True)
+            m[3](m[2](h)).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

@@ -1,0 +1,199 @@
+"""The conformance table: each case is a LightningModule configuration, Trainer flags, callbacks and
+what to do after ``fit``; :mod:`tests.conformance.runner` runs it under the reference strategy and
+under ours, and :mod:`tests.conformance.test_conformance` compares what a user would see.
+
+Fields of a case (all optional):
+  module     keyword arguments of :class:`~tests.conformance.module.ConformanceModule`
+  trainer    Trainer keyword arguments (``max_steps`` etc.; 2 CPU devices and ``64-true`` by default)
+  callbacks  ``[[name, kwargs], ...]`` built fresh for every run (see ``runner.CALLBACKS``)
+  after      actions on the same Trainer after ``fit``: ``"validate:best"``, ``"test:last"``,
+             ``"predict:best"``, ``"fit_again"`` (a second fit of the same module, new Trainer),
+             ``"load_last"`` (``ConformanceModule.load_from_checkpoint`` of the last checkpoint)
+  reference  the peer whose behaviour is the spec: ``"ddp"`` (default), another registered DDP
+             variant, or ``"single"`` (one process, ``N`` times the batch: for what DDP itself gets
+             wrong, e.g. parameters made trainable after DDP was built are never all-reduced)
+  ours       our strategies to run (default ``["zero", "zero1"]``)
+  refused    a substring of the error our strategies must raise (the reference must succeed)
+  object     use strategy objects (``ZeroStrategy(...)``, ``DDPStrategy()``) instead of names
+  compile_module  fit ``torch.compile(model, backend="aot_eager")`` (Lightning unwraps and recompiles)
+  both_fail  the reference fails too (e.g. SyncBatchNorm on CPU); ours must fail with the same error
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STEPS = 12  # 96 samples / (2 ranks x 4) = 12 batches per epoch
+
+CASES: dict[str, dict[str, Any]] = {}
+
+
+def _add(name: str, **case: Any) -> None:
+    assert name not in CASES, name
+    CASES[name] = case
+
+
+_LR_MONITOR = ["LearningRateMonitor", {"logging_interval": "step", "log_momentum": True}]
+
+# every torch LR scheduler a Lightning user returns, at step interval, with LearningRateMonitor
+for _name in (
+    "lambda",
+    "step",
+    "multistep",
+    "exponential",
+    "cosine",
+    "cosine_restarts",
+    "onecycle",
+    "linear",
+    "sequential",
+    "chained",
+):
+    _add(
+        f"sched_{_name}",
+        module={"scheduler": _name, "total_steps": 10},
+        trainer={"max_steps": 10},
+        callbacks=[_LR_MONITOR],
+    )
+_add(
+    "sched_epoch_interval",
+    module={"scheduler": "step", "interval": "epoch"},
+    trainer={"max_epochs": 4, "limit_train_batches": 3},
+    callbacks=[_LR_MONITOR],
+)
+_add(
+    "sched_frequency_3",
+    module={"scheduler": "exponential", "frequency": 3},
+    trainer={"max_steps": 10},
+    callbacks=[_LR_MONITOR],
+)
+_add(
+    "plateau_epoch",
+    module={"scheduler": "plateau", "interval": "epoch", "monitor": "loss_epoch"},
+    trainer={"max_epochs": 4, "limit_train_batches": 3},
+    callbacks=[_LR_MONITOR],
+)
+_add(
+    "plateau_step",
+    module={"scheduler": "plateau", "interval": "step", "monitor": "loss_step"},
+    trainer={"max_steps": 8},
+    callbacks=[_LR_MONITOR],
+)
+_add(
+    "plateau_val",
+    module={"scheduler": "plateau", "interval": "epoch", "monitor": "val_loss"},
+    trainer={"max_epochs": 3, "limit_train_batches": 3, "limit_val_batches": 2},
+    callbacks=[_LR_MONITOR],
+)
+
+# manual optimization
+_add("manual_plain", module={"manual": "plain", "scheduler": "sequential"}, trainer={"max_steps": 8})
+_add("manual_accumulate", module={"manual": "accumulate"}, trainer={"max_steps": 5})
+_add("manual_toggle", module={"manual": "toggle"}, trainer={"max_steps": 6})
+_add("manual_clip", module={"manual": "clip"}, trainer={"max_steps": 6})
+_add(
+    "gan_two_optimizers",
+    module={"manual": "gan"},
+    trainer={"max_steps": 4},
+    reference="ddp_find_unused_parameters_true",  # each optimizer's step leaves the other part unused
+    refused="exactly one optimizer",
+)
+
+# the trainable set changing during fit
+_add(
+    "freeze_mid_fit",
+    callbacks=[["FreezeAt", {"step": 3}]],
+    trainer={"max_steps": 8},
+    reference="ddp_find_unused_parameters_true",
+)
+_add(
+    "add_param_group_mid_fit",
+    module={"frozen_backbone": True, "explicit_sampler": True},
+    callbacks=[["AddGroupAt", {"step": 3}]],
+    trainer={"max_steps": 8, "use_distributed_sampler": False},
+    reference="single",
+)
+_add(
+    "base_finetuning",
+    module={"explicit_sampler": True},
+    callbacks=[["Finetune", {}]],
+    trainer={"max_epochs": 3, "limit_train_batches": 3, "use_distributed_sampler": False},
+    reference="single",
+)
+
+# buffers, parameter readers and writers, gradient norms
+_add("batchnorm_buffers", module={"batchnorm": True}, trainer={"max_steps": 6, "limit_val_batches": 2})
+_add(
+    "batchnorm_accumulate_validate",
+    module={"batchnorm": True},
+    trainer={"max_steps": 4, "accumulate_grad_batches": 2, "val_check_interval": 4, "limit_val_batches": 2},
+)
+# torch's SyncBatchNorm refuses CPU tensors: under "ddp" and ours alike, with the same error
+_add(
+    "sync_batchnorm",
+    module={"batchnorm": True},
+    trainer={"max_steps": 3, "sync_batchnorm": True},
+    both_fail=True,
+)
+_add(
+    "swa",
+    module={"batchnorm": True},
+    trainer={"max_epochs": 3, "limit_train_batches": 4},
+    callbacks=[["StochasticWeightAveraging", {"swa_lrs": 0.005, "swa_epoch_start": 1}]],
+)
+_add(
+    "ema_callback",
+    callbacks=[["EMA", {}]],
+    trainer={"max_steps": 6, "val_check_interval": 3, "limit_val_batches": 2},
+)
+_add(
+    "grad_norm_logging", module={"log_grad_norm": "zero"}, trainer={"max_steps": 4, "gradient_clip_val": 0.05}
+)
+
+# evaluation after fit, checkpoints
+_CKPT = ["ModelCheckpoint", {"monitor": "val_loss", "save_top_k": 1, "save_last": True}]
+_add(
+    "evaluate_after_fit",
+    trainer={"max_steps": 6, "val_check_interval": 2, "limit_val_batches": 2},
+    callbacks=[_CKPT],
+    after=["validate:best", "test:last", "predict:best", "load_last"],
+)
+_add(
+    "evaluate_after_detached_teardown",
+    trainer={"max_steps": 6, "val_check_interval": 2, "limit_val_batches": 2},
+    callbacks=[_CKPT, ["DetachAfterFit", {}]],
+    after=["validate:best", "test:last"],
+)
+_add(
+    "save_weights_only",
+    trainer={"max_steps": 4, "limit_val_batches": 0},
+    callbacks=[["ModelCheckpoint", {"save_weights_only": True, "save_last": True}]],
+    after=["load_last"],
+)
+_add("fit_twice", trainer={"max_steps": 4}, after=["fit_again"])
+
+# Trainer flags
+_add(
+    "clip_value_accumulate",
+    trainer={
+        "max_steps": 5,
+        "accumulate_grad_batches": 2,
+        "gradient_clip_val": 0.01,
+        "gradient_clip_algorithm": "value",
+    },
+)
+_add(
+    "clip_norm_accumulate", trainer={"max_steps": 5, "accumulate_grad_batches": 3, "gradient_clip_val": 0.05}
+)
+_add("val_check_interval", trainer={"max_steps": 8, "val_check_interval": 3, "limit_val_batches": 2})
+_add("limit_train_batches", trainer={"max_epochs": 3, "limit_train_batches": 2})
+_add("fast_dev_run", trainer={"fast_dev_run": 2})
+_add("overfit_batches", trainer={"max_steps": 6, "overfit_batches": 2})
+_add("strategy_objects", trainer={"max_steps": 5, "accumulate_grad_batches": 2}, object=True)
+_add("compile_blocks", module={"compile_blocks": True}, trainer={"max_steps": 4})
+_add("compile_module", compile_module=True, module={"log_metrics": False}, trainer={"max_steps": 4})
+_add("registered_name", trainer={"max_steps": 5, "accumulate_grad_batches": 2}, ours=["zero_by_name"])
+_add(
+    "write_weights_in_place_bf16",
+    trainer={"max_steps": 4, "precision": "bf16-true"},
+    callbacks=[["WriteWeightsAt", {"step": 2}]],
+)

@@ -1,0 +1,176 @@
+"""Run conformance cases under several strategies, in one launch, and save what a user would see.
+
+Lightning's launcher re-runs this script for rank 1, which then runs the same cases in the same
+order; every case's error is caught and recorded on every rank alike, so one refused case does
+not end the others. Each rank saves its own results to ``OUT.rank<R>``::
+
+    python -m tests.conformance.runner --out results.pt --workdir DIR --cases sched_step,fit_twice
+
+``run_case(name, "single")`` runs the one-process reference (``N`` times the batch) in the caller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.strategies import DDPStrategy
+
+from tests.conformance import module as M
+from tests.conformance.cases import CASES
+
+WORLD_SIZE = 2
+CALLBACKS: dict[str, Any] = {
+    "LearningRateMonitor": LearningRateMonitor,
+    "ModelCheckpoint": ModelCheckpoint,
+    "StochasticWeightAveraging": StochasticWeightAveraging,
+    "FreezeAt": M.FreezeAt,
+    "AddGroupAt": M.AddGroupAt,
+    "Finetune": M.Finetune,
+    "EMA": M.EMA,
+    "DetachAfterFit": M.DetachAfterFit,
+    "WriteWeightsAt": M.WriteWeightsAt,
+}
+_SMALL_BUCKETS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005}  # several buckets on this model
+
+
+def _strategy(name: str, as_object: bool) -> Any:
+    if name in ("zero", "zero1", "zero2"):
+        from lightning_zero import ZeroStrategy
+
+        return ZeroStrategy(stage=1 if name == "zero1" else 2, **_SMALL_BUCKETS)
+    if name == "zero_by_name":
+        return "zero"
+    if as_object and name == "ddp":
+        return DDPStrategy()
+    return name
+
+
+def _trainer(
+    case: dict[str, Any], strategy: str, root: Path, logger: M.MemoryLogger
+) -> tuple[L.Trainer, M.Recorder]:
+    recorder = M.Recorder()
+    callbacks = [CALLBACKS[name](**kwargs) for name, kwargs in case.get("callbacks", [])]
+    for cb in callbacks:
+        if isinstance(cb, ModelCheckpoint):
+            cb.dirpath = str(root / "ckpt")
+    single = strategy == "single"
+    flags = {"precision": "64-true", **case.get("trainer", {})}
+    trainer = L.Trainer(
+        strategy="auto" if single else _strategy(strategy, case.get("object", False)),
+        devices=1 if single else WORLD_SIZE,
+        accelerator="cpu",
+        logger=logger,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in callbacks),
+        default_root_dir=str(root),
+        callbacks=[*callbacks, recorder],
+        **flags,
+    )
+    return trainer, recorder
+
+
+def _module(case: dict[str, Any], strategy: str) -> M.ConformanceModule:
+    kwargs = dict(case.get("module", {}))
+    if strategy == "single":
+        kwargs["batch_size"] = kwargs.get("batch_size", 4) * WORLD_SIZE
+    return M.ConformanceModule(**kwargs)
+
+
+def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+
+def _after(
+    action: str,
+    trainer: L.Trainer,
+    model: M.ConformanceModule,
+    case: dict[str, Any],
+    strategy: str,
+    root: Path,
+) -> Any:
+    kind, _, ckpt = action.partition(":")
+    ckpt_path = ckpt or None
+    if kind == "validate":
+        metrics = trainer.validate(model, ckpt_path=ckpt_path, verbose=False)
+        return {"metrics": metrics, "params": _tensors(model)}
+    if kind == "test":
+        metrics = trainer.test(model, ckpt_path=ckpt_path, verbose=False)
+        return {"metrics": metrics, "params": _tensors(model)}
+    if kind == "predict":
+        out = trainer.predict(model, ckpt_path=ckpt_path)
+        return torch.cat([t.detach().cpu() for t in out])  # type: ignore[union-attr, misc]
+    if kind == "fit_again":
+        second, _ = _trainer(case, strategy, root / "again", M.MemoryLogger())
+        second.fit(model)
+        return _tensors(model)
+    if kind == "load_last":
+        last = root / "ckpt" / "last.ckpt"
+        return _tensors(M.ConformanceModule.load_from_checkpoint(last, map_location="cpu"))
+    raise ValueError(f"unknown action {action!r}")
+
+
+def launched_strategies(name: str) -> list[str]:
+    """The multi-process runs of a case: its reference (unless one process) and ours."""
+    case = CASES[name]
+    reference = case.get("reference", "ddp")
+    return ([] if reference == "single" else [reference]) + list(case.get("ours", ["zero", "zero1"]))
+
+
+def run_case(name: str, strategy: str, workdir: Path) -> dict[str, Any]:
+    """Run one case under one strategy; everything recorded as plain tensors and numbers."""
+    case = CASES[name]
+    root = workdir / f"{name}-{strategy}"
+    logger = M.MemoryLogger()
+    result: dict[str, Any] = {"error": None}
+    try:
+        trainer, recorder = _trainer(case, strategy, root, logger)
+        model = _module(case, strategy)
+        if case.get("compile_module"):  # trainer.fit(torch.compile(model)): Lightning unwraps and re-applies
+            trainer.fit(torch.compile(model, backend="aot_eager"))  # type: ignore[arg-type]
+        else:
+            trainer.fit(model)
+        result.update(
+            lrs=recorder.steps,
+            params=_tensors(model),
+            global_step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
+        )
+        result["after"] = {
+            action: _after(action, trainer, model, case, strategy, root) for action in case.get("after", [])
+        }
+    except Exception as err:  # noqa: BLE001 - recorded and compared: a refusal is a result
+        result["error"] = f"{type(err).__name__}: {err}"
+    result["logged"] = logger.rows
+    return result
+
+
+def main() -> None:
+    import lightning_zero  # noqa: F401  # registers the strategy names
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", required=True, help="comma-separated case names")
+    parser.add_argument("--workdir", required=True, help="shared by the ranks: checkpoints go there")
+    args = parser.parse_args()
+    workdir = Path(args.workdir)
+    results: dict[str, dict[str, Any]] = {}
+    for name in args.cases.split(","):
+        for strategy in launched_strategies(name):
+            results[f"{name}/{strategy}"] = run_case(name, strategy, workdir)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.save(results, f"{args.out}.rank{rank}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
