@@ -60,6 +60,11 @@ class Comm:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.stats = CommStats()
+        self._on_cuda = self.distributed and dist.get_backend(group) == "nccl"
+        self.time_device_waits = False
+        """Measure waits with CUDA events (NCCL); off by default: it keeps two events per wait
+        until :meth:`flush_timings`."""
+        self._device_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def _ring(self, numel: int) -> int:
         return numel * (self.world_size - 1) // self.world_size
@@ -99,10 +104,30 @@ class Comm:
         return fn(output, input_, group=self.group, async_op=True)
 
     def wait(self, handle: object) -> None:
-        """Block on ``handle`` and account the time."""
-        start = time.perf_counter()
+        """Block on ``handle`` and account the time.
+
+        Under NCCL ``wait()`` returns at once and makes the current CUDA stream wait instead, so a
+        host timer reads ~0: with :attr:`time_device_waits` on, a pair of CUDA events around it
+        measures how long the stream stalled (read by :meth:`flush_timings`, which synchronises).
+        """
+        if self._on_cuda and self.time_device_waits:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            handle.wait()  # type: ignore[attr-defined]
+            end.record()
+            self._device_waits.append((start, end))
+            return
+        start_s = time.perf_counter()
         handle.wait()  # type: ignore[attr-defined]
-        self.stats.wait_s += time.perf_counter() - start
+        self.stats.wait_s += time.perf_counter() - start_s
+
+    def flush_timings(self) -> None:
+        """Add the CUDA-measured waits recorded so far to ``stats.wait_s`` (synchronises with the
+        device: call when the figures are read, e.g. once per logged step, not in the step)."""
+        for start, end in self._device_waits:
+            end.synchronize()
+            self.stats.wait_s += start.elapsed_time(end) / 1000.0
+        self._device_waits.clear()
 
     def broadcast_tensors(self, tensors: list[Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` with rank ``src``'s values, one broadcast per dtype (blocking, control)."""

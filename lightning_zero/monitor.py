@@ -29,6 +29,8 @@ class CommStatsMonitor(pl.Callback):
     ) -> None:
         opt = getattr(trainer.strategy, "sharded_optimizer", None)
         if opt is not None:
+            opt.comm.time_device_waits = True  # CUDA events under NCCL, where a host timer reads ~0
+            opt.comm.flush_timings()
             opt.comm.stats.reset()
         self._start = time.perf_counter()
 
@@ -39,6 +41,7 @@ class CommStatsMonitor(pl.Callback):
         opt = getattr(trainer.strategy, "sharded_optimizer", None)
         if opt is None:
             return
+        opt.comm.flush_timings()
         stats = opt.comm.stats
         step_s = max(time.perf_counter() - self._start, 1e-9)
         numel = sum(b.padded_numel for b in opt.plan.buckets)

@@ -122,6 +122,17 @@ _add(
 
 # buffers, parameter readers and writers, gradient norms
 _add("batchnorm_buffers", module={"batchnorm": True}, trainer={"max_steps": 6, "limit_val_batches": 2})
+# DDP skips the broadcast after a no_sync micro-batch and after every forward in manual optimization
+_add(
+    "batchnorm_accumulate",
+    module={"batchnorm": True},
+    trainer={"max_steps": 3, "accumulate_grad_batches": 2, "limit_val_batches": 0},
+)
+_add(
+    "batchnorm_manual",
+    module={"batchnorm": True, "manual": "plain"},
+    trainer={"max_steps": 4, "limit_val_batches": 0},
+)
 _add(
     "batchnorm_accumulate_validate",
     module={"batchnorm": True},
