@@ -46,6 +46,8 @@ FORMAT_VERSION = 1
 META = "meta.pt"
 EXTRA = "model_extra.pt"
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+WEIGHTS_ONLY = "lightning_zero_weights_only"
+"""Key in the Lightning state of a checkpoint saved with ``save_weights_only``: it cannot resume."""
 
 
 class CheckpointError(RuntimeError):

@@ -28,7 +28,7 @@ from typing import Any, SupportsIndex
 
 import torch
 
-from lightning_zero.checkpoint import EXTRA, CheckpointError, read_meta, verify_files
+from lightning_zero.checkpoint import EXTRA, WEIGHTS_ONLY, CheckpointError, read_meta, verify_files
 from lightning_zero.reshard import ShardFiles, read_full_param
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -163,17 +163,19 @@ def load_module_checkpoint(
     files.release()
     if isinstance(map_location, str | torch.device):
         state_dict = {k: v.to(map_location) for k, v in state_dict.items()}
-    return {**meta["lightning"], "state_dict": state_dict}
+    lightning = {k: v for k, v in meta["lightning"].items() if k != WEIGHTS_ONLY}
+    return {**lightning, "state_dict": state_dict}
 
 
 def _structure(
     meta: dict[str, Any], extras: dict[str, torch.Tensor], out: _StreamingWriter, weights_only: bool
 ) -> dict[str, Any]:
     plan_params = meta["plan"]["params"]
+    saved_weights_only = bool(meta["lightning"].get(WEIGHTS_ONLY))  # as Lightning wrote it: no optimizer
     checkpoint = {
         k: v
         for k, v in meta["lightning"].items()
-        if not (weights_only and k in ("loops", "lr_schedulers", "callbacks"))
+        if k != WEIGHTS_ONLY and not (weights_only and k in ("loops", "lr_schedulers", "callbacks"))
     }
     state_dict: dict[str, Any] = {}
     for spec in plan_params:
@@ -181,7 +183,7 @@ def _structure(
     for name, value in extras.items():
         state_dict[name] = out.placeholder(tuple(value.shape), value.dtype, (name, "extra"))
     checkpoint["state_dict"] = state_dict
-    if not weights_only:
+    if not (weights_only or saved_weights_only):
         checkpoint["optimizer_states"] = [_optimizer_structure(meta, out)]
     return checkpoint
 

@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint import (
     EXTRA,
+    WEIGHTS_ONLY,
     AsyncCheckpointWriter,
     CheckpointError,
     is_sharded_checkpoint,
@@ -269,6 +270,8 @@ class ZeroStrategy(DDPStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         assert self._sharded is not None
         lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        if "optimizer_states" not in checkpoint:  # save_weights_only: resuming must be refused as ddp does
+            lightning_state[WEIGHTS_ONLY] = True
         save_sharded(
             self._sharded, filepath, lightning_state, checkpoint["state_dict"], self.zero_config.stage
         )
@@ -289,7 +292,8 @@ class ZeroStrategy(DDPStrategy):
         meta = read_meta(path)
         checkpoint = dict(meta["lightning"])
         checkpoint["state_dict"] = torch.load(path / EXTRA, map_location="cpu", weights_only=True)
-        checkpoint["optimizer_states"] = [{}]
+        if not checkpoint.pop(WEIGHTS_ONLY, False):
+            checkpoint["optimizer_states"] = [{}]  # filled from the shards by load_optimizer_state_dict
         self._pending_load = (path, meta)
         return checkpoint
 

@@ -8,7 +8,8 @@ Fields of a case (all optional):
   callbacks  ``[[name, kwargs], ...]`` built fresh for every run (see ``runner.CALLBACKS``)
   after      actions on the same Trainer after ``fit``: ``"validate:best"``, ``"test:last"``,
              ``"predict:best"``, ``"fit_again"`` (a second fit of the same module, new Trainer),
-             ``"load_last"`` (``ConformanceModule.load_from_checkpoint`` of the last checkpoint)
+             ``"load_last"`` (``ConformanceModule.load_from_checkpoint`` of the last checkpoint),
+             ``"resume:last"`` (a new Trainer fits two more steps from ``last.ckpt``)
   reference  the peer whose behaviour is the spec: ``"ddp"`` (default), another registered DDP
              variant, or ``"single"`` (one process, ``N`` times the batch: for what DDP itself gets
              wrong, e.g. parameters made trainable after DDP was built are never all-reduced)
@@ -16,6 +17,7 @@ Fields of a case (all optional):
   refused    a substring of the error our strategies must raise (the reference must succeed)
   object     use strategy objects (``ZeroStrategy(...)``, ``DDPStrategy()``) instead of names
   compile_module  fit ``torch.compile(model, backend="aot_eager")`` (Lightning unwraps and recompiles)
+  tol        tolerance of the comparison (default 1e-10, for float64)
   both_fail  the reference fails too (e.g. SyncBatchNorm on CPU); ours must fail with the same error
 """
 
@@ -178,7 +180,15 @@ _add(
     "save_weights_only",
     trainer={"max_steps": 4, "limit_val_batches": 0},
     callbacks=[["ModelCheckpoint", {"save_weights_only": True, "save_last": True}]],
-    after=["load_last"],
+    after=["load_last", "resume:last"],  # resuming needs optimizer state: the same refusal as ddp's
+)
+# "ddp" restores a checkpoint before its 64-true conversion (weights pass through fp32): compare in fp32
+_add(
+    "resume_last",
+    trainer={"max_steps": 4, "limit_val_batches": 0, "precision": "32-true"},
+    tol=1e-5,
+    callbacks=[["ModelCheckpoint", {"save_last": True}]],
+    after=["resume:last"],
 )
 _add("fit_twice", trainer={"max_steps": 4}, after=["fit_again"])
 

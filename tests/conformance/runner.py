@@ -111,6 +111,16 @@ def _after(
         second, _ = _trainer(case, strategy, root / "again", M.MemoryLogger())
         second.fit(model)
         return _tensors(model)
+    if kind == "resume":  # a new Trainer continues from the checkpoint for two more steps
+        flags = dict(case.get("trainer", {}))
+        flags["max_steps"] = trainer.global_step + 2
+        again, _ = _trainer({**case, "trainer": flags}, strategy, root / "resumed", M.MemoryLogger())
+        fresh = _module(case, strategy)
+        try:
+            again.fit(fresh, ckpt_path=str(root / "ckpt" / f"{ckpt}.ckpt"))
+        except Exception as err:  # noqa: BLE001 - the error is the result to compare
+            return f"{type(err).__name__}: {err}"
+        return _tensors(fresh)
     if kind == "load_last":
         last = root / "ckpt" / "last.ckpt"
         return _tensors(M.ConformanceModule.load_from_checkpoint(last, map_location="cpu"))
