@@ -30,7 +30,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -46,6 +45,7 @@ from lightning_zero.checkpoint import (
     save_sharded,
 )
 from lightning_zero.config import ZeroConfig
+from lightning_zero.precision import shard_aware, unwrap_optimizer
 from lightning_zero.reshard import ShardFiles, load_sharded, preflight, read_full_param
 from lightning_zero.sharded_adam import ShardedAdamW
 
@@ -132,7 +132,7 @@ class ZeroStrategy(DDPStrategy):
             _sync_module_states(self.model)  # identical start on every rank, as DDP does (in place)
             assert self._sharded is not None
             self._sharded.shards.refresh_master()
-            self.precision_plugin.__class__ = _shard_aware(type(self.precision_plugin))
+            self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
             if self.log_comm_stats:
                 from lightning_zero.monitor import CommStatsMonitor
 
@@ -150,7 +150,7 @@ class ZeroStrategy(DDPStrategy):
         assert self.lightning_module is not None
         module = self.lightning_module
         sharded = ShardedAdamW.from_optimizer(
-            _unwrap(self.optimizers[0]),
+            unwrap_optimizer(self.optimizers[0]),
             config=self.zero_config,
             param_order=module.parameters(),
             param_names={p: n for n, p in module.named_parameters()},
@@ -277,80 +277,3 @@ class ZeroStrategy(DDPStrategy):
                 strategy_registry.register(
                     name, cls, description=f"ZeRO stage {stage} (lightning-zero)", stage=stage
                 )
-
-
-def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-class _ShardAwarePrecision:
-    """Mixed into the Trainer's precision plugin: clipping and loss scaling on sharded gradients.
-
-    Clipping uses the global norm over all ranks' shards. With a ``GradScaler`` (``16-mixed``) the
-    shard gradients are unscaled, overflow is agreed across ranks, the step is skipped on every
-    rank or none, and the scale is updated by torch's own rule.
-    """
-
-    scaler: torch.amp.GradScaler | None
-
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        _sharded_of(optimizer).clip_grad_norm_(float(clip_val))
-
-    def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        _sharded_of(optimizer).clip_grad_value_(float(clip_val))
-
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
-        scaler = getattr(self, "scaler", None)
-        if scaler is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[misc]
-        sharded = _sharded_of(optimizer)
-        closure_result = closure()
-        if closure_result is None and model.automatic_optimization:
-            sharded.zero_grad()  # backward was skipped: nothing to step, keep ranks in lockstep
-            return None
-        found_inf = sharded.unscale_(scaler.get_scale())
-        self._after_closure(model, optimizer)  # type: ignore[attr-defined]  # hooks, then clipping (unscaled)
-        if found_inf:
-            sharded.zero_grad()
-        else:
-            sharded.step(**kwargs)
-        _update_scale(scaler, found_inf)
-        return closure_result
-
-
-def _update_scale(scaler: torch.amp.GradScaler, found_inf: bool) -> None:
-    """torch's dynamic loss-scale rule (backoff on overflow, growth after ``growth_interval`` good steps),
-    applied to the scaler's own state so that it checkpoints as usual."""
-    scale, tracker = scaler._scale, scaler._growth_tracker  # noqa: SLF001 - no public hook for external inf checks
-    if scale is None or tracker is None:
-        return
-    found = torch.full((1,), float(found_inf), device=scale.device)
-    torch._amp_update_scale_(
-        scale,
-        tracker,
-        found,
-        scaler.get_growth_factor(),
-        scaler.get_backoff_factor(),
-        scaler.get_growth_interval(),
-    )
-
-
-def _sharded_of(optimizer: Any) -> ShardedAdamW:
-    optimizer = _unwrap(optimizer)
-    if not isinstance(optimizer, ShardedAdamW):
-        raise TypeError(f"expected the sharded optimizer, got {type(optimizer).__name__}")
-    return optimizer
-
-
-_SHARD_AWARE: dict[type, type] = {}
-
-
-def _shard_aware(precision_cls: type[Precision]) -> type[Precision]:
-    """``precision_cls`` with shard-aware clipping and loss scaling (one subclass per plugin class)."""
-    if issubclass(precision_cls, _ShardAwarePrecision):
-        return precision_cls
-    if precision_cls not in _SHARD_AWARE:
-        _SHARD_AWARE[precision_cls] = type(
-            f"Zero{precision_cls.__name__}", (_ShardAwarePrecision, precision_cls), {}
-        )
-    return _SHARD_AWARE[precision_cls]
