@@ -253,6 +253,11 @@ class ZeroStrategy(DDPStrategy):
             for cb in self.lightning_module.trainer.checkpoint_callbacks
         )
 
+    @property
+    def checkpoint_in_flight(self) -> bool:
+        """Whether an asynchronous save (or a removal queued behind it) is still running on this rank."""
+        return self._async_writer is not None and self._async_writer.pending
+
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save is committed. Call on all ranks.
 

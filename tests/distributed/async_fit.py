@@ -41,13 +41,12 @@ class Probe(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step in self.steps:
-            writer = getattr(trainer.strategy, "_async_writer", None)
             entries = sorted(p.name for p in self.directory.iterdir()) if self.directory.is_dir() else []
             self.seen.append(
                 {
                     "step": trainer.global_step,
                     "entries": entries,
-                    "pending": bool(writer is not None and writer.pending),
+                    "pending": trainer.strategy.checkpoint_in_flight,
                 }
             )
 
