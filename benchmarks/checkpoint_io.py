@@ -38,10 +38,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_zero
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the checkout this file is in, before an installed lightning_zero (e.g. another worktree's editable
+# install), then this folder for step_time
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from step_time import GPT  # noqa: E402
+
+import lightning_zero  # noqa: E402
 
 VARIANTS = {
     "zero (sharded dir)": {"strategy": "zero"},
