@@ -2,11 +2,15 @@
 
     python benchmarks/checkpoint_io.py [--layers 8] [--dim 512]
 
-A GPT of >= 25M parameters (fp32, AdamW) trains 3 steps on 2 CPU ranks, then each variant saves a
-checkpoint and a fresh launch loads it. Printed side by side (rank 0; wall times after a barrier):
+A GPT of >= 25M parameters (fp32, AdamW) trains 7 steps on 2 CPU ranks and saves a checkpoint at
+the end of steps 3 and 5, from a callback, while training goes on; a fresh launch then loads it.
+Printed side by side (rank 0; wall times after a barrier):
 
   * save (the second of two, the steady state): seconds the training loop is blocked, seconds until
-    the checkpoint is committed, and the peak RSS above the RSS before the save;
+    the checkpoint is committed (an asynchronous save: watched from another thread while the next
+    steps run), the peak RSS above the RSS before the save (until the commit; for an asynchronous
+    save that includes the working memory of the step that overlaps it), and the duration of the
+    training step after the save against the median step without a save nearby;
   * load: seconds from the LightningModule's ``setup`` hook to ``on_train_start`` (strategy setup
     and restore), and the peak RSS then;
   * size on disk;
@@ -24,18 +28,22 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_zero
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the checkout this file is in, before an installed lightning_zero (e.g. another worktree's editable
+# install), then this folder for step_time
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from step_time import GPT  # noqa: E402
+
+import lightning_zero  # noqa: E402
 
 VARIANTS = {
     "zero (sharded dir)": {"strategy": "zero"},
@@ -64,6 +72,54 @@ class Timed(GPT):
         self.load_peak = _status_mb("VmHWM")
 
 
+class SaveTimer(Callback):
+    """Saves at the end of ``SAVE_STEPS`` while training goes on, and times the second save."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.batch_end: dict[int, float] = {}  # step -> time its batch ended (after a save there: returned)
+        self.figures: dict[str, float] = {}
+        self.watcher: threading.Thread | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        step = trainer.global_step
+        self.batch_end[step] = time.perf_counter()
+        if step not in SAVE_STEPS:
+            return
+        trainer.strategy.barrier()
+        before = _status_mb("VmRSS")
+        _reset_peak()
+        start = time.perf_counter()
+        trainer.save_checkpoint(self.path)
+        returned = self.batch_end[step] = time.perf_counter()
+        self.figures.update(save_blocked_s=returned - start, save_total_s=returned - start)
+        self.figures["save_peak_added_mb"] = _status_mb("VmHWM") - before
+        if getattr(trainer.strategy, "checkpoint_in_flight", False):
+            self.watcher = threading.Thread(target=self._watch, args=(trainer.strategy, start, before))
+            self.watcher.start()
+
+    def _watch(self, strategy: Any, start: float, before: float) -> None:
+        """The moment the asynchronous save is committed, seen from beside the training loop."""
+        while strategy.checkpoint_in_flight:
+            time.sleep(0.002)
+        self.figures["save_total_s"] = time.perf_counter() - start
+        self.figures["save_peak_added_mb"] = _status_mb("VmHWM") - before
+
+    def results(self) -> dict[str, float]:
+        """The save figures, the step after the timed save and the median step not after a save."""
+        if self.watcher is not None:
+            self.watcher.join()
+        ends = self.batch_end
+        durations = {k: ends[k] - ends[k - 1] for k in ends if k - 1 in ends}
+        plain = sorted(d for k, d in durations.items() if k - 1 not in SAVE_STEPS)
+        next_step = durations[SAVE_STEPS[-1] + 1]
+        return {**self.figures, "next_step_s": next_step, "plain_step_s": plain[len(plain) // 2]}
+
+
+SAVE_STEPS = (3, 5)
+STEPS = 7
+
+
 def strategy_of(spec: dict[str, Any]) -> Any:
     if spec["strategy"] == "ddp":
         return "ddp"
@@ -80,35 +136,28 @@ def run_variant(name: str, args: argparse.Namespace) -> None:
     tokens = torch.randint(0, 8192, (64, 129), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
     figures: dict[str, float] = {}
-    for phase, steps in (("save", 3), ("load", 4)):  # load: one more step, so on_train_start runs
+    for phase in ("save", "load"):
         model = Timed(8192, args.dim, args.layers, 128, zero_redundancy=False)
+        timer = SaveTimer(path)
+        saving_in_fit = phase == "save" and not spec.get("dcp")
         trainer = L.Trainer(
             strategy=strategy_of(spec),
             devices=2,
             accelerator="cpu",
-            max_steps=steps,
+            # load: one step past the saved one, so that on_train_start runs
+            max_steps=STEPS if phase == "save" else SAVE_STEPS[-1] + 1,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
+            callbacks=[timer] if saving_in_fit else None,
         )
         trainer.fit(model, data, ckpt_path=str(path) if phase == "load" else None)
         if spec.get("dcp"):
             figures.update(dcp_figures(trainer, model, path))
             break
         if phase == "save":
-            for _attempt in range(2):  # the second save is the steady state (the first sets up groups)
-                wait = getattr(trainer.strategy, "wait_for_checkpoint", lambda: None)
-                trainer.strategy.barrier()
-                before = _status_mb("VmRSS")
-                _reset_peak()
-                start = time.perf_counter()
-                trainer.save_checkpoint(path)
-                figures["save_blocked_s"] = time.perf_counter() - start
-                wait()
-                trainer.strategy.barrier()
-                figures["save_total_s"] = time.perf_counter() - start
-                figures["save_peak_added_mb"] = _status_mb("VmHWM") - before
+            figures.update(timer.results())
             figures["params"] = sum(p.numel() for p in model.parameters())
         else:
             figures["load_s"], figures["load_peak_mb"] = model.load_s, model.load_peak
@@ -142,6 +191,7 @@ def dcp_figures(trainer: L.Trainer, model: GPT, path: Path) -> dict[str, float]:
         trainer.strategy.barrier()
         figures["save_blocked_s"] = figures["save_total_s"] = time.perf_counter() - start
         figures["save_peak_added_mb"] = _status_mb("VmHWM") - before
+    figures["next_step_s"] = figures["plain_step_s"] = float("nan")  # saved after fit, not during it
     model_state, optim_state = get_state_dict(wrapped, optimizer)
     _reset_peak()
     start = time.perf_counter()
@@ -169,12 +219,13 @@ def report(args: argparse.Namespace) -> None:
     rows = [json.loads(line) for line in Path(args.out, "figures.jsonl").read_text().splitlines()]
     print(f"\nGPT {rows[0]['params'] / 1e6:.1f}M parameters, fp32 AdamW, 2 ranks (gloo, 1 thread each)\n")
     print(
-        f"{'variant':<30}{'save blocks s':>14}{'save total s':>13}{'save +RSS MB':>13}"
-        f"{'load s':>8}{'load peak MB':>13}{'size MB':>9}"
+        f"{'variant':<30}{'save blocks s':>14}{'save committed s':>17}{'save +RSS MB':>13}"
+        f"{'next step s':>12}{'plain step s':>13}{'load s':>8}{'load peak MB':>13}{'size MB':>9}"
     )
     for r in rows:
         print(
-            f"{r['name']:<30}{r['save_blocked_s']:>14.2f}{r['save_total_s']:>13.2f}{r['save_peak_added_mb']:>13.0f}"
+            f"{r['name']:<30}{r['save_blocked_s']:>14.2f}{r['save_total_s']:>17.2f}"
+            f"{r['save_peak_added_mb']:>13.0f}{r['next_step_s']:>12.2f}{r['plain_step_s']:>13.2f}"
             f"{r['load_s']:>8.2f}{r['load_peak_mb']:>13.0f}{r['size_mb']:>9.0f}"
         )
     src = Path(args.out, "zero_sharded_dir_.ckpt")

@@ -20,6 +20,7 @@ the old one is moved aside first) and deletes the old one. A crash before the
 rename leaves the previous checkpoint untouched (the temporary directory is ignored by
 ``ckpt_path="last"``, which looks for ``*.ckpt``), and nothing stale from an older world size
 survives a save over an existing path. A failure on any rank raises on every rank.
+:mod:`lightning_zero.async_save` runs the same protocol on a background thread.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import errno
 import hashlib
 import os
 import shutil
-import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ EXTRA = "model_extra.pt"
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 WEIGHTS_ONLY = "lightning_zero_weights_only"
 """Key in the Lightning state of a checkpoint saved with ``save_weights_only``: it cannot resume."""
+CopyFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 class CheckpointError(RuntimeError):
@@ -80,13 +82,16 @@ def plan_meta(opt: ShardedAdamW) -> dict[str, Any]:
     }
 
 
-def _shard_payload(opt: ShardedAdamW, copy: bool) -> dict[str, list[torch.Tensor]]:
+def _shard_payload(opt: ShardedAdamW, copy_tensor: CopyFn | None) -> dict[str, list[torch.Tensor]]:
     """This rank's tensors to save. Parameter shards are views of the flat buffer and are always
-    copied (saving a view writes its whole storage); ``copy`` copies the optimizer state too."""
+    copied (saving a view writes its whole storage); ``copy_tensor``, if given, copies every tensor
+    (a snapshot that training going on cannot change)."""
     shards = opt.shards
 
     def own(t: torch.Tensor, always: bool = False) -> torch.Tensor:
-        return t.detach().to("cpu", copy=True) if copy or always else t
+        if copy_tensor is not None:
+            return copy_tensor(t)
+        return t.detach().to("cpu", copy=True) if always else t
 
     payload = {"param": [own(opt.flat.shard(b), always=True) for b in opt.plan.buckets]}
     if any(shards.separate_master):
@@ -128,8 +133,8 @@ def _agree(comm_group: Any, world_size: int, status: Any) -> list[Any]:
 
 
 @dataclass
-class _StagedSave:
-    """Everything one rank writes for one checkpoint, copied out of the live training state."""
+class StagedSave:
+    """Everything one rank writes for one checkpoint (a snapshot if staged with a ``copy_tensor``)."""
 
     target: Path
     tmp: Path
@@ -138,11 +143,18 @@ class _StagedSave:
     payload: dict[str, list[torch.Tensor]]
     extra: dict[str, torch.Tensor]
     meta: dict[str, Any]  # without "files" (added by rank 0 once every rank has written)
+    before_write: Callable[[], None] | None = None  # e.g. wait for device-to-host copies
 
     def write(self, group: Any) -> None:
-        """Write, agree with the other ranks over ``group``, commit on rank 0. On all ranks."""
+        """Write, agree with the other ranks over ``group``, commit on rank 0. On all ranks.
+
+        Raises:
+            CheckpointError: on every rank, if any rank failed (the previous checkpoint is kept).
+        """
         status: Any
         try:
+            if self.before_write is not None:
+                self.before_write()
             self.tmp.mkdir(parents=True, exist_ok=True)
             status = [_write(self.payload, self.tmp / shard_name(self.rank, self.world_size))]
             if self.rank == 0:
@@ -175,15 +187,27 @@ def stage_save(
     lightning_state: dict[str, Any],
     extra_tensors: dict[str, torch.Tensor],
     stage: int,
-    copy: bool,
-) -> _StagedSave:
-    """Snapshot what this rank will write (``copy``: into fresh CPU tensors, so that training may
-    go on while it is written). Must be called on all ranks (one broadcast of a directory token)."""
+    copy_tensor: CopyFn | None = None,
+) -> StagedSave:
+    """What this rank will write. Must be called on all ranks (one broadcast of a directory token).
+
+    Args:
+        opt: the sharded optimizer whose shards (parameters, moments, masters) are saved.
+        path: the checkpoint directory to create or replace.
+        lightning_state: written into ``meta.pt`` as it is (the caller snapshots it if needed).
+        extra_tensors: model tensors outside the buckets, written by rank 0.
+        stage: the ZeRO stage, recorded in ``meta.pt``.
+        copy_tensor: copies every saved tensor (so that training may go on while it is written);
+            without it, only the parameter shards are copied and the rest is referenced.
+
+    Returns:
+        The staged save; its ``write`` must then be called on all ranks.
+    """
     comm, target = opt.comm, Path(path)
     token = [uuid.uuid4().hex if comm.rank == 0 else None]
     if comm.world_size > 1:
         dist.broadcast_object_list(token, src=0, group=comm.group)
-    payload = _shard_payload(opt, copy)
+    payload = _shard_payload(opt, copy_tensor)
     meta = {
         "format_version": FORMAT_VERSION,
         "world_size": comm.world_size,
@@ -193,13 +217,14 @@ def stage_save(
         "param_groups": copy_module.deepcopy(opt.group_hyperparameters()),
         "lightning": lightning_state,
     }
-    return _StagedSave(
+    copy_extra = copy_tensor or (lambda t: t.detach().cpu())
+    return StagedSave(
         target,
         target.parent / f".{target.name}.tmp-{token[0]}",
         comm.rank,
         comm.world_size,
         payload,
-        {k: v.detach().cpu() for k, v in extra_tensors.items()},
+        {k: copy_extra(v) for k, v in extra_tensors.items()},
         meta,
     )
 
@@ -216,54 +241,7 @@ def save_sharded(
     Raises:
         CheckpointError: on every rank, if any rank failed to write (the previous ``path`` is kept).
     """
-    stage_save(opt, path, lightning_state, extra_tensors, stage, copy=False).write(opt.comm.group)
-
-
-class AsyncCheckpointWriter:
-    """Writes staged checkpoints in a background thread, one at a time.
-
-    ``save`` stages a copy of this rank's shards (the bounded extra memory: one staging copy),
-    then returns; the files are written, agreed on over a dedicated gloo group (so it never
-    interleaves with training collectives) and committed in the background. The next ``save``,
-    and ``wait``, block until the previous one is committed and raise its error on every rank.
-    """
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._group: Any = None
-
-    def save(
-        self,
-        opt: ShardedAdamW,
-        path: str | os.PathLike[str],
-        lightning_state: dict[str, Any],
-        extra_tensors: dict[str, torch.Tensor],
-        stage: int,
-    ) -> None:
-        """Call on all ranks."""
-        self.wait()
-        if self._group is None and opt.comm.world_size > 1:
-            self._group = dist.new_group(backend="gloo")  # collective: first save, all ranks
-        staged = stage_save(opt, path, lightning_state, extra_tensors, stage, copy=True)
-        # not a daemon: an interpreter that exits right after a save still finishes writing it
-        self._thread = threading.Thread(target=self._run, args=(staged,), name="lightning-zero-save")
-        self._thread.start()
-
-    def _run(self, staged: _StagedSave) -> None:
-        try:
-            staged.write(self._group)
-        except BaseException as err:  # noqa: BLE001 - re-raised by wait()
-            self._error = err
-
-    def wait(self) -> None:
-        """Block until the pending save is committed; raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+    stage_save(opt, path, lightning_state, extra_tensors, stage).write(opt.comm.group)
 
 
 def _exchange(a: Path, b: Path) -> bool:

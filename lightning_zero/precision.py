@@ -1,10 +1,14 @@
-"""Shard-aware clipping and loss scaling, mixed into whatever precision plugin the Trainer chose.
+"""Shard-aware precision: gradient clipping and loss scaling on sharded gradients.
 
-With sharded gradients, ``clip_grad_by_norm`` needs the global norm over every rank's shards, and
-``16-mixed`` loss scaling needs the ranks to agree on an overflow; Lightning's plugins assume full
-``param.grad`` tensors. :func:`shard_aware` returns a subclass of the plugin's own class with those
-three methods replaced (the strategy swaps the plugin's ``__class__``), so every other behaviour of
-the user's precision setting is kept.
+``ZeroStrategy`` swaps the class of the Trainer's precision plugin for a subclass with
+:class:`_ShardAwarePrecision` mixed in (:func:`shard_aware`), so that every precision Lightning offers
+keeps its own behaviour and gains:
+
+  * clipping by the global norm (or value) over all ranks' gradient shards (one all-reduce);
+  * with a ``GradScaler`` (``16-mixed``): unscaling the shards, agreeing on overflow across ranks (the
+    step is skipped on every rank or none), and torch's own scale-update rule on the scaler's state.
+
+No state of its own; the optimizer it acts on is the strategy's :class:`~lightning_zero.ShardedAdamW`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from lightning_zero.sharded_adam import ShardedAdamW
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a ``LightningOptimizer`` (or ``optimizer`` itself)."""
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 

@@ -14,13 +14,20 @@ Lightning integration points:
   * checkpoints: a directory of per-rank shard files (:mod:`lightning_zero.checkpoint`), loaded
     onto any world size (:mod:`lightning_zero.reshard`); or, with ``sharded_checkpoint=False``, one
     standard file whose optimizer state is gathered into ``torch.optim.AdamW``'s format. A standard
-    file (e.g. from ``"ddp"``) loads too, resharded.
+    file (e.g. from ``"ddp"``) loads too, resharded;
+  * asynchronous saves (:mod:`lightning_zero.async_save`): ``save_checkpoint`` returns after a host
+    snapshot; the next save, a load and the end of ``fit`` wait for the commit, and
+    ``remove_checkpoint`` (``ModelCheckpoint``'s top-k) deletes only after it.
 
-Refused with a clear error: more than one optimizer, optimizers other than Adam/AdamW.
+Refused with a clear error: more than one optimizer, optimizers other than Adam/AdamW,
+``async_checkpoint`` without ``sharded_checkpoint``.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -30,16 +37,17 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_zero.async_save import AsyncCheckpointWriter
 from lightning_zero.checkpoint import (
     EXTRA,
     WEIGHTS_ONLY,
-    AsyncCheckpointWriter,
     CheckpointError,
     is_sharded_checkpoint,
     read_meta,
@@ -62,12 +70,19 @@ class ZeroStrategy(DDPStrategy):
         sharded_checkpoint: ``save_checkpoint`` writes a directory, one shard file per rank
             (:mod:`lightning_zero.checkpoint`); ``False`` writes one standard Lightning file with the
             optimizer state gathered on rank 0. Both kinds load on any world size.
-        async_checkpoint: sharded saves copy this rank's shards to CPU and return; files are written
-            in the background (:class:`~lightning_zero.checkpoint.AsyncCheckpointWriter`). The next
-            save and the end of ``fit`` wait for it.
+        async_checkpoint: a sharded save during ``fit`` copies what this rank writes to host memory
+            and returns; the files are written and committed in the background
+            (:mod:`lightning_zero.async_save`). The next save, a load and the end of ``fit`` wait
+            for it and raise its failure on every rank. Saves block as before outside ``fit``, while
+            handling an exception, for ``hpc_ckpt_*`` (a requeue follows at once) and for a path a
+            ``ModelCheckpoint(save_last="link")`` links to right after the save.
         broadcast_buffers: module buffers (BatchNorm statistics) are broadcast from rank 0 before a
             forward pass exactly when torch DDP's default ``broadcast_buffers=True`` does it.
         Remaining arguments: as ``DDPStrategy``.
+
+    Raises:
+        ValueError: ``async_checkpoint=True`` with ``sharded_checkpoint=False`` (the single gathered
+            file is written by Lightning's own, blocking, checkpoint IO).
     """
 
     strategy_name = "zero"
@@ -113,6 +128,8 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,  # type: ignore[arg-type]
         )
+        if async_checkpoint and not sharded_checkpoint:
+            raise ValueError("async_checkpoint=True needs sharded_checkpoint=True (directories of shards)")
         self.log_comm_stats = log_comm_stats
         self.sharded_checkpoint = sharded_checkpoint
         self._async_writer = AsyncCheckpointWriter() if async_checkpoint else None
@@ -120,6 +137,8 @@ class ZeroStrategy(DDPStrategy):
             raise ValueError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
         self.broadcast_buffers = broadcast_buffers
         self._buffers_need_sync = True
+        self._fit_running = False  # between setup and teardown of a fit: a later wait reports failures
+        self._unwinding = False  # on_exception was called: teardown must not wait for the other ranks
         self._sharded: ShardedAdamW | None = None
         self._pending_load: tuple[Path, dict[str, Any]] | None = None
 
@@ -140,6 +159,7 @@ class ZeroStrategy(DDPStrategy):
             if any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.model.modules()):
                 raise ValueError("SyncBatchNorm layers only work with GPU modules")  # torch DDP's own refusal
         self._buffers_need_sync = True  # a fresh DDP wrapper's state
+        self._fit_running, self._unwinding = trainer.state.fn == TrainerFn.FITTING, False
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._shard_optimizer()  # compares bucket plans first: a mismatch is an error, not a hang
@@ -272,15 +292,61 @@ class ZeroStrategy(DDPStrategy):
         lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if "optimizer_states" not in checkpoint:  # save_weights_only: resuming must be refused as ddp does
             lightning_state[WEIGHTS_ONLY] = True
-        save_sharded(
-            self._sharded, filepath, lightning_state, checkpoint["state_dict"], self.zero_config.stage
-        )
+        args = (self._sharded, filepath, lightning_state, checkpoint["state_dict"], self.zero_config.stage)
+        writer = self._async_writer
+        if writer is None or not self._saves_in_background(filepath):
+            self.wait_for_checkpoint()  # commits stay in order
+            save_sharded(*args)
+        else:
+            writer.save(*args)
+            if self._linked_at_once(filepath):
+                writer.wait()  # a link must never point at a checkpoint that may still fail
         return None
 
+    def _saves_in_background(self, filepath: Any) -> bool:
+        """Only while a fit runs normally (its next save, a load or its end reports a failure), and
+        not for an HPC checkpoint, after which the job is requeued at once."""
+        if not self._fit_running or Path(filepath).name.startswith("hpc_ckpt_"):
+            return False
+        assert self.lightning_module is not None
+        return not self.lightning_module.trainer.interrupted  # e.g. save_on_exception: nothing reports after
+
+    def _linked_at_once(self, filepath: Any) -> bool:
+        """Whether a ``ModelCheckpoint(save_last="link")`` links its last checkpoint to ``filepath``
+        right after the save returns (it does so for its every top-k save, with no hook in between)."""
+        assert self.lightning_module is not None
+        directory = os.path.realpath(Path(filepath).parent)
+        return any(
+            isinstance(cb, ModelCheckpoint)
+            and cb.save_last == "link"
+            and cb.save_top_k != 0
+            and cb.dirpath is not None
+            and os.path.realpath(cb.dirpath) == directory
+            for cb in self.lightning_module.trainer.checkpoint_callbacks
+        )
+
+    @property
+    def checkpoint_in_flight(self) -> bool:
+        """Whether an asynchronous save (or a removal queued behind it) is still running on this rank."""
+        return self._async_writer is not None and self._async_writer.pending
+
     def wait_for_checkpoint(self) -> None:
-        """Block until an asynchronous save is committed (raises its error). Call on all ranks."""
+        """Block until an asynchronous save is committed. Call on all ranks.
+
+        Raises:
+            CheckpointError: on every rank, if the save (or a removal behind it) failed on any rank.
+        """
         if self._async_writer is not None:
             self._async_writer.wait()
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self._async_writer is None:
+            return super().remove_checkpoint(filepath)
+        # ModelCheckpoint removes the checkpoint a new one replaces right after issuing the new save:
+        # deleting it once that save is committed never races the commit, and keeps it if the save fails
+        self._async_writer.remove_after_commit(functools.partial(super().remove_checkpoint, filepath))
+        return None
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -335,14 +401,35 @@ class ZeroStrategy(DDPStrategy):
         return None
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._unwinding = True
+
+    @override
     def teardown(self) -> None:
-        self.wait_for_checkpoint()
-        if self._sharded is not None:
-            self._sharded.reducer.remove_hooks()  # the optimizer stays: a save after fit still works
-        self._pending_load = None
-        if self.model is not None and self._fitting() and self._layer_sync:
-            self.model = self._layer_sync.revert(self.model)
-        super().teardown()
+        try:
+            self._finish_saves()
+        finally:
+            self._fit_running = self._unwinding = False
+            if self._sharded is not None:
+                self._sharded.reducer.remove_hooks()  # the optimizer stays: a save after fit still works
+            self._pending_load = None
+            if self.model is not None and self._fitting() and self._layer_sync:
+                self.model = self._layer_sync.revert(self.model)
+            super().teardown()
+
+    def _finish_saves(self) -> None:
+        """Wait for an asynchronous save: on all ranks, raising its failure everywhere; or, unwinding
+        from an error (other ranks may be elsewhere), on this rank alone, warning of its failure."""
+        if self._async_writer is None:
+            return
+        if not self._unwinding:
+            self._async_writer.wait()
+            return
+        try:
+            self._async_writer.wait(agree=False)
+        except Exception as err:  # noqa: BLE001 - another exception is already propagating
+            warnings.warn(f"an asynchronous checkpoint save failed as well: {err}", stacklevel=2)
 
     @classmethod
     @override

@@ -1,0 +1,144 @@
+"""ZeroStrategy(async_checkpoint=True) under Lightning's ModelCheckpoint, on 2 ranks.
+
+Training goes on while a save is written (the writer is slowed down by fault injection in the launched
+script); what is finally committed equals what a blocking save of the same run commits; a failure in
+the background is raised on every rank at the next save or at the end of fit, and the checkpoint it
+was to replace is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_zero.checkpoint import EXTRA, META
+from lightning_zero.cli import main as cli
+from tests.distributed.test_lightning_parity import ROOT
+
+
+def run_fits(cases: list[dict[str, Any]], tmp_path: Path, timeout_s: float = 180) -> list[list[dict]]:
+    """The fits of ``cases`` in one 2-rank launch of ``tests.distributed.async_fit``; per rank, per fit,
+    its report."""
+    out = tmp_path / "reports"
+    out.mkdir()
+    script = [sys.executable, "-m", "tests.distributed.async_fit"]
+    proc = subprocess.run(
+        [*script, "--out-dir", str(out), "--cases", json.dumps(cases)],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def _same(a: Any, b: Any, renamed: tuple[str, str]) -> bool:
+    """Equal containers, tensors equal in value and dtype, strings equal once ``renamed[0]`` reads
+    ``renamed[1]`` (the two runs wrote to different directories)."""
+    if isinstance(a, str):
+        return a.replace(*renamed) == b
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, dict):
+        a = {(k.replace(*renamed) if isinstance(k, str) else k): v for k, v in a.items()}
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k], renamed) for k in a)
+    if isinstance(a, list | tuple):
+        same_length = type(a) is type(b) and len(a) == len(b)
+        return same_length and all(_same(x, y, renamed) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def assert_same_checkpoint(ours: Path, reference: Path, renamed: tuple[str, str]) -> None:
+    """Every shard, the model extras and meta.pt (but for file checksums) are equal."""
+    assert cli(["verify", str(ours)]) == 0
+    names = sorted(p.name for p in ours.iterdir())
+    assert names == sorted(p.name for p in reference.iterdir()), names
+    for name in names:
+        a, b = (torch.load(d / name, weights_only=True) for d in (ours, reference))
+        if name == META:
+            a, b = ({k: v for k, v in m.items() if k != "files"} for m in (a, b))
+        assert _same(a, b, renamed), (ours.name, name)
+    assert {EXTRA, META} < set(names) and len(names) == 4  # two shards
+
+
+def test_training_goes_on_while_a_save_is_written_and_the_commit_equals_a_blocking_save(
+    tmp_path: Path,
+) -> None:
+    """Saves at steps 2, 4, 6 (top 2), each shard write slowed by 1 s: after steps 3, 5 and 7 the save
+    just issued is still in flight and its directory absent; the checkpoint top-k drops stays until the
+    save replacing it is committed; the committed checkpoints equal a blocking run's."""
+    async_dir, sync_dir = tmp_path / "async", tmp_path / "sync"
+    probes = [3, 5, 7]
+    reports = run_fits(
+        [
+            {"checkpoint_dir": str(async_dir), "slow_write_s": 1.0, "probe_steps": probes},
+            {"checkpoint_dir": str(sync_dir), "async_checkpoint": False, "probe_steps": probes},
+        ],
+        tmp_path,
+    )
+    for rank, (in_background, blocking) in enumerate(reports):
+        assert in_background["error"] is None and blocking["error"] is None, rank
+        seen = {p["step"]: p for p in in_background["probes"]}
+        for step, issued, kept in ((3, 2, None), (5, 4, 2), (7, 6, 2)):
+            assert seen[step]["pending"], (rank, seen[step])
+            assert f"epoch=0-step={issued}.ckpt" not in seen[step]["entries"], (rank, seen[step])
+            if kept is not None:
+                assert f"epoch=0-step={kept}.ckpt" in seen[step]["entries"], (rank, seen[step])
+        # the probe does see a commit when there is one
+        done = {p["step"]: p for p in blocking["probes"]}
+        assert "epoch=0-step=2.ckpt" in done[3]["entries"] and not done[3]["pending"], done[3]
+    names = sorted(p.name for p in async_dir.iterdir())  # no temporary directory left
+    assert names == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"]
+    assert names == sorted(p.name for p in sync_dir.iterdir())
+    for name in names:
+        assert_same_checkpoint(async_dir / name, sync_dir / name, (str(async_dir), str(sync_dir)))
+
+
+def test_a_background_failure_is_raised_on_every_rank_and_the_previous_checkpoint_is_kept(
+    tmp_path: Path,
+) -> None:
+    """Top-1 saves at steps 2, 4 (, 6). Rank 1 fails to write the step-4 shard: raised on both ranks at
+    the step-6 save, or at the end of a fit that stops at step 5, or at once when a save_last="link"
+    would point at it; the step-2 checkpoint stays (top-k's removal of it is dropped), valid. Rank 0
+    fails to remove step 2 after step 4 committed: raised on both ranks at the step-6 save."""
+    cases = {
+        "next_save": {"steps": 6, "fail_save": 2},
+        "end_of_fit": {"steps": 5, "fail_save": 2},
+        "link": {"steps": 6, "fail_save": 2, "save_last": "link"},
+        "removal": {"steps": 6, "fail_remove": True},
+    }
+    dirs = {name: tmp_path / name for name in cases}
+    reports = run_fits(
+        [{"checkpoint_dir": str(dirs[n]), "save_top_k": 1, **case} for n, case in cases.items()], tmp_path
+    )
+    expected = {  # where it is raised, at which step, what it names, what the directory then holds
+        "next_save": ("save_checkpoint", 6, "rank 1: OSError: injected", ["epoch=0-step=2.ckpt"]),
+        "end_of_fit": ("teardown", 5, "rank 1: OSError: injected", ["epoch=0-step=2.ckpt"]),
+        "link": ("save_checkpoint", 4, "rank 1: OSError: injected", ["epoch=0-step=2.ckpt", "last.ckpt"]),
+        "removal": (
+            "save_checkpoint",
+            6,
+            "rank 0: PermissionError: injected",
+            ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"],
+        ),
+    }
+    for rank, rank_reports in enumerate(reports):
+        for name, report in zip(cases, rank_reports, strict=True):
+            where, step, text, _ = expected[name]
+            error = report["error"]
+            assert error is not None, (rank, name)
+            assert error["type"] == "CheckpointError" and text in error["message"], (rank, name, error)
+            assert where in error["functions"] and report["global_step"] == step, (rank, name, error)
+    for name, (_, _, _, entries) in expected.items():
+        assert sorted(p.name for p in dirs[name].iterdir()) == entries, name  # no temporary directory left
+        assert cli(["verify", str(dirs[name] / "epoch=0-step=2.ckpt")]) == 0
+    last = dirs["link"] / "last.ckpt"
+    assert last.is_symlink() and last.resolve() == (dirs["link"] / "epoch=0-step=2.ckpt").resolve()
