@@ -37,9 +37,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_zero.checkpoint import CheckpointError, StagedSave, stage_save
+from lightning_zero.comm import Comm
 
 if TYPE_CHECKING:
     from lightning_zero.sharded_adam import ShardedAdamW
@@ -109,8 +109,7 @@ class AsyncCheckpointWriter:
         self._removals: list[Callable[[], None]] = []
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._group: Any = None
-        self._world_size = 1
+        self._comm: Comm | None = None  # over a gloo group of its own, never the training one
 
     @property
     def pending(self) -> bool:
@@ -141,10 +140,8 @@ class AsyncCheckpointWriter:
             CheckpointError: the previous save's failure, on every rank; nothing new is started.
         """
         self.wait()
-        if self._group is None and opt.comm.world_size > 1:
-            ranks = None if opt.comm.group is None else dist.get_process_group_ranks(opt.comm.group)
-            self._group = dist.new_group(ranks=ranks, backend="gloo")  # all ranks, at their first save
-        self._world_size = opt.comm.world_size
+        if self._comm is None:
+            self._comm = opt.comm.new_group(backend="gloo")  # all ranks, at their first save
         snapshot = HostSnapshot()
         staged = stage_save(
             opt, path, snapshot.tree(lightning_state), extra_tensors, stage, copy_tensor=snapshot.tensor
@@ -165,7 +162,8 @@ class AsyncCheckpointWriter:
     def _run(self, staged: StagedSave) -> None:
         error: BaseException | None = None
         try:
-            staged.write(self._group)
+            assert self._comm is not None
+            staged.write(self._comm)
         except BaseException as err:  # noqa: BLE001 - raised by wait(), on every rank
             error = err
         while True:
@@ -219,21 +217,21 @@ class AsyncCheckpointWriter:
             self._thread = None
         with self._lock:
             error, self._error = self._error, None
-        if agree and self._group is not None:
+        if agree and self._comm is not None and self._comm.world_size > 1:
             error = self._agreed(error)
         if error is not None:
             raise error
 
     def _agreed(self, error: BaseException | None) -> BaseException | None:
         """The failure every rank raises, given this rank's own (one all-gather on the writer's group)."""
-        texts: list[str | None] = [None] * self._world_size
-        dist.all_gather_object(
-            texts, None if error is None else f"{type(error).__name__}: {error}", group=self._group
+        assert self._comm is not None
+        texts: list[str | None] = self._comm.all_gather_object(
+            None if error is None else f"{type(error).__name__}: {error}"
         )
         failed = [(rank, text) for rank, text in enumerate(texts) if text is not None]
         if not failed:
             return None
-        if error is not None and len(failed) == self._world_size and len({t for _, t in failed}) == 1:
+        if error is not None and len(failed) == self._comm.world_size and len({t for _, t in failed}) == 1:
             return error  # the same failure everywhere: the write protocol already agreed on it
         agreed = CheckpointError(
             "a background checkpoint task failed:\n" + "\n".join(f"rank {r}: {t}" for r, t in failed)

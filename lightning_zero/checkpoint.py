@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from lightning_zero.comm import Comm
     from lightning_zero.sharded_adam import ShardedAdamW
 
 FORMAT_VERSION = 1
@@ -123,15 +123,6 @@ def _write(obj: Any, path: Path) -> tuple[str, int, str]:
     return path.name, size, digest
 
 
-def _agree(comm_group: Any, world_size: int, status: Any) -> list[Any]:
-    """Every rank's ``status`` on every rank (a failed rank sends its error text)."""
-    if world_size == 1:
-        return [status]
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, status, group=comm_group)
-    return out
-
-
 @dataclass
 class StagedSave:
     """Everything one rank writes for one checkpoint (a snapshot if staged with a ``copy_tensor``)."""
@@ -145,8 +136,8 @@ class StagedSave:
     meta: dict[str, Any]  # without "files" (added by rank 0 once every rank has written)
     before_write: Callable[[], None] | None = None  # e.g. wait for device-to-host copies
 
-    def write(self, group: Any) -> None:
-        """Write, agree with the other ranks over ``group``, commit on rank 0. On all ranks.
+    def write(self, comm: Comm) -> None:
+        """Write, agree with the other ranks over ``comm``, commit on rank 0. On all ranks.
 
         Raises:
             CheckpointError: on every rank, if any rank failed (the previous checkpoint is kept).
@@ -161,7 +152,7 @@ class StagedSave:
                 status.append(_write(self.extra, self.tmp / EXTRA))
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             status = f"rank {self.rank}: {type(err).__name__}: {err}"
-        everyone = _agree(group, self.world_size, status)
+        everyone = comm.all_gather_object(status)  # a failed rank sends its error text
         errors = [s for s in everyone if isinstance(s, str)]
         if not errors and self.rank == 0:
             try:
@@ -171,7 +162,7 @@ class StagedSave:
             except Exception as err:  # noqa: BLE001
                 errors.append(f"rank 0: {type(err).__name__}: {err}")
         if self.world_size > 1:  # rank 0's commit outcome reaches everyone
-            errors = [e for rank_errors in _agree(group, self.world_size, errors) for e in rank_errors]
+            errors = [e for rank_errors in comm.all_gather_object(errors) for e in rank_errors]
         if errors:
             if self.rank == 0:
                 shutil.rmtree(self.tmp, ignore_errors=True)
@@ -204,9 +195,7 @@ def stage_save(
         The staged save; its ``write`` must then be called on all ranks.
     """
     comm, target = opt.comm, Path(path)
-    token = [uuid.uuid4().hex if comm.rank == 0 else None]
-    if comm.world_size > 1:
-        dist.broadcast_object_list(token, src=0, group=comm.group)
+    token = comm.broadcast_object(uuid.uuid4().hex if comm.rank == 0 else None, src=0)
     payload = _shard_payload(opt, copy_tensor)
     meta = {
         "format_version": FORMAT_VERSION,
@@ -220,7 +209,7 @@ def stage_save(
     copy_extra = copy_tensor or (lambda t: t.detach().cpu())
     return StagedSave(
         target,
-        target.parent / f".{target.name}.tmp-{token[0]}",
+        target.parent / f".{target.name}.tmp-{token}",
         comm.rank,
         comm.world_size,
         payload,
@@ -241,7 +230,7 @@ def save_sharded(
     Raises:
         CheckpointError: on every rank, if any rank failed to write (the previous ``path`` is kept).
     """
-    stage_save(opt, path, lightning_state, extra_tensors, stage).write(opt.comm.group)
+    stage_save(opt, path, lightning_state, extra_tensors, stage).write(opt.comm)
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint import CheckpointError, _agree, shard_name, verify_files
+from lightning_zero.checkpoint import CheckpointError, shard_name, verify_files
 
 if TYPE_CHECKING:
     from lightning_zero.sharded_adam import ShardedAdamW
@@ -102,7 +102,7 @@ def preflight(opt: ShardedAdamW, path: Path, meta: dict[str, Any]) -> None:
         layout = _SavedLayout(meta)
         names = [shard_name(r, layout.world_size) for r in sorted(_needed_ranks(opt, layout))]
         problems = verify_files(path, meta, names)
-    everyone = _agree(opt.comm.group, opt.comm.world_size, problems)
+    everyone = opt.comm.all_gather_object(problems)
     found = sorted({p for rank_problems in everyone for p in rank_problems})
     if found:
         raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(found))
