@@ -82,10 +82,13 @@ def plan_meta(opt: ShardedAdamW) -> dict[str, Any]:
     }
 
 
-def _shard_payload(opt: ShardedAdamW, copy_tensor: CopyFn | None) -> dict[str, list[torch.Tensor]]:
+def _shard_payload(
+    opt: ShardedAdamW, copy_tensor: CopyFn | None, with_optimizer: bool = True
+) -> dict[str, list[torch.Tensor]]:
     """This rank's tensors to save. Parameter shards are views of the flat buffer and are always
     copied (saving a view writes its whole storage); ``copy_tensor``, if given, copies every tensor
-    (a snapshot that training going on cannot change)."""
+    (a snapshot that training going on cannot change). ``with_optimizer=False`` (a weights-only
+    checkpoint) saves the parameter shards alone."""
     shards = opt.shards
 
     def own(t: torch.Tensor, always: bool = False) -> torch.Tensor:
@@ -94,6 +97,8 @@ def _shard_payload(opt: ShardedAdamW, copy_tensor: CopyFn | None) -> dict[str, l
         return t.detach().to("cpu", copy=True) if always else t
 
     payload = {"param": [own(opt.flat.shard(b), always=True) for b in opt.plan.buckets]}
+    if not with_optimizer:
+        return payload
     if any(shards.separate_master):
         payload["master"] = [
             own(m) if sep else torch.empty(0)
@@ -196,7 +201,7 @@ def stage_save(
     """
     comm, target = opt.comm, Path(path)
     token = comm.broadcast_object(uuid.uuid4().hex if comm.rank == 0 else None, src=0)
-    payload = _shard_payload(opt, copy_tensor)
+    payload = _shard_payload(opt, copy_tensor, with_optimizer=not lightning_state.get(WEIGHTS_ONLY, False))
     meta = {
         "format_version": FORMAT_VERSION,
         "world_size": comm.world_size,
