@@ -199,6 +199,7 @@ def stage_save(
     Returns:
         The staged save; its ``write`` must then be called on all ranks.
     """
+    opt.wait_for_params()  # parameter gathers left in flight write the buffers saved here
     comm, target = opt.comm, Path(path)
     token = comm.broadcast_object(uuid.uuid4().hex if comm.rank == 0 else None, src=0)
     payload = _shard_payload(opt, copy_tensor, with_optimizer=not lightning_state.get(WEIGHTS_ONLY, False))

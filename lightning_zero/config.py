@@ -22,6 +22,10 @@ class ZeroConfig:
     overlap_comm: bool = True
     """Launch each bucket's collective from the gradient hooks while backward goes on. ``False``
     launches all of them after backward (useful to measure what overlap buys)."""
+    overlap_param_gather: bool = False
+    """Leave the parameter all-gathers of ``step()`` in flight: each module's forward waits for the
+    buckets holding its parameters (:mod:`lightning_zero.param_gather`). Everything else that reads
+    parameters must wait first; ``ZeroStrategy`` does it for Lightning's phases and callbacks."""
     reduce_dtype: str | None = None
     """Dtype of gradients on the wire: ``None`` (the master dtype: fp32 for 16-bit parameters, the
     parameters' dtype otherwise), ``"fp32"``, ``"bf16"`` (half the bytes of fp32, like DDP's bf16
@@ -53,7 +57,7 @@ class ZeroConfig:
             or self.align_numel < 1
         ):
             raise ValueError(f"align_numel must be an integer >= 1, got {self.align_numel!r}")
-        for name in ("overlap_comm", "find_unused_parameters"):
+        for name in ("overlap_comm", "overlap_param_gather", "find_unused_parameters"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

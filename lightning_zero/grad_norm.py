@@ -79,7 +79,7 @@ def grad_norm(
     out: dict[str, Tensor] = {}
     for name, param in module.named_parameters():
         i = position.get(param)
-        if i is None or (used is not None and not bool(used[i])):
+        if i is None or (used is not None and not used[i]):
             continue
         out[f"grad_{norm_type}_norm{group_separator}{name}"] = norms[i].to(param.device, param.dtype)
     if out:

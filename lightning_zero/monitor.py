@@ -20,6 +20,8 @@ from typing_extensions import override
 class CommStatsMonitor(pl.Callback):
     """Added by ``ZeroStrategy(log_comm_stats=True)``; can also be passed to the Trainer directly."""
 
+    reads_parameters_between_steps = False  # overlap_param_gather need not wait for it
+
     def __init__(self) -> None:
         self._start = 0.0
 

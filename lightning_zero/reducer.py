@@ -100,7 +100,7 @@ class GradReducer:
         # at world size 1 the local mask is the global one: torch's exact semantics for free
         self._skip_unused = config.find_unused_parameters or comm.world_size == 1
         self._used = [False] * len(self.params)  # got a gradient on this rank in this step
-        self._used_global: Tensor | None = None
+        self._used_global: list[bool] | None = None
         self._has_data = [False] * len(self.params)  # accumulated in this round's buffers
         self._arrived = [False] * len(self.params)  # arrived in this round's backward
         self._next_launch = 0
@@ -243,15 +243,18 @@ class GradReducer:
         for bucket_index in range(self._next_launch, len(self._buckets)):
             self._fill_missing(bucket_index)
             self._launch(bucket_index)
-        used_handle = None  # launched after every bucket: the same collective order on every rank
-        if self._skip_unused:
-            self._used_global = torch.tensor(self._used, dtype=torch.int32, device=self.comm.device)
-            used_handle = self.comm.all_reduce(self._used_global, op="max", control=True)
+        used, used_handle = None, None  # launched after every bucket: the same collective order everywhere
+        if self.comm.world_size == 1:
+            self._used_global = list(self._used)  # local is global: no tensor, no host synchronisation
+        elif self._skip_unused:  # find_unused_parameters=True: the user asked for one small all-reduce
+            used = torch.tensor(self._used, dtype=torch.int32, device=self.comm.device)
+            used_handle = self.comm.all_reduce(used, op="max", control=True)
         for bucket_index in range(len(self._buckets)):
             if self._buckets[bucket_index].handle is not None:
                 self._collect(bucket_index)
-        if used_handle is not None:
+        if used is not None and used_handle is not None:
             self.comm.wait(used_handle)
+            self._used_global = [bool(u) for u in used.tolist()]  # a host sync, once per round
         self._rounds += 1
         self._round_open = False
         self._next_launch = 0
@@ -260,13 +263,13 @@ class GradReducer:
         for state in self._buckets:
             state.waiting = len(state.bucket.slots)
 
-    def finalize(self) -> Tensor | None:
+    def finalize(self) -> list[bool] | None:
         """Finish this step's communication; ``grad_shards`` are then valid. Idempotent.
 
         Must be called on all ranks (that ran a backward pass since the last :meth:`reset`; a rank
         that ran none communicates nothing, as under torch DDP, whose collectives run in backward,
-        so every rank must run backward or none). Returns a ``(num_params,)`` mask of parameters some rank
-        used when ``find_unused_parameters`` is on (or at world size 1), else ``None``.
+        so every rank must run backward or none). Returns a list, one bool per parameter: whether some
+        rank used it, when ``find_unused_parameters`` is on (or at world size 1); else ``None``.
         """
         if self.idle:  # no backward since the last step: torch's step with every .grad None
             for shard in self.grad_shards:

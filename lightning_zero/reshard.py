@@ -133,6 +133,7 @@ def load_sharded(opt: ShardedAdamW, path: Path, meta: dict[str, Any], with_optim
     the saved masters (or parameters), not from the rounded 16-bit shard. A ``max_exp_avg_sq`` that
     the checkpoint lacks (``amsgrad`` switched on since) starts at zero.
     """
+    opt.wait_for_params()  # gathers left in flight would overwrite what is loaded here
     layout = _SavedLayout(meta)
     files = ShardFiles(path, layout.world_size)
     shards = opt.shards

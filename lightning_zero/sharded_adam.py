@@ -34,6 +34,7 @@ from lightning_zero.comm import Comm
 from lightning_zero.config import ZeroConfig
 from lightning_zero.flat import FlatParams
 from lightning_zero.full_state import gather_full_state, scatter_full_state
+from lightning_zero.param_gather import ParamGather
 from lightning_zero.plan_check import check_same_plan
 from lightning_zero.reducer import GradReducer
 from lightning_zero.replan import Parked, carry_state
@@ -163,6 +164,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         check_same_plan(self.plan, self.comm)
         self.params_in_order = order
         self.flat = FlatParams(order, self.plan, self.comm.rank)
+        self.gather = ParamGather(self.plan, self.flat, self.comm, self.config.overlap_param_gather)
         self.reducer = GradReducer(order, self.plan, self.flat, self.comm, self.config)
         self.shards = ShardState(
             self.plan,
@@ -202,13 +204,27 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._names = param_names
         self.reducer.reset()
         self.reducer.remove_hooks()
+        module = self.gather.module
+        self.gather.remove_hooks()  # waits: the new flat buffers copy complete parameters
         old = (self.plan, self.params_in_order, self.shards)
         self._build(self._param_order, self._names)
         carry_state(self.comm, old, (self.plan, self.params_in_order, self.shards), self._parked)
+        if module is not None:
+            self.gather.install_forward_waits(module, self.params_in_order)
         kept = set(self.params_in_order)
         for param in old[1]:
             if param not in kept:  # its own storage: the old flat buffer is freed with the old plan
                 param.data = param.data.clone()
+
+    def install_forward_waits(self, module: torch.nn.Module) -> None:
+        """Let ``overlap_param_gather`` take effect: ``module``'s submodules wait in their forward for
+        the buckets holding their parameters. Anything that reads parameters outside a forward must
+        call :meth:`wait_for_params` first."""
+        self.gather.install_forward_waits(module, self.params_in_order)
+
+    def wait_for_params(self) -> None:
+        """Complete the parameter all-gathers still in flight (a no-op without overlap)."""
+        self.gather.wait()
 
     def is_bound(self) -> bool:
         """Whether every planned parameter still is a view of the flat buffers (``module.to(...)`` or
@@ -290,17 +306,15 @@ class ShardedAdamW(torch.optim.Optimizer):
         if self.reducer.idle:  # no backward since the last step: like torch with every .grad None
             self.reducer.reset()
             return loss
-        used = self.reducer.finalize()
+        self.gather.wait()  # gathers left in flight read the shards this step writes
+        used_mask = self.reducer.finalize()
         self.shards.adopt_external_writes()
         self._opt_called = True  # what LR schedulers check to warn about call order
-        used_mask = None if used is None else used.cpu().bool().tolist()
         self.shards.count_steps(used_mask)
-        handles = []
-        for b, bucket in enumerate(self.plan.buckets):  # each bucket's gather overlaps the next one's update
+        for b in self.gather.order():  # each bucket's gather overlaps the next one's update
             self.shards.update_bucket(b, self.param_groups, used_mask)
-            handles.append(self.comm.all_gather(self.flat.bucket(bucket), self.flat.shard(bucket)))
-        for handle in handles:
-            self.comm.wait(handle)
+            self.gather.launch(b)
+        self.gather.launched()
         self.reducer.reset()
         return loss
 
@@ -312,6 +326,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         Afterwards :meth:`state_dict` returns it on rank ``to`` (the protocol of torch's
         ``ZeroRedundancyOptimizer``, which Lightning's checkpointing follows).
         """
+        self.gather.wait()
         self._consolidated = gather_full_state(self, dst=to)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -347,6 +362,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         Every rank passes the same full state and keeps its own pieces; no communication. Load the
         model's parameters first: 16-bit parameters' fp32 master shards are re-read from them.
         """
+        self.gather.wait()
         scatter_full_state(self, state_dict)
 
 

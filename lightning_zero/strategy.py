@@ -25,46 +25,34 @@ Refused with a clear error: more than one optimizer, optimizers other than Adam/
 
 from __future__ import annotations
 
-import functools
-import os
-import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_zero.async_save import AsyncCheckpointWriter
-from lightning_zero.checkpoint import (
-    EXTRA,
-    WEIGHTS_ONLY,
-    CheckpointError,
-    is_sharded_checkpoint,
-    read_meta,
-    save_sharded,
-)
 from lightning_zero.config import ZeroConfig
+from lightning_zero.monitor import CommStatsMonitor
+from lightning_zero.param_barrier import ParamReadBarrier
 from lightning_zero.precision import shard_aware, unwrap_optimizer
-from lightning_zero.reshard import ShardFiles, load_sharded, preflight, read_full_param
 from lightning_zero.sharded_adam import ShardedAdamW
+from lightning_zero.strategy_checkpoint import _ShardedCheckpointing
 
 
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(_ShardedCheckpointing):
     """ZeRO stage 1 or 2 data parallelism with a sharded Adam/AdamW.
 
     Args:
-        stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, reduce_dtype, find_unused_parameters,
-        align_numel: see :class:`~lightning_zero.ZeroConfig` (validated there).
+        stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
+        find_unused_parameters, align_numel: see :class:`~lightning_zero.ZeroConfig` (validated there).
         log_comm_stats: log per step the seconds spent waiting on communication, their share of the
             step, and the elements sent (``zero/*`` metrics).
         sharded_checkpoint: ``save_checkpoint`` writes a directory, one shard file per rank
@@ -93,6 +81,7 @@ class ZeroStrategy(DDPStrategy):
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         overlap_comm: bool = True,
+        overlap_param_gather: bool = False,
         reduce_dtype: str | None = None,
         find_unused_parameters: bool = False,
         align_numel: int = 1,
@@ -114,6 +103,7 @@ class ZeroStrategy(DDPStrategy):
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
             overlap_comm=overlap_comm,
+            overlap_param_gather=overlap_param_gather,
             reduce_dtype=reduce_dtype,
             find_unused_parameters=find_unused_parameters,
             align_numel=align_numel,
@@ -139,8 +129,8 @@ class ZeroStrategy(DDPStrategy):
         self._buffers_need_sync = True
         self._fit_running = False  # between setup and teardown of a fit: a later wait reports failures
         self._unwinding = False  # on_exception was called: teardown must not wait for the other ranks
-        self._sharded: ShardedAdamW | None = None
-        self._pending_load: tuple[Path, dict[str, Any]] | None = None
+        self._sharded = None
+        self._pending_load = None
 
     @property
     def sharded_optimizer(self) -> ShardedAdamW | None:
@@ -167,10 +157,14 @@ class ZeroStrategy(DDPStrategy):
             assert self._sharded is not None
             self._sharded.shards.refresh_master()
             self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
-            if self.log_comm_stats:
-                from lightning_zero.monitor import CommStatsMonitor
-
-                trainer.callbacks.append(CommStatsMonitor())  # type: ignore[attr-defined]  # set by Lightning
+            callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
+            if self.log_comm_stats and not any(isinstance(cb, CommStatsMonitor) for cb in callbacks):
+                callbacks.append(CommStatsMonitor())
+            if self.zero_config.overlap_param_gather:
+                assert self.lightning_module is not None
+                self._sharded.install_forward_waits(self.lightning_module)
+                callbacks[:] = [cb for cb in callbacks if not isinstance(cb, ParamReadBarrier)]
+                callbacks.insert(0, ParamReadBarrier(self._sharded.wait_for_params, trainer))
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
@@ -204,6 +198,12 @@ class ZeroStrategy(DDPStrategy):
         with self._sharded.no_sync():
             yield None
 
+    def wait_for_params(self) -> None:
+        """Complete the parameter all-gathers left in flight by ``overlap_param_gather``: needed before
+        reading parameters outside a module's forward in code the strategy does not know of."""
+        if self._sharded is not None:
+            self._sharded.wait_for_params()
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._sharded is not None and self._sharded.trainable_changed():
@@ -221,14 +221,6 @@ class ZeroStrategy(DDPStrategy):
         output = super().validation_step(*args, **kwargs)
         self._after_forward()
         return output
-
-    def _fitting(self) -> bool:
-        module = self.lightning_module
-        return (
-            module is not None
-            and module._trainer is not None
-            and module.trainer.state.fn == TrainerFn.FITTING
-        )
 
     def _before_forward(self) -> None:
         """DDP's buffer rule: broadcast rank 0's buffers before a forward that follows a forward
@@ -257,154 +249,6 @@ class ZeroStrategy(DDPStrategy):
         module = self.lightning_module
         self._sharded.replan(module.parameters(), {p: n for n, p in module.named_parameters()})
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the sharded optimizer must exist to receive its state
-
-    def _writes_shards(self) -> bool:
-        # parameters that left the flat buffers (Lightning's teardown on a GPU moves the module to
-        # CPU) make the shards stale: save what the module holds, as a standard file
-        return self.sharded_checkpoint and self._sharded is not None and self._sharded.is_bound()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        state = self.lightning_module.state_dict()
-        if self._writes_shards():  # trainable parameters go into the shard files
-            assert self._sharded is not None
-            trainable = {p.name for p in self._sharded.plan.params}
-            state = {k: v for k, v in state.items() if k not in trainable}
-        # parameters are views of flat buffers: clone so each saved tensor owns exactly its data
-        return {k: v.detach().clone() for k, v in state.items()}
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self._writes_shards():
-            return {}  # written by save_checkpoint, shard by shard
-        return super().optimizer_state(optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if not self._writes_shards():
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        assert self._sharded is not None
-        lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        if "optimizer_states" not in checkpoint:  # save_weights_only: resuming must be refused as ddp does
-            lightning_state[WEIGHTS_ONLY] = True
-        args = (self._sharded, filepath, lightning_state, checkpoint["state_dict"], self.zero_config.stage)
-        writer = self._async_writer
-        if writer is None or not self._saves_in_background(filepath):
-            self.wait_for_checkpoint()  # commits stay in order
-            save_sharded(*args)
-        else:
-            writer.save(*args)
-            if self._linked_at_once(filepath):
-                writer.wait()  # a link must never point at a checkpoint that may still fail
-        return None
-
-    def _saves_in_background(self, filepath: Any) -> bool:
-        """Only while a fit runs normally (its next save, a load or its end reports a failure), and
-        not for an HPC checkpoint, after which the job is requeued at once."""
-        if not self._fit_running or Path(filepath).name.startswith("hpc_ckpt_"):
-            return False
-        assert self.lightning_module is not None
-        return not self.lightning_module.trainer.interrupted  # e.g. save_on_exception: nothing reports after
-
-    def _linked_at_once(self, filepath: Any) -> bool:
-        """Whether a ``ModelCheckpoint(save_last="link")`` links its last checkpoint to ``filepath``
-        right after the save returns (it does so for its every top-k save, with no hook in between)."""
-        assert self.lightning_module is not None
-        directory = os.path.realpath(Path(filepath).parent)
-        return any(
-            isinstance(cb, ModelCheckpoint)
-            and cb.save_last == "link"
-            and cb.save_top_k != 0
-            and cb.dirpath is not None
-            and os.path.realpath(cb.dirpath) == directory
-            for cb in self.lightning_module.trainer.checkpoint_callbacks
-        )
-
-    @property
-    def checkpoint_in_flight(self) -> bool:
-        """Whether an asynchronous save (or a removal queued behind it) is still running on this rank."""
-        return self._async_writer is not None and self._async_writer.pending
-
-    def wait_for_checkpoint(self) -> None:
-        """Block until an asynchronous save is committed. Call on all ranks.
-
-        Raises:
-            CheckpointError: on every rank, if the save (or a removal behind it) failed on any rank.
-        """
-        if self._async_writer is not None:
-            self._async_writer.wait()
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self._async_writer is None:
-            return super().remove_checkpoint(filepath)
-        # ModelCheckpoint removes the checkpoint a new one replaces right after issuing the new save:
-        # deleting it once that save is committed never races the commit, and keeps it if the save fails
-        self._async_writer.remove_after_commit(functools.partial(super().remove_checkpoint, filepath))
-        return None
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self.wait_for_checkpoint()
-        self._pending_load = None
-        if not is_sharded_checkpoint(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        path = Path(checkpoint_path)
-        meta = read_meta(path)
-        checkpoint = dict(meta["lightning"])
-        checkpoint["state_dict"] = torch.load(path / EXTRA, map_location="cpu", weights_only=True)
-        if not checkpoint.pop(WEIGHTS_ONLY, False):
-            checkpoint["optimizer_states"] = [{}]  # filled from the shards by load_optimizer_state_dict
-        self._pending_load = (path, meta)
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        if self._pending_load is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        path, meta = self._pending_load
-        module = self.lightning_module
-        if self._sharded is not None and self._fitting():
-            preflight(self._sharded, path, meta)
-            load_sharded(self._sharded, path, meta, with_optimizer=False)
-            extras = dict(checkpoint["state_dict"])
-        else:  # validate/test/predict: no optimizer, read whole parameters
-            files = ShardFiles(path, meta["world_size"])
-            extras = dict(checkpoint["state_dict"])
-            for spec in meta["plan"]["params"]:
-                extras[spec["name"]] = read_full_param(path, meta, spec["name"], files=files)
-        missing, unexpected = module.load_state_dict(extras, strict=False)
-        if self._sharded is not None and self._fitting():
-            trainable = {p.name for p in self._sharded.plan.params}
-            missing = [k for k in missing if k not in trainable]
-        if strict and (missing or unexpected):
-            raise CheckpointError(
-                f"{path}: model state does not match: missing keys {sorted(missing)}, "
-                f"unexpected keys {sorted(unexpected)}"
-            )
-        return None
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self._pending_load is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        assert self._sharded is not None
-        path, meta = self._pending_load
-        load_sharded(self._sharded, path, meta, with_optimizer=True)
-        self._pending_load = None
-        return None
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        self._unwinding = True
-
     @override
     def teardown(self) -> None:
         try:
@@ -412,24 +256,12 @@ class ZeroStrategy(DDPStrategy):
         finally:
             self._fit_running = self._unwinding = False
             if self._sharded is not None:
+                self._sharded.gather.remove_hooks()  # waits for gathers still in flight
                 self._sharded.reducer.remove_hooks()  # the optimizer stays: a save after fit still works
             self._pending_load = None
             if self.model is not None and self._fitting() and self._layer_sync:
                 self.model = self._layer_sync.revert(self.model)
             super().teardown()
-
-    def _finish_saves(self) -> None:
-        """Wait for an asynchronous save: on all ranks, raising its failure everywhere; or, unwinding
-        from an error (other ranks may be elsewhere), on this rank alone, warning of its failure."""
-        if self._async_writer is None:
-            return
-        if not self._unwinding:
-            self._async_writer.wait()
-            return
-        try:
-            self._async_writer.wait(agree=False)
-        except Exception as err:  # noqa: BLE001 - another exception is already propagating
-            warnings.warn(f"an asynchronous checkpoint save failed as well: {err}", stacklevel=2)
 
     @classmethod
     @override

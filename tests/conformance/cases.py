@@ -13,7 +13,7 @@ Fields of a case (all optional):
   reference  the peer whose behaviour is the spec: ``"ddp"`` (default), another registered DDP
              variant, or ``"single"`` (one process, ``N`` times the batch: for what DDP itself gets
              wrong, e.g. parameters made trainable after DDP was built are never all-reduced)
-  ours       our strategies to run (default ``["zero", "zero1"]``)
+  ours       our strategies to run (default ``runner.OURS``: zero, zero1, zero with overlap_param_gather)
   refused    a substring of the error our strategies must raise (the reference must succeed)
   object     use strategy objects (``ZeroStrategy(...)``, ``DDPStrategy()``) instead of names
   compile_module  fit ``torch.compile(model, backend="aot_eager")`` (Lightning unwraps and recompiles)

@@ -337,6 +337,18 @@ class EMA(Callback):
         self.backup.clear()
 
 
+class DeferGathers(Callback):
+    """Parameter all-gathers run only when waited for (``overlap_param_gather``): any read of the
+    parameters that the strategy did not make wait for them sees stale values, deterministically."""
+
+    reads_parameters_between_steps = False
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from tests.distributed.workers import _defer_gathers
+
+        _defer_gathers(trainer.strategy.sharded_optimizer.comm)  # type: ignore[attr-defined]
+
+
 class DetachAfterFit(Callback):
     """What Lightning's teardown does on a GPU (``module.cpu()``): every parameter gets new storage."""
 

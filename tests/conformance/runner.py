@@ -25,6 +25,8 @@ from tests.conformance import module as M
 from tests.conformance.cases import CASES
 
 WORLD_SIZE = 2
+OURS = ["zero", "zero1", "zero_overlap"]
+"""Our strategies every case runs under unless it names its own."""
 CALLBACKS: dict[str, Any] = {
     "LearningRateMonitor": LearningRateMonitor,
     "ModelCheckpoint": ModelCheckpoint,
@@ -40,10 +42,11 @@ _SMALL_BUCKETS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005}  # seve
 
 
 def _strategy(name: str, as_object: bool) -> Any:
-    if name in ("zero", "zero1", "zero2"):
+    if name in ("zero", "zero1", "zero2", "zero_overlap"):
         from lightning_zero import ZeroStrategy
 
-        return ZeroStrategy(stage=1 if name == "zero1" else 2, **_SMALL_BUCKETS)
+        overlap = name == "zero_overlap"  # parameter gathers left in flight into the next forward
+        return ZeroStrategy(stage=1 if name == "zero1" else 2, overlap_param_gather=overlap, **_SMALL_BUCKETS)
     if name == "zero_by_name":
         return "zero"
     if as_object and name == "ddp":
@@ -71,7 +74,7 @@ def _trainer(
         enable_model_summary=False,
         enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in callbacks),
         default_root_dir=str(root),
-        callbacks=[*callbacks, recorder],
+        callbacks=[*callbacks, recorder, *([M.DeferGathers()] if strategy == "zero_overlap" else [])],
         **flags,
     )
     return trainer, recorder
@@ -131,7 +134,7 @@ def launched_strategies(name: str) -> list[str]:
     """The multi-process runs of a case: its reference (unless one process) and ours."""
     case = CASES[name]
     reference = case.get("reference", "ddp")
-    return ([] if reference == "single" else [reference]) + list(case.get("ours", ["zero", "zero1"]))
+    return ([] if reference == "single" else [reference]) + list(case.get("ours", OURS))
 
 
 def run_case(name: str, strategy: str, workdir: Path) -> dict[str, Any]:

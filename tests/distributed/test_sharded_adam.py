@@ -49,6 +49,20 @@ def test_every_backward_communicating_sums_like_no_sync() -> None:
                 assert max(result["max_diff"]) <= 1e-10, (world_size, case, result["max_diff"])
 
 
+def test_parameter_gather_overlapped_with_the_next_forward() -> None:
+    """overlap_param_gather with gathers that only run when waited for: each module's forward waits
+    for its own buckets, the step waits for the rest, and the result equals single-process AdamW."""
+    cases = [
+        {"stage": stage, "accum": accum, "clip": clip, "param_overlap": True, "steps": 6}
+        for stage, accum, clip in ((2, 1, None), (2, 4, 0.05), (1, 2, 0.05))
+    ]
+    for world_size in (2, 3):
+        for rank_results in run_ranks(parity, world_size, cases):
+            for case, result in zip(cases, rank_results, strict=True):
+                assert result["moved"] > 1e-2
+                assert max(result["max_diff"]) <= 1e-10, (world_size, case, result["max_diff"])
+
+
 def test_float32_parity() -> None:
     cases = [{"stage": s, "accum": 2, "clip": 0.05, "dtype": "float32", "steps": 12} for s in (1, 2)]
     for rank_results in run_ranks(parity, 2, cases):

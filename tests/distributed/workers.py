@@ -31,9 +31,12 @@ def _parity_case(
     reduce_dtype: str | None = None,
     overlap: bool = True,
     no_sync: bool = True,
+    param_overlap: bool = False,
 ) -> dict[str, Any]:
     """``no_sync=False``: every micro-batch's backward communicates (accumulation by hand, as a
-    manual-optimization loop does under DDP); the sum must be the same."""
+    manual-optimization loop does under DDP); the sum must be the same. ``param_overlap``: the
+    parameter gathers stay in flight into the next forward, and they only happen when waited for
+    (:func:`_defer_gathers`), so any read before the right wait sees stale parameters."""
     torch_dtype = getattr(torch, dtype)
     torch.manual_seed(0)
     model = TinyNet().to(torch_dtype)
@@ -45,6 +48,7 @@ def _parity_case(
         overlap_comm=overlap,
         find_unused_parameters=True,
         reduce_dtype=reduce_dtype,
+        overlap_param_gather=param_overlap,
     )
     names = {p: n for n, p in model.named_parameters()}
     opt = ShardedAdamW(
@@ -56,6 +60,9 @@ def _parity_case(
         param_names=names,
     )
     ref_opt = torch.optim.AdamW(param_groups(reference), lr=3e-2, amsgrad=amsgrad)
+    if param_overlap:
+        _defer_gathers(opt.comm)
+        opt.install_forward_waits(model)
     max_diff = []
     for step in range(steps):
         for micro in range(accum):
@@ -75,6 +82,8 @@ def _parity_case(
                 for r in range(world_size)
             ) / (accum * world_size)
             ref_loss.backward()
+        if param_overlap and step > 0:  # both hold the last step's parameters, ours complete only
+            max_diff.append(_max_diff(model, reference))  # through the forward waits of this step
         if clip is not None:
             opt.clip_grad_norm_(clip)
             torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.grad is not None], clip)
@@ -82,16 +91,41 @@ def _parity_case(
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
-        max_diff.append(
-            max(
-                (a - b).abs().max().item()
-                for a, b in zip(model.parameters(), reference.parameters(), strict=True)
-            )
-        )
+        if not param_overlap:
+            max_diff.append(_max_diff(model, reference))
+    opt.wait_for_params()  # reading parameters outside a forward: the documented contract
+    max_diff.append(_max_diff(model, reference))
     moved = max(
         (a - b).abs().max().item() for a, b in zip(model.parameters(), TinyNet_init(torch_dtype), strict=True)
     )
     return {"max_diff": max_diff, "moved": moved, "buckets": len(opt.plan.buckets)}
+
+
+def _max_diff(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    return max(
+        (a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+
+
+class _Deferred:
+    """A collective that starts only when waited for: the latest moment it could legally run."""
+
+    def __init__(self, start: Any) -> None:
+        self._start, self._done = start, False
+
+    def wait(self) -> bool:
+        if not self._done:
+            self._start().wait()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+def _defer_gathers(comm: Any) -> None:
+    original = comm.all_gather
+    comm.all_gather = lambda out, inp: _Deferred(lambda: original(out, inp))
 
 
 def _xy_extra(step: int, micro: int, rank: int, size: int, dtype: torch.dtype):  # noqa: ANN202
