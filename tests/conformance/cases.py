@@ -159,6 +159,11 @@ _add(
     trainer={"max_steps": 6, "val_check_interval": 3, "limit_val_batches": 2},
 )
 _add(
+    "param_reads_at_phase_changes",
+    callbacks=[["ParamProbe", {}]],
+    trainer={"max_steps": 6, "val_check_interval": 4, "limit_val_batches": 2},  # no validation at the end
+)
+_add(
     "grad_norm_logging", module={"log_grad_norm": "zero"}, trainer={"max_steps": 4, "gradient_clip_val": 0.05}
 )
 

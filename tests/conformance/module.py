@@ -337,6 +337,23 @@ class EMA(Callback):
         self.backup.clear()
 
 
+class ParamProbe(Callback):
+    """Reads the parameters where a phase starts or ends (and nowhere between steps): a sum per read,
+    in ``recorded``, compared across strategies."""
+
+    def __init__(self) -> None:
+        self.recorded: list[float] = []
+
+    def _read(self, pl_module: L.LightningModule) -> None:
+        self.recorded.append(float(sum(p.detach().double().sum() for p in pl_module.parameters())))
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._read(pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._read(pl_module)
+
+
 class DeferGathers(Callback):
     """Parameter all-gathers run only when waited for (``overlap_param_gather``): any read of the
     parameters that the strategy did not make wait for them sees stale values, deterministically."""

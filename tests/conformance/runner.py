@@ -37,6 +37,7 @@ CALLBACKS: dict[str, Any] = {
     "EMA": M.EMA,
     "DetachAfterFit": M.DetachAfterFit,
     "WriteWeightsAt": M.WriteWeightsAt,
+    "ParamProbe": M.ParamProbe,
 }
 _SMALL_BUCKETS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005}  # several buckets on this model
 
@@ -151,6 +152,7 @@ def run_case(name: str, strategy: str, workdir: Path) -> dict[str, Any]:
         else:
             trainer.fit(model)
         result.update(
+            recorded=[cb.recorded for cb in trainer.callbacks if hasattr(cb, "recorded")],  # type: ignore[attr-defined]
             lrs=recorder.steps,
             params=_tensors(model),
             global_step=trainer.global_step,

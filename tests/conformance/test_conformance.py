@@ -122,6 +122,7 @@ def test_case_equals_reference(name: str, tmp_path_factory: pytest.TempPathFacto
             tol = case.get("tol", TOL)
             assert_same(got["params"], ref["params"], f"{where} params", tol)
             assert_same(got["lrs"], ref["lrs"], f"{where} lrs", tol=1e-12)
+            assert_same(got["recorded"], ref["recorded"], f"{where} recorded by callbacks", tol)
             assert_same(got["global_step"], ref["global_step"], f"{where} global_step")
             assert_same(got["epoch"], ref["epoch"], f"{where} epoch")
             if reference != "single":  # one process logs the global batch's loss, not rank 0's
