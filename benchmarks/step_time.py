@@ -1,16 +1,22 @@
 """Step time, memory and traffic of zero2 / zero1 / ddp / ddp+ZeroRedundancyOptimizer, in one go.
 
-    python benchmarks/step_time.py [--steps 20] [--layers 6] [--dim 384] [--devices 2]
+    python benchmarks/step_time.py [--model small|large|both] [--steps 20] [--devices 2]
 
-Each strategy trains the same GPT-like model (>= 10M parameters, fp32) on the same random tokens
-with Lightning on CPU/gloo, one process per rank with one thread each, as a separate launch. Each
-rank writes its figures; this script prints them side by side:
+Each strategy trains the same GPT-like model (fp32) on the same random tokens with Lightning on
+CPU/gloo, one process per rank with one thread each, as a separate launch, strategies interleaved.
+Models: ``small`` (17M: 6 layers, width 384, vocab 8192) and ``large`` (47M: 4 layers, width 512,
+vocab 32768, untied output layer: embedding and head each larger than a 25 MB bucket). Each rank
+writes its figures; this script prints them side by side:
 
-  * median step time (steps after the first 3) and its ratio to "ddp";
+  * median step time (wall time between consecutive batch starts, steps after the first 3, so an
+    all-gather left in flight into the next forward is counted) and its ratio to "ddp";
+  * exposed communication: seconds per step this rank blocked on collectives, over the time the
+    same collectives take alone (measured after training with nothing else running);
   * optimizer-state bytes and gradient bytes held per rank after a step;
   * elements sent per step, counted at the collectives (DDP through a counting comm hook,
     ZeroRedundancyOptimizer's broadcasts through torch.distributed), over the minimum 2Ψ(N−1)/N;
-  * peak RSS per rank (ru_maxrss).
+  * peak RSS per rank (ru_maxrss), and its saving against ddp over the theoretical one (Adam state
+    and gradients cut to 1/N, and no DDP bucket copy of the gradients).
 Figures, not assertions: these machines are noisy, so compare ratios from one run.
 """
 
@@ -27,18 +33,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lightning as L
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.utils.data import DataLoader, TensorDataset
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not another install
 
-import lightning_zero
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-STRATEGIES = ("zero2", "zero2-5MB", "zero1", "ddp", "ddp+ZeroRedundancyOptimizer")
-"""``zero2-5MB``: the same with 5 MiB buckets. At 25 MiB a 68 MB model is only three buckets, whose
-transient wire buffers then hide the gradient saving; on billion-parameter models they do not."""
+import lightning_zero  # noqa: E402
+
+STRATEGIES = ("zero2", "zero2-overlap", "zero2-5MB", "zero1", "ddp", "ddp+ZeroRedundancyOptimizer")
+"""``zero2-overlap``: with ``overlap_param_gather`` (the all-gather left in flight into the next
+forward). ``zero2-5MB``: 5 MiB buckets (at 25 MiB a 68 MB model is three buckets)."""
+MODELS = {
+    "small": {"layers": 6, "dim": 384, "vocab": 8192},
+    "large": {"layers": 4, "dim": 512, "vocab": 32768},
+}
 
 
 class Block(nn.Module):
@@ -55,6 +67,8 @@ class Block(nn.Module):
 
 
 class GPT(L.LightningModule):
+    reads_parameters_between_steps = False  # its batch hooks only time: overlap_param_gather need not wait
+
     def __init__(self, vocab: int, dim: int, layers: int, seq: int, zero_redundancy: bool) -> None:
         super().__init__()
         self.emb, self.pos = nn.Embedding(vocab, dim), nn.Parameter(torch.zeros(seq, dim))
@@ -62,6 +76,7 @@ class GPT(L.LightningModule):
         self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
         self.zero_redundancy = zero_redundancy
         self.step_s: list[float] = []
+        self.wait_s: list[float] = []
         self.counted = {"elements": 0}
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -106,17 +121,22 @@ class GPT(L.LightningModule):
                 dist.broadcast = counting_broadcast
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._t0 = time.perf_counter()
-        self.counted["elements"] = 0
+        now = time.perf_counter()
         opt = getattr(self.trainer.strategy, "sharded_optimizer", None)
+        if batch_idx > 0:  # the previous step, up to this batch start: includes a gather left in flight
+            self.step_s.append(now - self._t0)
+            if opt is not None:
+                opt.comm.flush_timings()
+                self.wait_s.append(opt.comm.stats.wait_s)
+        self._t0 = now
+        self.counted["elements"] = 0
         if opt is not None:
             opt.comm.stats.reset()
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.step_s.append(time.perf_counter() - self._t0)
-
     def on_train_end(self) -> None:  # before the strategy tears the sharded optimizer down
         self.figures = optimizer_and_grad_bytes(self.trainer, self)
+        opt = getattr(self.trainer.strategy, "sharded_optimizer", None)
+        self.alone_s = collectives_alone_s(opt) if opt is not None else None
 
 
 def optimizer_and_grad_bytes(trainer: L.Trainer, model: GPT) -> tuple[int, int, int]:
@@ -137,17 +157,42 @@ def optimizer_and_grad_bytes(trainer: L.Trainer, model: GPT) -> tuple[int, int, 
     return state, grads, model.counted["elements"]
 
 
+def collectives_alone_s(opt: Any, repeats: int = 3) -> float:
+    """Seconds one step's gradient and parameter collectives take with nothing else running."""
+    opt.wait_for_params()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for b, bucket in enumerate(opt.plan.buckets):
+            wire = torch.zeros(bucket.padded_numel)
+            grad = opt.reducer.grad_shards[b]
+            out = grad if opt.config.stage == 2 else wire
+            opt.comm.wait(
+                opt.comm.reduce_scatter(grad, wire) if opt.config.stage == 2 else opt.comm.all_reduce(out)
+            )
+            opt.comm.wait(opt.comm.all_gather(opt.flat.bucket(bucket), opt.flat.shard(bucket)))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def run_one(name: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (args.steps * args.batch * args.devices, args.seq + 1), generator=g)
+    vocab = MODELS[args.model]["vocab"]
+    tokens = torch.randint(0, vocab, (args.steps * args.batch * args.devices, args.seq + 1), generator=g)
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    model = GPT(args.vocab, args.dim, args.layers, args.seq, zero_redundancy=name.endswith("Optimizer"))
+    shape = MODELS[args.model]
+    model = GPT(
+        shape["vocab"], shape["dim"], shape["layers"], args.seq, zero_redundancy=name.endswith("Optimizer")
+    )
     strategy: Any = "ddp" if name.startswith("ddp") else name
     if name.startswith("zero"):
         cap = 5.0 if name.endswith("5MB") else args.bucket_cap_mb
-        strategy = lightning_zero.ZeroStrategy(stage=int(name[4]), bucket_cap_mb=cap)
+        strategy = lightning_zero.ZeroStrategy(
+            stage=int(name[4]), bucket_cap_mb=cap, overlap_param_gather=name.endswith("overlap")
+        )
     trainer = L.Trainer(
         strategy=strategy,
         devices=args.devices,
@@ -162,20 +207,23 @@ def run_one(name: str, args: argparse.Namespace) -> None:
     state_b, grad_b, sent = model.figures
     figures = {
         "step_s": model.step_s[3:],
+        "wait_s": model.wait_s[3:],
+        "alone_s": model.alone_s,
         "opt_state_bytes": state_b,
         "grad_bytes": grad_b,
         "elements_sent": sent,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "params": sum(p.numel() for p in model.parameters()),
     }
-    Path(args.out, f"{name}.round{args.round}.rank{trainer.global_rank}.json").write_text(json.dumps(figures))
+    out = Path(args.out, f"{args.model}.{name}.round{args.round}.rank{trainer.global_rank}.json")
+    out.write_text(json.dumps(figures))
 
 
 def report(args: argparse.Namespace) -> None:
     rows = {}
     for name in STRATEGIES:
         rows[name] = [
-            json.loads(Path(args.out, f"{name}.round{k}.rank{r}.json").read_text())
+            json.loads(Path(args.out, f"{args.model}.{name}.round{k}.rank{r}.json").read_text())
             for k in range(args.rounds)
             for r in range(args.devices)
         ]
@@ -183,13 +231,16 @@ def report(args: argparse.Namespace) -> None:
     n = args.devices
     minimum = 2 * params * (n - 1) // n
     ddp_median = statistics.median(s for r in rows["ddp"] for s in r["step_s"])
+    ddp_rss = max(r["peak_rss_mb"] for r in rows["ddp"])
+    theory_mb = (8 * params * (n - 1) / n + 4 * params * (n - 1) / n + 4 * params) / 2**20
     print(
-        f"\nGPT {params / 1e6:.1f}M params, {n} ranks x 1 thread, gloo, fp32, batch {args.batch}x{args.seq} "
-        f"per rank, {args.steps} steps x {args.rounds} rounds, strategies interleaved (median of steps 4..)\n"
+        f"\nGPT {args.model}, {params / 1e6:.1f}M params, {n} ranks x 1 thread, gloo, fp32, batch "
+        f"{args.batch}x{args.seq} per rank, {args.steps} steps x {args.rounds} rounds, strategies "
+        f"interleaved (median of steps 4..)\n"
     )
     header = (
-        f"{'strategy':<30}{'step s':>8}{'vs ddp':>8}{'opt state MB':>14}{'grads MB':>10}"
-        f"{'sent/step':>12}{'vs min':>8}{'peak RSS MB':>13}"
+        f"{'strategy':<30}{'step s':>8}{'vs ddp':>8}{'exposed':>9}{'opt state MB':>14}{'grads MB':>10}"
+        f"{'sent/step':>12}{'vs min':>8}{'peak RSS MB':>13}{'saved/theory':>14}"
     )
     print(header)
     print("-" * len(header))
@@ -197,20 +248,28 @@ def report(args: argparse.Namespace) -> None:
         med = statistics.median(s for r in ranks for s in r["step_s"])
         r0 = ranks[0]
         rss = max(r["peak_rss_mb"] for r in ranks)
+        exposed = "n/a"
+        if r0.get("alone_s"):
+            waits = statistics.median(w for r in ranks for w in r["wait_s"])
+            alone = statistics.median(r["alone_s"] for r in ranks)
+            exposed = f"{waits / alone:.0%}"
+        saved = "" if name.startswith("ddp") else f"{(ddp_rss - rss) / theory_mb:.0%}"
         print(
-            f"{name:<30}{med:>8.3f}{med / ddp_median:>8.2f}{r0['opt_state_bytes'] / 2**20:>14.1f}"
+            f"{name:<30}{med:>8.3f}{med / ddp_median:>8.2f}{exposed:>9}{r0['opt_state_bytes'] / 2**20:>14.1f}"
             f"{r0['grad_bytes'] / 2**20:>10.1f}{r0['elements_sent'] / 1e6:>11.2f}M"
-            f"{r0['elements_sent'] / minimum:>8.2f}{rss:>13.0f}"
+            f"{r0['elements_sent'] / minimum:>8.2f}{rss:>13.0f}{saved:>14}"
         )
     print(f"\nminimum elements sent per rank and step: 2Ψ(N−1)/N = {minimum / 1e6:.2f}M")
+    print(
+        f"theoretical RSS saving against ddp: Adam state and gradients to 1/N, no DDP bucket copy = "
+        f"{theory_mb:.0f} MB; 'exposed' = time blocked on collectives per step / their time alone"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--dim", type=int, default=384)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--model", choices=[*MODELS, "both"], default="both")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--devices", type=int, default=2)
@@ -227,19 +286,20 @@ def main() -> None:
         return
     Path(args.out).mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for k in range(args.rounds):
-        for name in STRATEGIES:
-            print(f"round {k + 1}/{args.rounds}: {name} ...", flush=True)
-            proc = subprocess.run(
-                [sys.executable, *sys.argv, "--only", name, "--round", str(k)],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            if proc.returncode:
-                sys.exit(f"{name} failed:\n{proc.stderr[-4000:]}")
-    report(args)
+    models = list(MODELS) if args.model == "both" else [args.model]
+    for model in models:
+        for k in range(args.rounds):
+            for name in STRATEGIES:
+                print(f"{model}, round {k + 1}/{args.rounds}: {name} ...", flush=True)
+                cmd = [sys.executable, *sys.argv, "--model", model, "--only", name, "--round", str(k)]
+                proc = subprocess.run(
+                    cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+                )
+                if proc.returncode:
+                    sys.exit(f"{name} failed:\n{proc.stderr[-4000:]}")
+    for model in models:
+        args.model = model
+        report(args)
 
 
 if __name__ == "__main__":

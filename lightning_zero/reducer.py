@@ -22,11 +22,14 @@ The stage 1 / stage 2 difference lives only in :meth:`GradReducer._launch` / ``_
 stage 1 all-reduces the bucket and keeps the owned slice; stage 2 reduce-scatters it. Either way
 the optimizer sees only ``grad_shards[b]``: ``(padded_numel // world_size,)`` in the master dtype.
 
-Memory: accumulation buffers live from a bucket's first gradient of the step until its collective
-completes. A launched bucket is collected as soon as its collective has finished (checked when
-later buckets launch), and at most ``_MAX_IN_FLIGHT`` launched buckets wait uncollected at any
-time, so stage 2 holds ``1/N`` of the gradients plus the buckets being filled and those in flight.
-Across the micro-batches of ``no_sync`` all buckets hold data (like ``param.grad`` under DDP).
+Memory: a bucket's accumulation buffer is a slot of a small pool (:class:`_WirePool`: three
+buffers as long as the longest bucket, allocated once) from the bucket's first gradient of the step
+until its collective is collected; a launched bucket is collected as soon as its collective has
+finished (checked when later buckets launch), at most ``_MAX_IN_FLIGHT`` launched buckets wait
+uncollected, and a bucket that needs a slot when none is free waits for the oldest one in flight.
+So stage 2 holds ``1/N`` of the gradients plus at most three buckets, and allocates nothing per
+step. Across the micro-batches of ``no_sync`` all buckets hold data (like ``param.grad`` under
+DDP): those beyond the pool get buffers of their own for the accumulation window.
 """
 
 from __future__ import annotations
@@ -69,9 +72,48 @@ class _BucketState:
     """The pending collective."""
     waiting: int = 0
     """Parameters of the bucket that have not yet arrived in this round."""
+    slot: int | None = None
+    """The pool slot ``accum`` lives in (``None``: not from the pool)."""
 
     def clear(self) -> None:
         self.accum = self.wire = self.output = self.handle = None
+
+
+class _WirePool:
+    """``slots`` reusable buffers per dtype, each as long as the longest bucket of that dtype.
+
+    A bucket's accumulation buffer is a view of a free slot, taken at its first gradient and given
+    back once its collective is collected, so nothing is allocated per step and the transient
+    gradient memory of a step is at most ``slots`` buckets (more only while several buckets fill at
+    once, e.g. across ``no_sync`` micro-batches: those get buffers of their own).
+    """
+
+    def __init__(self, plan: BucketPlan, slots: int, device: torch.device) -> None:
+        self.slots, self.device = slots, device
+        self._longest: dict[torch.dtype, int] = {}
+        for bucket in plan.buckets:
+            dtype = master_dtype(dtype_from_str(bucket.dtype))
+            self._longest[dtype] = max(self._longest.get(dtype, 0), bucket.padded_numel)
+        self._buffers: dict[torch.dtype, list[Tensor]] = {d: [] for d in self._longest}
+        self._free: dict[torch.dtype, list[int]] = {d: [] for d in self._longest}
+
+    def take(self, dtype: torch.dtype, numel: int) -> tuple[int, Tensor] | None:
+        """A free slot (allocated on first use) as a ``(numel,)`` view, or ``None`` if all are busy."""
+        if self._free[dtype]:
+            index = self._free[dtype].pop()
+        elif len(self._buffers[dtype]) < self.slots:
+            index = len(self._buffers[dtype])
+            self._buffers[dtype].append(torch.empty(self._longest[dtype], dtype=dtype, device=self.device))
+        else:
+            return None
+        return index, self._buffers[dtype][index][:numel]
+
+    def give(self, dtype: torch.dtype, index: int) -> None:
+        self._free[dtype].append(index)
+
+    def nbytes(self) -> int:
+        """Bytes the pool holds (allocated slots)."""
+        return sum(b.numel() * b.element_size() for buffers in self._buffers.values() for b in buffers)
 
 
 class GradReducer:
@@ -96,6 +138,9 @@ class GradReducer:
             for b in plan.buckets
         ]
         self._buckets = [_BucketState(b, waiting=len(b.slots)) for b in plan.buckets]
+        self.pool = _WirePool(plan, _MAX_IN_FLIGHT + 1, flat.device)  # in flight + the one filling
+        self.allocations_outside_pool = 0
+        """Accumulation buffers allocated because every pool slot was busy (e.g. ``no_sync``)."""
         self._sync = True
         # at world size 1 the local mask is the global one: torch's exact semantics for free
         self._skip_unused = config.find_unused_parameters or comm.world_size == 1
@@ -172,9 +217,31 @@ class GradReducer:
         if state.accum is None:
             bucket = state.bucket
             dtype = master_dtype(dtype_from_str(bucket.dtype))
-            state.accum = torch.empty(bucket.padded_numel, dtype=dtype, device=self.flat.device)
+            taken = self.pool.take(dtype, bucket.padded_numel)
+            if taken is None and self._collect_oldest():  # a finished collective frees its slot
+                taken = self.pool.take(dtype, bucket.padded_numel)
+            if taken is None:  # every slot holds a bucket still being filled
+                state.accum = torch.empty(bucket.padded_numel, dtype=dtype, device=self.flat.device)
+                self.allocations_outside_pool += 1
+            else:
+                state.slot, state.accum = taken
             state.accum[bucket.numel :].zero_()
         return state.accum
+
+    def _collect_oldest(self) -> bool:
+        """Collect the oldest launched bucket (waits for it); False if none is in flight."""
+        for b, state in enumerate(self._buckets):
+            if state.handle is not None:
+                self._collect(b)
+                return True
+        return False
+
+    def _release(self, state: _BucketState) -> None:
+        """Give the bucket's pool slot back and drop its buffers."""
+        if state.slot is not None:
+            self.pool.give(master_dtype(dtype_from_str(state.bucket.dtype)), state.slot)
+            state.slot = None
+        state.clear()
 
     def _launch_ready(self) -> None:
         if not self.config.overlap_comm:
@@ -190,9 +257,10 @@ class GradReducer:
         if wire_dtype == accum.dtype:
             state.wire = accum.div_(self.comm.world_size)
         else:
-            state.wire = torch.empty(accum.numel(), dtype=wire_dtype, device=accum.device)
-            torch.div(accum, self.comm.world_size, out=state.wire)
-            state.accum = None  # the wire copy is all that is needed from here on
+            wire = torch.empty(accum.numel(), dtype=wire_dtype, device=accum.device)
+            torch.div(accum, self.comm.world_size, out=wire)
+            self._release(state)  # the wire copy is all that is needed from here on
+            state.wire = wire
         if self.config.stage == 1:
             state.handle = self.comm.all_reduce(state.wire)
         else:
@@ -294,14 +362,14 @@ class GradReducer:
                 shard.copy_(result)
             else:
                 shard.add_(result)
-        state.clear()
+        self._release(state)
 
     def reset(self) -> None:
         """Start a new step: drop gradients and per-step state (waits for anything in flight)."""
         for state in self._buckets:
             if state.handle is not None:
                 self.comm.wait(state.handle)
-            state.clear()
+            self._release(state)
             state.waiting = len(state.bucket.slots)
         for param in self.params:
             param.grad = None

@@ -208,3 +208,30 @@ def test_reentrant_activation_checkpointing_stays_exact() -> None:
             o.zero_grad()
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_gradient_buffers_come_from_a_bounded_pool() -> None:
+    """Many buckets, steps without accumulation: every accumulation buffer is a pool slot (nothing
+    allocated per step), the pool holds at most three buckets; no_sync needs buffers of its own."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]).double()
+    reference = copy.deepcopy(model)
+    opt = ShardedAdamW(model.parameters(), config=ZeroConfig(bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4))
+    ref_opt = torch.optim.AdamW(reference.parameters())
+    buckets = opt.plan.buckets
+    assert len(buckets) >= 6
+    slots = []
+    for step in range(3):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            m(torch.full((2, 8), float(step), dtype=torch.float64)).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+        slots.append([b.data_ptr() for buffers in opt.reducer.pool._buffers.values() for b in buffers])
+    assert opt.reducer.allocations_outside_pool == 0
+    assert slots[0] == slots[-1] and 0 < len(slots[0]) <= 3, "slots are allocated once and reused"
+    assert opt.reducer.pool.nbytes() <= 3 * max(b.padded_numel for b in buckets) * 8
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    with opt.no_sync():
+        model(torch.ones(2, 8, dtype=torch.float64)).sum().backward()
+    assert opt.reducer.allocations_outside_pool == len(buckets) - 3
