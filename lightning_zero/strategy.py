@@ -10,17 +10,20 @@ Lightning integration points:
   * clipping and ``16-mixed`` loss scaling: the precision plugin is given shard-aware
     ``clip_grad_by_norm/value`` (global norm) and an ``optimizer_step`` that unscales the shards and
     agrees on overflow across ranks;
-  * LR schedulers are re-pointed at the sharded optimizer (same param-group dicts);
-  * checkpoints: a directory of per-rank shard files (:mod:`lightning_zero.checkpoint`), loaded
-    onto any world size (:mod:`lightning_zero.reshard`); or, with ``sharded_checkpoint=False``, one
-    standard file whose optimizer state is gathered into ``torch.optim.AdamW``'s format. A standard
-    file (e.g. from ``"ddp"``) loads too, resharded;
-  * asynchronous saves (:mod:`lightning_zero.async_save`): ``save_checkpoint`` returns after a host
-    snapshot; the next save, a load and the end of ``fit`` wait for the commit, and
-    ``remove_checkpoint`` (``ModelCheckpoint``'s top-k) deletes only after it.
+  * LR schedulers keep driving the sharded twin: it takes over the optimizer's param-group dicts,
+    and every (nested) scheduler is re-pointed at it;
+  * buffers are broadcast from rank 0 before exactly the forwards where DDP's
+    ``broadcast_buffers=True`` does it; ``sync_batchnorm`` is applied as DDP does;
+  * a changed trainable set (``requires_grad``, ``add_param_group``) is re-planned before the next
+    training step;
+  * ``overlap_param_gather``: forward waits on the modules and :class:`ParamReadBarrier` first
+    among the callbacks (:mod:`lightning_zero.param_barrier`);
+  * checkpoints: :mod:`lightning_zero.strategy_checkpoint` (sharded directories, any world size,
+    asynchronous saves; validate/test/predict read whole parameters).
 
 Refused with a clear error: more than one optimizer, optimizers other than Adam/AdamW,
-``async_checkpoint`` without ``sharded_checkpoint``.
+``async_checkpoint`` without ``sharded_checkpoint``, a trainable-set change inside an accumulation
+window, ``SyncBatchNorm`` on CPU (DDP's own error).
 """
 
 from __future__ import annotations

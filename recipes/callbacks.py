@@ -45,6 +45,8 @@ class SlurmRequeue(Callback):
     checkpoint's collectives that could interleave with training's.
     """
 
+    reads_parameters_between_steps = False  # a save waits for parameter gathers by itself
+
     def __init__(self) -> None:
         self._signalled = False
 
