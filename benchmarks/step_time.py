@@ -221,7 +221,7 @@ def run_one(name: str, args: argparse.Namespace) -> None:
 
 def report(args: argparse.Namespace) -> None:
     rows = {}
-    for name in STRATEGIES:
+    for name in args.strategies.split(","):
         rows[name] = [
             json.loads(Path(args.out, f"{args.model}.{name}.round{k}.rank{r}.json").read_text())
             for k in range(args.rounds)
@@ -278,6 +278,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default="benchmarks/results/step_time")
     parser.add_argument("--rounds", type=int, default=2, help="runs of every strategy, interleaved")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
     parser.add_argument("--only", choices=STRATEGIES, help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -289,7 +290,7 @@ def main() -> None:
     models = list(MODELS) if args.model == "both" else [args.model]
     for model in models:
         for k in range(args.rounds):
-            for name in STRATEGIES:
+            for name in args.strategies.split(","):
                 print(f"{model}, round {k + 1}/{args.rounds}: {name} ...", flush=True)
                 cmd = [sys.executable, *sys.argv, "--model", model, "--only", name, "--round", str(k)]
                 proc = subprocess.run(
