@@ -1,0 +1,29 @@
+"""benchmarks/gpu_check.py is the one prepared run for a GPU machine (no CI has one): its dry run on
+CPU keeps every part of it working, so the device time of a future session is not lost to a typo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--steps", "4"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["parity"]["float32"]["max_abs_diff_after_20_steps"] <= 1e-6
+    assert report["parity"]["bfloat16"]["max_abs_diff_after_20_steps"] <= 2e-2
+    for key, run in report["train"].items():
+        if isinstance(run, dict):
+            assert "error" not in run, (key, run)
+            assert run["tokens_per_s"] > 0 and run["test_after_fit_best"]["test/loss"] > 0, key
+    assert report["two_processes"]["max_abs_diff_vs_adamw_rank0"] <= 1e-4
