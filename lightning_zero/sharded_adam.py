@@ -303,13 +303,13 @@ class ShardedAdamW(torch.optim.Optimizer):
                 "param group added); change them between optimizer steps and call replan() on every "
                 "rank before the next backward (the zero strategy does this before each training step)"
             )
+        self._opt_called = True  # what LR schedulers check to warn about call order
         if self.reducer.idle:  # no backward since the last step: like torch with every .grad None
             self.reducer.reset()
             return loss
         self.gather.wait()  # gathers left in flight read the shards this step writes
         used_mask = self.reducer.finalize()
         self.shards.adopt_external_writes()
-        self._opt_called = True  # what LR schedulers check to warn about call order
         self.shards.count_steps(used_mask)
         for b in self.gather.order():  # each bucket's gather overlaps the next one's update
             self.shards.update_bucket(b, self.param_groups, used_mask)

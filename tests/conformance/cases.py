@@ -13,7 +13,8 @@ Fields of a case (all optional):
   reference  the peer whose behaviour is the spec: ``"ddp"`` (default), another registered DDP
              variant, or ``"single"`` (one process, ``N`` times the batch: for what DDP itself gets
              wrong, e.g. parameters made trainable after DDP was built are never all-reduced)
-  ours       our strategies to run (default ``runner.OURS``: zero, zero1, zero with overlap_param_gather)
+  ours       our strategies to run (default ``runner.OURS``: zero, and zero with overlap_param_gather;
+             cases in ``STAGE1`` add zero1)
   refused    a substring of the error our strategies must raise (the reference must succeed)
   object     use strategy objects (``ZeroStrategy(...)``, ``DDPStrategy()``) instead of names
   compile_module  fit ``torch.compile(model, backend="aot_eager")`` (Lightning unwraps and recompiles)
@@ -223,3 +224,22 @@ _add(
     trainer={"max_steps": 4, "precision": "bf16-true"},
     callbacks=[["WriteWeightsAt", {"step": 2}]],
 )
+
+STAGE1 = {
+    "manual_plain",
+    "manual_accumulate",
+    "manual_clip",
+    "freeze_mid_fit",
+    "add_param_group_mid_fit",
+    "grad_norm_logging",
+    "clip_value_accumulate",
+    "clip_norm_accumulate",
+    "batchnorm_accumulate",
+    "sched_sequential",
+    "swa",
+    "strategy_objects",
+    "resume_last",
+}
+"""Cases that also run under "zero1": the gradient path (accumulation, clipping, gradient norms, rounds
+of manual backward, re-planning) is where stage 1 and 2 differ."""
+assert STAGE1 <= set(CASES), STAGE1 - set(CASES)

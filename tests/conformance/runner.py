@@ -22,11 +22,12 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, St
 from lightning.pytorch.strategies import DDPStrategy
 
 from tests.conformance import module as M
-from tests.conformance.cases import CASES
+from tests.conformance.cases import CASES, STAGE1
 
 WORLD_SIZE = 2
-OURS = ["zero", "zero1", "zero_overlap"]
-"""Our strategies every case runs under unless it names its own."""
+OURS = ["zero", "zero_overlap"]
+"""Our strategies every case runs under unless it names its own; cases that exercise the gradient
+path (where stage 1 differs: all-reduce instead of reduce-scatter) add "zero1" (``cases.STAGE1``)."""
 CALLBACKS: dict[str, Any] = {
     "LearningRateMonitor": LearningRateMonitor,
     "ModelCheckpoint": ModelCheckpoint,
@@ -135,7 +136,13 @@ def launched_strategies(name: str) -> list[str]:
     """The multi-process runs of a case: its reference (unless one process) and ours."""
     case = CASES[name]
     reference = case.get("reference", "ddp")
-    return ([] if reference == "single" else [reference]) + list(case.get("ours", OURS))
+    return ([] if reference == "single" else [reference]) + ours_of(name)
+
+
+def ours_of(name: str) -> list[str]:
+    """Our strategies a case runs under."""
+    case = CASES[name]
+    return list(case.get("ours", OURS + (["zero1"] if name in STAGE1 else [])))
 
 
 def run_case(name: str, strategy: str, workdir: Path) -> dict[str, Any]:

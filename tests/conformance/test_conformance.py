@@ -1,5 +1,5 @@
-"""Every case of :mod:`tests.conformance.cases` under "zero", "zero1" and "zero" with
-``overlap_param_gather`` (unless the case lists its own) equals the same
+"""Every case of :mod:`tests.conformance.cases` under "zero" and "zero" with ``overlap_param_gather``
+(and "zero1" for the cases of the gradient path; or the strategies a case lists) equals the same
 case under its reference — "ddp" unless the case says otherwise — in what a user sees: LR and beta1
 of every param group at every optimizer step, logged metrics, callback metrics, step and epoch
 counts, the parameters and buffers at the end (float64: within 1e-10) on every rank, and what
@@ -23,7 +23,7 @@ import torch
 
 from tests.conformance.cases import CASES
 from tests.conformance.module import ConformanceModule
-from tests.conformance.runner import OURS, launched_strategies, run_case
+from tests.conformance.runner import launched_strategies, ours_of, run_case
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-10
@@ -106,7 +106,7 @@ def test_case_equals_reference(name: str, tmp_path_factory: pytest.TempPathFacto
         ref_ranks = [run_case(name, "single", tmp_path_factory.mktemp(name))] * 2
     else:
         ref_ranks = [rank[f"{name}/{reference}"] for rank in ranks]
-    for ours in case.get("ours", OURS):
+    for ours in ours_of(name):
         assert f"{name}/{ours}" in ranks[0], launched_strategies(name)
         for rank, (results, ref) in enumerate(zip(ranks, ref_ranks, strict=True)):
             got = results[f"{name}/{ours}"]
