@@ -40,7 +40,7 @@ def test_every_backward_communicating_sums_like_no_sync() -> None:
     into the shards) equal the single-process reference, on uneven (3) and even (2) world sizes."""
     cases = [
         {"stage": stage, "accum": 3, "clip": 0.05, "no_sync": False, "steps": 6, "overlap": overlap}
-        for stage, overlap in ((1, True), (2, True), (2, False))
+        for stage, overlap in ((1, True), (2, False))
     ]
     for world_size in (2, 3):
         for rank_results in run_ranks(parity, world_size, cases):
@@ -54,7 +54,7 @@ def test_parameter_gather_overlapped_with_the_next_forward() -> None:
     for its own buckets, the step waits for the rest, and the result equals single-process AdamW."""
     cases = [
         {"stage": stage, "accum": accum, "clip": clip, "param_overlap": True, "steps": 6}
-        for stage, accum, clip in ((2, 1, None), (2, 4, 0.05), (1, 2, 0.05))
+        for stage, accum, clip in ((2, 4, 0.05), (1, 2, None))
     ]
     for world_size in (2, 3):
         for rank_results in run_ranks(parity, world_size, cases):
