@@ -15,8 +15,9 @@ writes its figures; this script prints them side by side:
   * optimizer-state bytes and gradient bytes held per rank after a step;
   * elements sent per step, counted at the collectives (DDP through a counting comm hook,
     ZeroRedundancyOptimizer's broadcasts through torch.distributed), over the minimum 2Ψ(N−1)/N;
-  * peak RSS per rank (ru_maxrss), and its saving against ddp over the theoretical one (Adam state
-    and gradients cut to 1/N, and no DDP bucket copy of the gradients).
+  * RSS per rank when training starts (after setup) and at its peak (ru_maxrss), and the peak's
+    saving against ddp over the theoretical one (Adam state and gradients cut to 1/N, and no DDP
+    bucket copy of the gradients).
 Figures, not assertions: these machines are noisy, so compare ratios from one run.
 """
 
@@ -133,6 +134,9 @@ class GPT(L.LightningModule):
         if opt is not None:
             opt.comm.stats.reset()
 
+    def on_train_start(self) -> None:
+        self.setup_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
     def on_train_end(self) -> None:  # before the strategy tears the sharded optimizer down
         self.figures = optimizer_and_grad_bytes(self.trainer, self)
         opt = getattr(self.trainer.strategy, "sharded_optimizer", None)
@@ -213,6 +217,7 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         "grad_bytes": grad_b,
         "elements_sent": sent,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "setup_rss_mb": model.setup_rss_mb,
         "params": sum(p.numel() for p in model.parameters()),
     }
     out = Path(args.out, f"{args.model}.{name}.round{args.round}.rank{trainer.global_rank}.json")
@@ -240,7 +245,7 @@ def report(args: argparse.Namespace) -> None:
     )
     header = (
         f"{'strategy':<30}{'step s':>8}{'vs ddp':>8}{'exposed':>9}{'opt state MB':>14}{'grads MB':>10}"
-        f"{'sent/step':>12}{'vs min':>8}{'peak RSS MB':>13}{'saved/theory':>14}"
+        f"{'sent/step':>12}{'vs min':>8}{'start RSS':>10}{'peak RSS MB':>13}{'saved/theory':>14}"
     )
     print(header)
     print("-" * len(header))
@@ -257,7 +262,8 @@ def report(args: argparse.Namespace) -> None:
         print(
             f"{name:<30}{med:>8.3f}{med / ddp_median:>8.2f}{exposed:>9}{r0['opt_state_bytes'] / 2**20:>14.1f}"
             f"{r0['grad_bytes'] / 2**20:>10.1f}{r0['elements_sent'] / 1e6:>11.2f}M"
-            f"{r0['elements_sent'] / minimum:>8.2f}{rss:>13.0f}{saved:>14}"
+            f"{r0['elements_sent'] / minimum:>8.2f}{max(r['setup_rss_mb'] for r in ranks):>10.0f}{rss:>13.0f}"
+            f"{saved:>14}"
         )
     print(f"\nminimum elements sent per rank and step: 2Ψ(N−1)/N = {minimum / 1e6:.2f}M")
     print(
