@@ -25,7 +25,9 @@ class ZeroConfig:
     overlap_param_gather: bool = False
     """Leave the parameter all-gathers of ``step()`` in flight: each module's forward waits for the
     buckets holding its parameters (:mod:`lightning_zero.param_gather`). Everything else that reads
-    parameters must wait first; ``ZeroStrategy`` does it for Lightning's phases and callbacks."""
+    parameters must wait first; ``ZeroStrategy`` does it for Lightning's phases and callbacks. A
+    standalone :class:`~lightning_zero.ShardedAdamW` needs ``install_forward_waits(model)``; until
+    then ``step()`` waits for its gathers as without this option."""
     reduce_dtype: str | None = None
     """Dtype of gradients on the wire: ``None`` (the master dtype: fp32 for 16-bit parameters, the
     parameters' dtype otherwise), ``"fp32"``, ``"bf16"`` (half the bytes of fp32, like DDP's bf16
