@@ -25,3 +25,10 @@ from lightning_zero.lightning_load import install as _install_loader  # noqa: E4
 
 _install_loader()  # Model.load_from_checkpoint(DIR) reads sharded checkpoint directories
 __all__ += ["ZeroStrategy"]
+
+from lightning.fabric.strategies import STRATEGY_REGISTRY as _FabricRegistry  # noqa: E402
+
+from lightning_zero.fabric import ZeroFabricStrategy  # noqa: E402
+
+ZeroFabricStrategy.register_strategies(_FabricRegistry)  # Fabric(strategy="zero") too
+__all__ += ["ZeroFabricStrategy"]

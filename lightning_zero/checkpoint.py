@@ -49,6 +49,9 @@ EXTRA = "model_extra.pt"
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 WEIGHTS_ONLY = "lightning_zero_weights_only"
 """Key in the Lightning state of a checkpoint saved with ``save_weights_only``: it cannot resume."""
+FABRIC_KEYS = "lightning_zero_fabric"
+"""Key in the Lightning state of a checkpoint saved by ``fabric.save``: ``{"module": key, "optimizer":
+key}``, the keys of the user's state that held the sharded model and optimizer (or ``None``)."""
 CopyFn = Callable[[torch.Tensor], torch.Tensor]
 
 

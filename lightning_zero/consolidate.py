@@ -5,7 +5,9 @@ The output is what ``torch.save`` would write for a checkpoint of Lightning ``"d
 AdamW's own per-parameter format (``step``, ``exp_avg``, ``exp_avg_sq``), and Lightning's loop,
 callback and scheduler state. It loads with ``torch.load(..., weights_only=True)``,
 ``Model.load_from_checkpoint`` and ``Trainer(strategy="ddp").fit(ckpt_path=...)``, with
-lightning-zero not imported.
+lightning-zero not imported. A directory written by ``fabric.save`` becomes what Fabric's ``"ddp"``
+saves: the model's ``state_dict`` and the AdamW state under the keys the loop used (``"model"``,
+``"optimizer"``), next to its other entries, for ``fabric.load`` under any strategy.
 
 Memory: the file is written record by record, in torch's own zip layout. The pickled structure
 refers to tensors through placeholders; each tensor is then assembled from the shard files
@@ -28,7 +30,14 @@ from typing import Any, SupportsIndex
 
 import torch
 
-from lightning_zero.checkpoint import EXTRA, WEIGHTS_ONLY, CheckpointError, read_meta, verify_files
+from lightning_zero.checkpoint import (
+    EXTRA,
+    FABRIC_KEYS,
+    WEIGHTS_ONLY,
+    CheckpointError,
+    read_meta,
+    verify_files,
+)
 from lightning_zero.reshard import ShardFiles, read_full_param
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -163,7 +172,7 @@ def load_module_checkpoint(
     files.release()
     if isinstance(map_location, str | torch.device):
         state_dict = {k: v.to(map_location) for k, v in state_dict.items()}
-    lightning = {k: v for k, v in meta["lightning"].items() if k != WEIGHTS_ONLY}
+    lightning = {k: v for k, v in meta["lightning"].items() if k not in (WEIGHTS_ONLY, FABRIC_KEYS)}
     return {**lightning, "state_dict": state_dict}
 
 
@@ -172,19 +181,25 @@ def _structure(
 ) -> dict[str, Any]:
     plan_params = meta["plan"]["params"]
     saved_weights_only = bool(meta["lightning"].get(WEIGHTS_ONLY))  # as Lightning wrote it: no optimizer
+    keys = meta["lightning"].get(FABRIC_KEYS) or {}  # fabric.save: the model and optimizer's own keys
     checkpoint = {
         k: v
         for k, v in meta["lightning"].items()
-        if k != WEIGHTS_ONLY and not (weights_only and k in ("loops", "lr_schedulers", "callbacks"))
+        if k not in (WEIGHTS_ONLY, FABRIC_KEYS)
+        and not (weights_only and k in ("loops", "lr_schedulers", "callbacks"))
     }
     state_dict: dict[str, Any] = {}
     for spec in plan_params:
         state_dict[spec["name"]] = out.placeholder(spec["shape"], _dtype(spec["dtype"]), (spec["name"], None))
     for name, value in extras.items():
         state_dict[name] = out.placeholder(tuple(value.shape), value.dtype, (name, "extra"))
-    checkpoint["state_dict"] = state_dict
+    checkpoint[keys.get("module") or "state_dict"] = state_dict
     if not (weights_only or saved_weights_only):
-        checkpoint["optimizer_states"] = [_optimizer_structure(meta, out)]
+        optimizer = _optimizer_structure(meta, out)
+        if FABRIC_KEYS in meta["lightning"]:
+            checkpoint[keys.get("optimizer") or "optimizer"] = optimizer
+        else:
+            checkpoint["optimizer_states"] = [optimizer]
     return checkpoint
 
 

@@ -48,6 +48,7 @@ from lightning_zero.param_barrier import ParamReadBarrier
 from lightning_zero.precision import shard_aware, unwrap_optimizer
 from lightning_zero.sharded_adam import ShardedAdamW
 from lightning_zero.strategy_checkpoint import _ShardedCheckpointing
+from lightning_zero.twin import make_twin, repoint_scheduler
 
 
 class ZeroStrategy(_ShardedCheckpointing):
@@ -180,15 +181,9 @@ class ZeroStrategy(_ShardedCheckpointing):
             )
         assert self.lightning_module is not None
         module = self.lightning_module
-        original = unwrap_optimizer(self.optimizers[0])
-        sharded = _twin_class(type(original)).from_optimizer(
-            original,
-            config=self.zero_config,
-            param_order=module.parameters(),
-            param_names={p: n for n, p in module.named_parameters()},
-        )
+        sharded = make_twin(unwrap_optimizer(self.optimizers[0]), self.zero_config, module.named_parameters())
         for config in self.lr_scheduler_configs:
-            _repoint_scheduler(config.scheduler, sharded)
+            repoint_scheduler(config.scheduler, sharded)
         self.optimizers = [sharded]
         self._sharded = sharded
 
@@ -275,23 +270,3 @@ class ZeroStrategy(_ShardedCheckpointing):
                     name, cls, description=f"ZeRO stage {stage} (lightning-zero)", stage=stage
                 )
 
-
-_TWINS: dict[type, type[ShardedAdamW]] = {}
-
-
-def _twin_class(optimizer_cls: type) -> type[ShardedAdamW]:
-    """A ``ShardedAdamW`` subclass named like the user's optimizer class, so that what Lightning
-    derives from the class name (``LearningRateMonitor``'s ``lr-AdamW/pg1``) is what "ddp" shows."""
-    if optimizer_cls not in _TWINS:
-        name = optimizer_cls.__name__
-        _TWINS[optimizer_cls] = type(name, (ShardedAdamW,), {"__qualname__": name, "__module__": __name__})
-    return _TWINS[optimizer_cls]
-
-
-def _repoint_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Point ``scheduler`` and every scheduler it contains (``SequentialLR``, ``ChainedScheduler``)
-    at ``optimizer``. The groups are shared already; this keeps torch's call-order check and any
-    ``scheduler.optimizer`` reader right."""
-    scheduler.optimizer = optimizer
-    for child in getattr(scheduler, "_schedulers", ()):
-        _repoint_scheduler(child, optimizer)

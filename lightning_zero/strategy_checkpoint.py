@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
@@ -33,6 +34,7 @@ from typing_extensions import override
 from lightning_zero.async_save import AsyncCheckpointWriter
 from lightning_zero.checkpoint import (
     EXTRA,
+    FABRIC_KEYS,
     WEIGHTS_ONLY,
     CheckpointError,
     is_sharded_checkpoint,
@@ -164,7 +166,7 @@ class _ShardedCheckpointing(DDPStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = Path(checkpoint_path)
         meta = read_meta(path)
-        checkpoint = dict(meta["lightning"])
+        checkpoint = _as_trainer_checkpoint(meta["lightning"])
         checkpoint["state_dict"] = torch.load(path / EXTRA, map_location="cpu", weights_only=True)
         if not checkpoint.pop(WEIGHTS_ONLY, False):
             checkpoint["optimizer_states"] = [{}]  # filled from the shards by load_optimizer_state_dict
@@ -225,3 +227,20 @@ class _ShardedCheckpointing(DDPStrategy):
             self._async_writer.wait(agree=False)
         except Exception as err:  # noqa: BLE001 - another exception is already propagating
             warnings.warn(f"an asynchronous checkpoint save failed as well: {err}", stacklevel=2)
+
+
+def _as_trainer_checkpoint(saved: dict[str, Any]) -> dict[str, Any]:
+    """The Lightning state of a checkpoint as the Trainer reads it. One written by ``fabric.save``
+    holds the Fabric loop's own entries instead: they are offered as ``checkpoint["fabric"]``
+    (``on_load_checkpoint``), the loops and LR schedulers start afresh."""
+    if FABRIC_KEYS not in saved:
+        return dict(saved)
+    keys = saved[FABRIC_KEYS]
+    checkpoint: dict[str, Any] = {
+        "pytorch-lightning_version": pl.__version__,
+        "lr_schedulers": [],
+        "fabric": {k: v for k, v in saved.items() if k not in (FABRIC_KEYS, WEIGHTS_ONLY)},
+    }
+    if WEIGHTS_ONLY in saved or keys.get("optimizer") is None:
+        checkpoint[WEIGHTS_ONLY] = True
+    return checkpoint
