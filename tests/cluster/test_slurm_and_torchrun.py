@@ -4,6 +4,7 @@ module started it."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -283,3 +284,40 @@ def test_sbatch_without_srun_fails_at_once_with_a_message(slurm: None, tmp_path:
     state = wait_for_job(job_id, deadline_s=120)
     log = (tmp_path / f"no_srun-{job_id}.out").read_text()
     assert state == "FAILED" and "but not through srun" in log, log[-2000:]
+
+
+def test_fabric_loop_under_srun_matches_lightning_launcher(slurm: None, tmp_path: Path) -> None:
+    """Fabric(strategy="zero") under SLURM (SLURMEnvironment, one task per rank) gives the result of
+    Lightning's own launcher bit for bit."""
+    cases = json.dumps([{"strategy": "zero", "steps": 4, "accum": 2, "clip": 0.05}])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    module = f"-m tests.distributed.fabric_loop --devices 2 --cases {shlex.quote(cases)}"
+    launched = subprocess.run(
+        f"{sys.executable} {module} --out {tmp_path}/launcher.pt",
+        shell=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    script = tmp_path / "fabric.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --ntasks-per-node=2\n#SBATCH --nodes=1\n"
+        f"#SBATCH --output={tmp_path}/fabric-%j.out\n"
+        f"cd {ROOT}\nexport OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore\n"
+        f"srun {sys.executable} {module} --out {tmp_path}/srun.pt\n"
+    )
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True
+    )
+    job_id = submitted.stdout.strip().split(";")[0]
+    state = wait_for_job(job_id, deadline_s=180)
+    log = (tmp_path / f"fabric-{job_id}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    launcher = torch.load(tmp_path / "launcher.pt", weights_only=False)[0]
+    under_srun = torch.load(tmp_path / "srun.pt", weights_only=False)[0]
+    for name, value in launcher.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, under_srun[name]), name
