@@ -252,6 +252,8 @@ def _write_tensors(
                 continue
             tensor = read_full_param(src, meta, name, state_key or "param", files=files)
             assert tensor is not None, (name, state_key)
+            if state_key is None:  # a 16-bit parameter is read from its fp32 master: store it as saved
+                tensor = tensor.to(_dtype(meta["plan"]["params"][plan_index]["dtype"]))
             out.write_tensor(key, tensor)
     for name, value in extras.items():
         out.write_tensor(by_source[(name, "extra")], value)

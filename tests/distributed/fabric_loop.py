@@ -127,10 +127,11 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
         state["step"] = remainder["global_step"]
     if case.get("load_raw"):
         full = torch.load(case["load_raw"], weights_only=True)
-        torch.save(full["model"], case["load_raw"] + ".model")
-        torch.save(full["optimizer"], case["load_raw"] + ".optimizer")
-        fabric.load_raw(case["load_raw"] + ".model", model)
-        fabric.load_raw(case["load_raw"] + ".optimizer", optimizer)
+        raw = f"{case['load_raw']}.rank{fabric.global_rank}"  # per rank: none reads a half-written file
+        torch.save(full["model"], raw + ".model")
+        torch.save(full["optimizer"], raw + ".optimizer")
+        fabric.load_raw(raw + ".model", model)
+        fabric.load_raw(raw + ".optimizer", optimizer)
         state["step"] = full["step"]
         if scheduler is not None:
             scheduler.load_state_dict(full["scheduler"])

@@ -49,7 +49,9 @@ def diff(a: dict[str, Any], b: dict[str, Any]) -> float:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every launch of this module, once: 2 ranks, then resumes on 1 and 3 ranks."""
     tmp = tmp_path_factory.mktemp("fabric")
-    paths = {k: str(tmp / k) for k in ("loop.ckpt", "plain.ckpt", "trainer.ckpt", "consolidated.pt")}
+    paths = {
+        k: str(tmp / k) for k in ("loop.ckpt", "plain.ckpt", "trainer.ckpt", "consolidated.pt", "bf16.pt")
+    }
     plain = {"steps": 8, "schedule": False}  # the Trainer twin has no schedule
     named: dict[str, dict[str, Any]] = {
         "ddp": dict(BASE, strategy="ddp"),
@@ -79,6 +81,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "bn_ddp": {"strategy": "ddp", "batchnorm": True, "accum": 2},
         "bn_zero": {"strategy": "zero", "batchnorm": True, "accum": 2},
         "unfreeze": dict(BASE, strategy="zero", unfreeze_at=3, schedule=False),
+        "bf16_saving": dict(
+            BASE,
+            strategy="zero",
+            precision="bf16-true",
+            save_at=4,
+            save=str(tmp / "b.ckpt"),
+            consolidate=paths["bf16.pt"],
+        ),
+        "bf16_load_raw": dict(BASE, strategy="zero", precision="bf16-true", load_raw=paths["bf16.pt"]),
         "two_optimizers": {"strategy": "zero", "two_optimizers": True, "expect_error": True},
         "sgd": {"strategy": "zero", "optimizer": "SGD", "expect_error": True},
         "separate_setup": {"strategy": "zero", "separate_setup": True, "expect_error": True},
@@ -146,6 +157,14 @@ def test_consolidated_file_is_ddp_layout_and_load_raw_works(runs: dict[str, Any]
     assert {"model", "optimizer", "step", "scheduler"} <= full.keys() and full["step"] == 4
     assert diff(two["ddp_loads_consolidated"], two["saving"]) <= 1e-10
     assert diff(two["load_raw"], two["saving"]) <= 1e-10
+
+
+def test_load_raw_into_16_bit_parameters_sets_the_fp32_masters(runs: dict[str, Any]) -> None:
+    """bf16-true: load_raw writes bf16 parameters; the fp32 masters must follow them (the next step
+    updates the masters, so stale ones would take the model back to its initial values)."""
+    two = runs["two"]
+    assert diff(two["bf16_saving"], launch_free_start()) > 5e-2
+    assert diff(two["bf16_load_raw"], two["bf16_saving"]) <= 2e-2
 
 
 def test_fabric_and_trainer_resume_each_other(runs: dict[str, Any]) -> None:
