@@ -23,12 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = {"steps": 8, "accum": 2, "clip": 0.05}  # warmup + cosine schedule, two param groups
 
 
-def launch(cases: list[dict[str, Any]], devices: int, tmp_path: Path) -> list[dict[str, Any]]:
+def launch(
+    cases: list[dict[str, Any]], devices: int, tmp_path: Path, launcher: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """Run the cases in one launch of ``devices`` processes (Lightning's launcher, or ``launcher``)."""
     out = tmp_path / f"result-{devices}.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.distributed.fabric_loop", "--out", str(out), "--devices", str(devices)]
-        + ["--cases", json.dumps(cases)],
+        [*(launcher or [sys.executable]), "-m", "tests.distributed.fabric_loop", "--out", str(out)]
+        + ["--devices", str(devices), "--cases", json.dumps(cases)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -228,3 +231,10 @@ def test_unfreezing_a_layer_replans_like_single_process_adamw(runs: dict[str, An
     two = runs["two"]
     assert diff(two["unfreeze"], two["unfreeze_single"]) <= 1e-10
     assert diff(two["unfreeze"], two["zero"]) > 1e-3, "the unfrozen layer must have trained"
+
+
+def test_torchrun_launch_matches_lightning_launcher(runs: dict[str, Any], tmp_path: Path) -> None:
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    result = launch([dict(BASE, strategy="zero")], 2, tmp_path, launcher=torchrun)[0]
+    assert diff(result, runs["two"]["zero"]) == 0.0
+    assert result["recorded"] == runs["two"]["zero"]["recorded"]
