@@ -34,15 +34,13 @@ import copy
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from lightning_zero.checkpoint import CheckpointError, StagedSave, stage_save
 from lightning_zero.comm import Comm
-
-if TYPE_CHECKING:
-    from lightning_zero.sharded_adam import ShardedAdamW
+from lightning_zero.engine import ShardEngine
 
 
 class HostSnapshot:
@@ -119,7 +117,7 @@ class AsyncCheckpointWriter:
 
     def save(
         self,
-        opt: ShardedAdamW,
+        engine: ShardEngine,
         path: str | os.PathLike[str],
         lightning_state: dict[str, Any],
         extra_tensors: dict[str, torch.Tensor],
@@ -130,7 +128,7 @@ class AsyncCheckpointWriter:
         Must be called on all ranks. Waits for the previous save first.
 
         Args:
-            opt: the sharded optimizer whose shards are saved.
+            engine: the sharded state to save (``ShardedAdamW.engine``).
             path: the checkpoint directory to create or replace.
             lightning_state: Lightning's state for ``meta.pt`` (copied here).
             extra_tensors: model tensors outside the buckets (copied here).
@@ -141,10 +139,10 @@ class AsyncCheckpointWriter:
         """
         self.wait()
         if self._comm is None:
-            self._comm = opt.comm.new_group(backend="gloo")  # all ranks, at their first save
+            self._comm = engine.comm.new_group(backend="gloo")  # all ranks, at their first save
         snapshot = HostSnapshot()
         staged = stage_save(
-            opt, path, snapshot.tree(lightning_state), extra_tensors, stage, copy_tensor=snapshot.tensor
+            engine, path, snapshot.tree(lightning_state), extra_tensors, stage, copy_tensor=snapshot.tensor
         )
         staged.before_write = snapshot.seal()
         # not a daemon: an interpreter that exits right after a save still finishes writing it

@@ -35,13 +35,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from lightning_zero.comm import Comm
-    from lightning_zero.sharded_adam import ShardedAdamW
+from lightning_zero.comm import Comm
+from lightning_zero.engine import ShardEngine
 
 FORMAT_VERSION = 1
 META = "meta.pt"
@@ -67,9 +66,9 @@ def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     return Path(path, META).is_file()
 
 
-def plan_meta(opt: ShardedAdamW) -> dict[str, Any]:
+def plan_meta(engine: ShardEngine) -> dict[str, Any]:
     """The bucket plan as plain data (what loading on another world size needs)."""
-    plan = opt.plan
+    plan = engine.plan
     return {
         "world_size": plan.world_size,
         "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in plan.params],
@@ -86,20 +85,20 @@ def plan_meta(opt: ShardedAdamW) -> dict[str, Any]:
 
 
 def _shard_payload(
-    opt: ShardedAdamW, copy_tensor: CopyFn | None, with_optimizer: bool = True
+    engine: ShardEngine, copy_tensor: CopyFn | None, with_optimizer: bool = True
 ) -> dict[str, list[torch.Tensor]]:
     """This rank's tensors to save. Parameter shards are views of the flat buffer and are always
     copied (saving a view writes its whole storage); ``copy_tensor``, if given, copies every tensor
     (a snapshot that training going on cannot change). ``with_optimizer=False`` (a weights-only
     checkpoint) saves the parameter shards alone."""
-    shards = opt.shards
+    shards = engine.shards
 
     def own(t: torch.Tensor, always: bool = False) -> torch.Tensor:
         if copy_tensor is not None:
             return copy_tensor(t)
         return t.detach().to("cpu", copy=True) if always else t
 
-    payload = {"param": [own(opt.flat.shard(b), always=True) for b in opt.plan.buckets]}
+    payload = {"param": [own(engine.flat.shard(b), always=True) for b in engine.plan.buckets]}
     if not with_optimizer:
         return payload
     if any(shards.separate_master):
@@ -181,7 +180,7 @@ class StagedSave:
 
 
 def stage_save(
-    opt: ShardedAdamW,
+    engine: ShardEngine,
     path: str | os.PathLike[str],
     lightning_state: dict[str, Any],
     extra_tensors: dict[str, torch.Tensor],
@@ -191,7 +190,7 @@ def stage_save(
     """What this rank will write. Must be called on all ranks (one broadcast of a directory token).
 
     Args:
-        opt: the sharded optimizer whose shards (parameters, moments, masters) are saved.
+        engine: the sharded state (parameters, moments, masters) to save (``ShardedAdamW.engine``).
         path: the checkpoint directory to create or replace.
         lightning_state: written into ``meta.pt`` as it is (the caller snapshots it if needed).
         extra_tensors: model tensors outside the buckets, written by rank 0.
@@ -202,17 +201,17 @@ def stage_save(
     Returns:
         The staged save; its ``write`` must then be called on all ranks.
     """
-    opt.wait_for_params()  # parameter gathers left in flight write the buffers saved here
-    comm, target = opt.comm, Path(path)
+    engine.wait_for_params()  # parameter gathers left in flight write the buffers saved here
+    comm, target = engine.comm, Path(path)
     token = comm.broadcast_object(uuid.uuid4().hex if comm.rank == 0 else None, src=0)
-    payload = _shard_payload(opt, copy_tensor, with_optimizer=not lightning_state.get(WEIGHTS_ONLY, False))
+    payload = _shard_payload(engine, copy_tensor, with_optimizer=not lightning_state.get(WEIGHTS_ONLY, False))
     meta = {
         "format_version": FORMAT_VERSION,
         "world_size": comm.world_size,
         "stage": stage,
-        "plan": plan_meta(opt),
-        "steps": torch.tensor(opt.shards.steps, dtype=torch.int64),
-        "param_groups": copy_module.deepcopy(opt.group_hyperparameters()),
+        "plan": plan_meta(engine),
+        "steps": torch.tensor(engine.shards.steps, dtype=torch.int64),
+        "param_groups": copy_module.deepcopy(engine.group_hyperparameters()),
         "lightning": lightning_state,
     }
     copy_extra = copy_tensor or (lambda t: t.detach().cpu())
@@ -228,7 +227,7 @@ def stage_save(
 
 
 def save_sharded(
-    opt: ShardedAdamW,
+    engine: ShardEngine,
     path: str | os.PathLike[str],
     lightning_state: dict[str, Any],
     extra_tensors: dict[str, torch.Tensor],
@@ -239,7 +238,7 @@ def save_sharded(
     Raises:
         CheckpointError: on every rank, if any rank failed to write (the previous ``path`` is kept).
     """
-    stage_save(opt, path, lightning_state, extra_tensors, stage).write(opt.comm)
+    stage_save(engine, path, lightning_state, extra_tensors, stage).write(engine.comm)
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -113,7 +113,7 @@ class FabricCheckpointing(DDPStrategy):
             extras = {
                 k: v for k, v in self.get_module_state_dict(state[module_key]).items() if k not in trainable
             }
-        save_sharded(self._sharded, path, lightning_state, extras, self.zero_config.stage)
+        save_sharded(self._sharded.engine, path, lightning_state, extras, self.zero_config.stage)
         return None
 
     def _sharded_keys(self, state: dict[str, Any]) -> tuple[str | None, str | None]:
@@ -181,8 +181,8 @@ class FabricCheckpointing(DDPStrategy):
         extras = dict(torch.load(path / EXTRA, map_location="cpu", weights_only=True))
         if module is self._module and self._bound():
             assert self._sharded is not None
-            preflight(self._sharded, path, meta)
-            load_sharded(self._sharded, path, meta, with_optimizer=with_optimizer)
+            preflight(self._sharded.engine, path, meta)
+            load_sharded(self._sharded.engine, path, meta, with_optimizer=with_optimizer)
             missing, unexpected = module.load_state_dict(extras, strict=False)
             trainable = {p.name for p in self._sharded.plan.params}
             missing = [k for k in missing if k not in trainable]
@@ -209,5 +209,5 @@ class FabricCheckpointing(DDPStrategy):
             )
         if params_only:
             raise CheckpointError(f"{path} holds model weights only; it cannot restore the optimizer")
-        preflight(self._sharded, path, meta)
-        load_sharded(self._sharded, path, meta, with_optimizer=True)
+        preflight(self._sharded.engine, path, meta)
+        load_sharded(self._sharded.engine, path, meta, with_optimizer=True)

@@ -12,30 +12,29 @@ That is what lets a checkpoint saved on N ranks (or by plain ``"ddp"``) resume o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from lightning_zero.sharded_adam import ShardedAdamW
+from lightning_zero.engine import ShardEngine
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
-def _group_indices(opt: ShardedAdamW) -> dict[torch.nn.Parameter, int]:
+def _group_indices(engine: ShardEngine) -> dict[torch.nn.Parameter, int]:
     """torch's numbering: parameters of all groups, in order."""
     numbering: dict[torch.nn.Parameter, int] = {}
-    for group in opt.param_groups:
+    for group in engine.param_groups:
         for p in group["params"]:
             numbering.setdefault(p, len(numbering))
     return numbering
 
 
-def gather_full_state(opt: ShardedAdamW, dst: int = 0) -> dict[str, Any] | None:
+def gather_full_state(engine: ShardEngine, dst: int = 0) -> dict[str, Any] | None:
     """The full AdamW state dict on rank ``dst`` (``None`` elsewhere). Call on all ranks."""
-    comm, plan, shards = opt.comm, opt.plan, opt.shards
-    numbering = _group_indices(opt)
+    comm, plan, shards = engine.comm, engine.plan, engine.shards
+    numbering = _group_indices(engine)
     moments = [m for m in _MOMENTS if m in shards.state_tensors()]
     state: dict[int, dict[str, Tensor]] = {}
     for b, bucket in enumerate(plan.buckets):
@@ -44,7 +43,7 @@ def gather_full_state(opt: ShardedAdamW, dst: int = 0) -> dict[str, Any] | None:
             if full is None:
                 continue
             for slot in bucket.slots:
-                param = opt.params_in_order[slot.param_index]
+                param = engine.params_in_order[slot.param_index]
                 if shards.steps[slot.param_index] == 0:
                     continue  # torch keeps no state for a parameter never stepped
                 values = full[slot.bucket_offset : slot.bucket_offset + slot.numel].view(param.shape).clone()
@@ -54,7 +53,7 @@ def gather_full_state(opt: ShardedAdamW, dst: int = 0) -> dict[str, Any] | None:
     if comm.rank != dst:
         return None
     groups = []
-    for group in opt.param_groups:
+    for group in engine.param_groups:
         saved = {k: v for k, v in group.items() if k not in ("params", "decoupled_weight_decay")}
         saved.update(
             params=[numbering[p] for p in group["params"]],
@@ -69,16 +68,16 @@ def gather_full_state(opt: ShardedAdamW, dst: int = 0) -> dict[str, Any] | None:
 
 
 @torch.no_grad()
-def scatter_full_state(opt: ShardedAdamW, full: dict[str, Any]) -> None:
+def scatter_full_state(engine: ShardEngine, full: dict[str, Any]) -> None:
     """Load a torch-format Adam/AdamW state dict into this rank's shards (no communication)."""
-    numbering = _group_indices(opt)
+    numbering = _group_indices(engine)
     saved_groups = full.get("param_groups", [])
-    if len(saved_groups) != len(opt.param_groups):
+    if len(saved_groups) != len(engine.param_groups):
         raise ValueError(
             f"checkpoint has {len(saved_groups)} optimizer param groups, the optimizer has "
-            f"{len(opt.param_groups)}"
+            f"{len(engine.param_groups)}"
         )
-    for g, (group, saved) in enumerate(zip(opt.param_groups, saved_groups, strict=True)):
+    for g, (group, saved) in enumerate(zip(engine.param_groups, saved_groups, strict=True)):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(
                 f"param group {g}: checkpoint has {len(saved['params'])} parameters, the optimizer "
@@ -89,17 +88,17 @@ def scatter_full_state(opt: ShardedAdamW, full: dict[str, Any]) -> None:
                 group[key] = value
     remap = {
         saved_i: numbering[p]
-        for group, saved in zip(opt.param_groups, saved_groups, strict=True)
+        for group, saved in zip(engine.param_groups, saved_groups, strict=True)
         for saved_i, p in zip(saved["params"], group["params"], strict=True)
     }
     state = {remap[int(k)]: v for k, v in full.get("state", {}).items()}
-    shards, plan = opt.shards, opt.plan
-    for index, param in enumerate(opt.params_in_order):
+    shards, plan = engine.shards, engine.plan
+    for index, param in enumerate(engine.params_in_order):
         entry = state.get(numbering[param], {})
         shards.steps[index] = int(entry["step"]) if "step" in entry else 0
     for b, bucket in enumerate(plan.buckets):
-        for seg in plan.segments(bucket, opt.comm.rank):
-            param = opt.params_in_order[seg.param_index]
+        for seg in plan.segments(bucket, engine.comm.rank):
+            param = engine.params_in_order[seg.param_index]
             entry = state.get(numbering[param], {})
             window = slice(seg.shard_offset, seg.shard_offset + seg.numel)
             for name in _MOMENTS:

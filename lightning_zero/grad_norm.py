@@ -11,41 +11,40 @@ Lightning's own function.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from lightning_zero.sharded_adam import ShardedAdamW
+from lightning_zero.engine import ShardEngine
+from lightning_zero.sharded_adam import ShardedAdamW
 
 
 @torch.no_grad()
-def param_grad_norms(opt: ShardedAdamW, norm_type: float) -> Tensor:
+def param_grad_norms(engine: ShardEngine, norm_type: float) -> Tensor:
     """``(num_params,)`` float64: the ``norm_type``-norm of each planned parameter's averaged gradient.
 
     Must be called on all ranks, after backward and before the optimizer step (one all-reduce).
     """
-    opt.reducer.finalize()
-    plan, rank = opt.plan, opt.comm.rank
+    engine.reducer.finalize()
+    plan, rank = engine.plan, engine.comm.rank
     index, values = [], []
     for b, bucket in enumerate(plan.buckets):
-        shard = opt.reducer.grad_shards[b]
+        shard = engine.reducer.grad_shards[b]
         for seg in plan.segments(bucket, rank):
             piece = shard[seg.shard_offset : seg.shard_offset + seg.numel]
             index.append(seg.param_index)
             values.append(torch.linalg.vector_norm(piece, norm_type, dtype=torch.float64))
-    local = torch.zeros(len(plan.params), dtype=torch.float64, device=opt.comm.device)
+    local = torch.zeros(len(plan.params), dtype=torch.float64, device=engine.comm.device)
     if values:
-        where = torch.tensor(index, device=opt.comm.device)
-        norms = torch.stack(values).to(opt.comm.device)
+        where = torch.tensor(index, device=engine.comm.device)
+        norms = torch.stack(values).to(engine.comm.device)
         if math.isinf(norm_type):
             local.scatter_reduce_(0, where, norms, reduce="amax")
         else:
             local.index_add_(0, where, norms.pow(norm_type))
     op = "max" if math.isinf(norm_type) else "sum"
-    opt.comm.wait(opt.comm.all_reduce(local, op=op, control=True))
+    engine.comm.wait(engine.comm.all_reduce(local, op=op, control=True))
     return local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
 
 
@@ -73,7 +72,7 @@ def grad_norm(
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
-    norms = param_grad_norms(opt, norm_type)
+    norms = param_grad_norms(opt.engine, norm_type)
     used = opt.reducer.finalize()  # a mask when unused parameters are tracked: those have no gradient
     position = {p: i for i, p in enumerate(opt.params_in_order)}
     out: dict[str, Tensor] = {}

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_zero.checkpoint import CheckpointError, shard_name, verify_files
-
-if TYPE_CHECKING:
-    from lightning_zero.sharded_adam import ShardedAdamW
+from lightning_zero.engine import ShardEngine
 
 
 class _SavedLayout:
@@ -57,10 +55,10 @@ class _SavedLayout:
         return out
 
 
-def check_compatible(opt: ShardedAdamW, meta: dict[str, Any], path: Path) -> list[str]:
+def check_compatible(engine: ShardEngine, meta: dict[str, Any], path: Path) -> list[str]:
     """Missing / unexpected / mis-shaped parameters between the checkpoint and the optimizer."""
     saved = {p["name"]: tuple(p["shape"]) for p in meta["plan"]["params"]}
-    current = {p.name: tuple(p.shape) for p in opt.plan.params}
+    current = {p.name: tuple(p.shape) for p in engine.plan.params}
     problems = []
     missing = sorted(set(current) - set(saved))
     unexpected = sorted(set(saved) - set(current))
@@ -77,32 +75,32 @@ def check_compatible(opt: ShardedAdamW, meta: dict[str, Any], path: Path) -> lis
     ]
     if shapes:
         problems.append(f"{path}: shape mismatch: " + "; ".join(shapes))
-    if len(meta["param_groups"]) != len(opt.param_groups):
+    if len(meta["param_groups"]) != len(engine.param_groups):
         problems.append(
             f"{path}: {len(meta['param_groups'])} optimizer param groups, the optimizer has "
-            f"{len(opt.param_groups)}"
+            f"{len(engine.param_groups)}"
         )
     return problems
 
 
-def _needed_ranks(opt: ShardedAdamW, layout: _SavedLayout) -> set[int]:
+def _needed_ranks(engine: ShardEngine, layout: _SavedLayout) -> set[int]:
     ranks: set[int] = set()
-    for bucket in opt.plan.buckets:
-        for seg in opt.plan.segments(bucket, opt.comm.rank):
-            name = opt.plan.params[seg.param_index].name
+    for bucket in engine.plan.buckets:
+        for seg in engine.plan.segments(bucket, engine.comm.rank):
+            name = engine.plan.params[seg.param_index].name
             if name in layout.by_name:
                 ranks.update(r for r, *_ in layout.pieces(name, seg.param_start, seg.param_end))
     return ranks
 
 
-def preflight(opt: ShardedAdamW, path: Path, meta: dict[str, Any]) -> None:
+def preflight(engine: ShardEngine, path: Path, meta: dict[str, Any]) -> None:
     """Check, on every rank, what this rank will read; raise the union of problems everywhere."""
-    problems = check_compatible(opt, meta, path)
+    problems = check_compatible(engine, meta, path)
     if not problems:
         layout = _SavedLayout(meta)
-        names = [shard_name(r, layout.world_size) for r in sorted(_needed_ranks(opt, layout))]
+        names = [shard_name(r, layout.world_size) for r in sorted(_needed_ranks(engine, layout))]
         problems = verify_files(path, meta, names)
-    everyone = opt.comm.all_gather_object(problems)
+    everyone = engine.comm.all_gather_object(problems)
     found = sorted({p for rank_problems in everyone for p in rank_problems})
     if found:
         raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(found))
@@ -126,27 +124,27 @@ class ShardFiles:
 
 
 @torch.no_grad()
-def load_sharded(opt: ShardedAdamW, path: Path, meta: dict[str, Any], with_optimizer: bool = True) -> None:
+def load_sharded(engine: ShardEngine, path: Path, meta: dict[str, Any], with_optimizer: bool = True) -> None:
     """Fill this rank's parameter shards (then all-gather) and, optionally, its optimizer state.
 
     Call :func:`preflight` first. Must be called on all ranks. Separate fp32 masters are read from
     the saved masters (or parameters), not from the rounded 16-bit shard. A ``max_exp_avg_sq`` that
     the checkpoint lacks (``amsgrad`` switched on since) starts at zero.
     """
-    opt.wait_for_params()  # gathers left in flight would overwrite what is loaded here
+    engine.wait_for_params()  # gathers left in flight would overwrite what is loaded here
     layout = _SavedLayout(meta)
     files = ShardFiles(path, layout.world_size)
-    shards = opt.shards
-    for b, bucket in enumerate(opt.plan.buckets):
+    shards = engine.shards
+    for b, bucket in enumerate(engine.plan.buckets):
         targets = {
-            "param": [opt.flat.shard(bucket)] + ([shards.master[b]] if shards.separate_master[b] else [])
+            "param": [engine.flat.shard(bucket)] + ([shards.master[b]] if shards.separate_master[b] else [])
         }
         if with_optimizer:
             targets.update(exp_avg=[shards.exp_avg[b]], exp_avg_sq=[shards.exp_avg_sq[b]])
             if shards.max_exp_avg_sq is not None:
                 targets["max_exp_avg_sq"] = [shards.max_exp_avg_sq[b]]
-        for seg in opt.plan.segments(bucket, opt.comm.rank):
-            name = opt.plan.params[seg.param_index].name
+        for seg in engine.plan.segments(bucket, engine.comm.rank):
+            name = engine.plan.params[seg.param_index].name
             for rank, saved_bucket, offset, numel, at in layout.pieces(name, seg.param_start, seg.param_end):
                 window = slice(seg.shard_offset + at, seg.shard_offset + at + numel)
                 for key, destinations in targets.items():
@@ -158,11 +156,13 @@ def load_sharded(opt: ShardedAdamW, path: Path, meta: dict[str, Any], with_optim
                             dst[window].copy_(source[offset : offset + numel])
     if with_optimizer:
         by_name = {layout.params[i]["name"]: int(s) for i, s in enumerate(meta["steps"].tolist())}
-        shards.steps = [by_name[p.name] for p in opt.plan.params]
-        _load_group_hyperparameters(opt, meta)
-    handles = [opt.comm.all_gather(opt.flat.bucket(b), opt.flat.shard(b)) for b in opt.plan.buckets]
+        shards.steps = [by_name[p.name] for p in engine.plan.params]
+        _load_group_hyperparameters(engine, meta)
+    handles = [
+        engine.comm.all_gather(engine.flat.bucket(b), engine.flat.shard(b)) for b in engine.plan.buckets
+    ]
     for handle in handles:
-        opt.comm.wait(handle)
+        engine.comm.wait(handle)
 
 
 def _source(data: dict[str, list[Tensor]], key: str, bucket: int) -> Tensor | None:
@@ -172,8 +172,8 @@ def _source(data: dict[str, list[Tensor]], key: str, bucket: int) -> Tensor | No
     return None if tensors is None else tensors[bucket]
 
 
-def _load_group_hyperparameters(opt: ShardedAdamW, meta: dict[str, Any]) -> None:
-    for group, saved in zip(opt.param_groups, meta["param_groups"], strict=True):
+def _load_group_hyperparameters(engine: ShardEngine, meta: dict[str, Any]) -> None:
+    for group, saved in zip(engine.param_groups, meta["param_groups"], strict=True):
         group.update({k: v for k, v in saved.items() if k != "param_indices"})
 
 

@@ -1,4 +1,6 @@
-"""Adam/AdamW on this rank's shard of every bucket, then an all-gather of the updated parameters.
+"""``ShardedAdamW``: the optimizer protocol on :class:`~lightning_zero.engine.ShardEngine`, which holds
+the buffers, hooks, collectives and shard state: Adam/AdamW on this rank's shard of every bucket,
+then an all-gather of the updated parameters.
 
 Each rank keeps, for the elements it owns (``1/N`` of every bucket, see
 :mod:`lightning_zero.partition`): the master weights (the flat parameter shard itself when the
@@ -16,12 +18,12 @@ gradients.
 
 Limits: parameters must be real floating point tensors on one device; ``differentiable`` and
 tensor-valued ``lr`` with ``capturable`` are refused. ``foreach``/``fused`` are accepted and
-ignored: the shard update always uses ``torch._foreach_*`` over the owned pieces.
+ignored: the shard update uses torch's fused Adam kernel where it applies (fp32/fp64 masters on CPU
+or CUDA) and ``torch._foreach_*`` otherwise (:mod:`lightning_zero.shard_state`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -29,15 +31,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_zero.buckets import ParamSpec, plan_buckets
+from lightning_zero.buckets import BucketPlan
 from lightning_zero.comm import Comm
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine import ShardEngine
 from lightning_zero.flat import FlatParams
 from lightning_zero.full_state import gather_full_state, scatter_full_state
 from lightning_zero.param_gather import ParamGather
-from lightning_zero.plan_check import check_same_plan
 from lightning_zero.reducer import GradReducer
-from lightning_zero.replan import Parked, carry_state
 from lightning_zero.shard_state import ShardState
 
 if TYPE_CHECKING:
@@ -96,13 +97,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.config = config or ZeroConfig()
-        self.comm = Comm(process_group)
         for group in self.param_groups:
             _check_group(group)
-        self._param_order = None if param_order is None else list(param_order)
-        self._names = param_names or {}
-        self._parked = Parked()
-        self._build(self._param_order, self._names)
+        comm = Comm(process_group)
+        self.engine = ShardEngine(self.param_groups, self.config, comm, param_order, param_names)
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, **kwargs: Any) -> ShardedAdamW:
@@ -138,49 +136,38 @@ class ShardedAdamW(torch.optim.Optimizer):
             **kwargs,
         )
 
-    def _build(
-        self, param_order: Iterable[torch.nn.Parameter] | None, names: dict[torch.nn.Parameter, str]
-    ) -> None:
-        in_groups = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad}
-        order = [
-            p for p in (param_order or [p for g in self.param_groups for p in g["params"]]) if p in in_groups
-        ]
-        order = list(dict.fromkeys(order))  # tied weights appear once
-        missing = [p for p in in_groups if p not in set(order)]
-        order += missing
-        if not order:
-            raise ValueError("the optimizer has no parameter with requires_grad=True")
-        specs = [
-            ParamSpec(names.get(p, f"param{i}"), tuple(p.shape), str(p.dtype), p.element_size())
-            for i, p in enumerate(order)
-        ]
-        self.plan = plan_buckets(
-            specs,
-            self.comm.world_size,
-            self.config.bucket_cap_mb,
-            self.config.first_bucket_cap_mb,
-            self.config.align_numel,
-        )
-        check_same_plan(self.plan, self.comm)
-        self.params_in_order = order
-        self.flat = FlatParams(order, self.plan, self.comm.rank)
-        self.gather = ParamGather(self.plan, self.flat, self.comm, self.config.overlap_param_gather)
-        self.reducer = GradReducer(order, self.plan, self.flat, self.comm, self.config)
-        self.shards = ShardState(
-            self.plan,
-            self.flat,
-            self.reducer.grad_shards,
-            [in_groups[p] for p in order],
-            amsgrad=any(g["amsgrad"] for g in self.param_groups),
-        )
-        self._trainable = self._trainable_signature()
+    # the engine's parts, for readers that hold the optimizer (Lightning glue, tests, benchmarks)
+    @property
+    def comm(self) -> Comm:
+        return self.engine.comm
 
-    def _trainable_signature(self) -> tuple[tuple[bool, ...], ...]:
-        return tuple(tuple(p.requires_grad for p in g["params"]) for g in self.param_groups)
+    @property
+    def plan(self) -> BucketPlan:
+        return self.engine.plan
+
+    @property
+    def flat(self) -> FlatParams:
+        return self.engine.flat
+
+    @property
+    def reducer(self) -> GradReducer:
+        return self.engine.reducer
+
+    @property
+    def shards(self) -> ShardState:
+        return self.engine.shards
+
+    @property
+    def gather(self) -> ParamGather:
+        return self.engine.gather
+
+    @property
+    def params_in_order(self) -> list[torch.nn.Parameter]:
+        return self.engine.params_in_order
 
     def trainable_changed(self) -> bool:
         """Whether a param group was added or a ``requires_grad`` flag flipped since the plan was built."""
-        return self._trainable_signature() != self._trainable
+        return self.engine.trainable_changed()
 
     def replan(
         self,
@@ -198,96 +185,50 @@ class ShardedAdamW(torch.optim.Optimizer):
         """
         for group in self.param_groups:
             _check_group(group)
-        if param_order is not None:
-            self._param_order = list(param_order)
-        if param_names is not None:
-            self._names = param_names
-        self.reducer.reset()
-        self.reducer.remove_hooks()
-        module = self.gather.module
-        self.gather.remove_hooks()  # waits: the new flat buffers copy complete parameters
-        old = (self.plan, self.params_in_order, self.shards)
-        self._build(self._param_order, self._names)
-        carry_state(self.comm, old, (self.plan, self.params_in_order, self.shards), self._parked)
-        if module is not None:
-            self.gather.install_forward_waits(module, self.params_in_order)
-        kept = set(self.params_in_order)
-        for param in old[1]:
-            if param not in kept:  # its own storage: the old flat buffer is freed with the old plan
-                param.data = param.data.clone()
+        self.engine.replan(param_order, param_names)
 
     def install_forward_waits(self, module: torch.nn.Module) -> None:
         """Let ``overlap_param_gather`` take effect: ``module``'s submodules wait in their forward for
         the buckets holding their parameters. Anything that reads parameters outside a forward must
         call :meth:`wait_for_params` first."""
-        self.gather.install_forward_waits(module, self.params_in_order)
+        self.engine.install_forward_waits(module)
 
     def wait_for_params(self) -> None:
         """Complete the parameter all-gathers still in flight (a no-op without overlap)."""
-        self.gather.wait()
+        self.engine.wait_for_params()
 
     def is_bound(self) -> bool:
         """Whether every planned parameter still is a view of the flat buffers (``module.to(...)`` or
         Lightning's teardown on a GPU gives parameters new storage)."""
-        return self.flat.is_bound(self.params_in_order)
+        return self.engine.is_bound()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop this step's gradients (on every rank: it may wait for collectives in flight)."""
-        self.reducer.reset()
+        self.engine.reducer.reset()
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Backward passes inside accumulate locally and send nothing (gradient accumulation)."""
-        return self.reducer.no_sync()
+        return self.engine.no_sync()
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the global gradient norm over all shards; returns the norm before clipping.
 
         Must be called on all ranks, after backward and before :meth:`step`.
         """
-        self.reducer.finalize()
-        grads = self.reducer.grad_shards
-        if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads]).max().to(self.comm.device, torch.float64)
-            self.comm.wait(self.comm.all_reduce(local, op="max", control=True))
-            total = local
-        else:
-            local = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads])
-            local = local.pow(norm_type).sum().to(self.comm.device)
-            self.comm.wait(self.comm.all_reduce(local, control=True))
-            total = local.pow(1.0 / norm_type)
-        total = total.to(grads[0].device)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total
+        return self.engine.clip_grad_norm_(max_norm, norm_type)
 
-    @torch.no_grad()
     def unscale_(self, scale: float | Tensor) -> bool:
         """Divide the shard gradients by a loss scale; True if any rank's gradients hold inf/NaN.
 
         Every rank gets the same answer (one small all-reduce), so an overflow on one rank skips
         the step on all of them. Must be called on all ranks, after backward.
         """
-        self.reducer.finalize()
-        grads = self.reducer.grad_shards
-        inv_scale = 1.0 / float(scale)
-        for g in grads:
-            g.mul_(inv_scale)
-        local = (
-            torch.stack([~torch.isfinite(g).all() for g in grads]).any().to(self.comm.device, torch.float32)
-        )
-        self.comm.wait(self.comm.all_reduce(local.reshape(1), op="max", control=True))
-        return bool(local.item())
+        return self.engine.unscale_(scale)
 
-    @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]`` (local: no communication)."""
-        self.reducer.finalize()
-        for g in self.reducer.grad_shards:
-            g.clamp_(-clip_value, clip_value)
+        self.engine.clip_grad_value_(clip_value)
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Reduce gradients (if backward has not already), update the owned shards, all-gather.
 
@@ -304,18 +245,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 "rank before the next backward (the zero strategy does this before each training step)"
             )
         self._opt_called = True  # what LR schedulers check to warn about call order
-        if self.reducer.idle:  # no backward since the last step: like torch with every .grad None
-            self.reducer.reset()
-            return loss
-        self.gather.wait()  # gathers left in flight read the shards this step writes
-        used_mask = self.reducer.finalize()
-        self.shards.adopt_external_writes()
-        self.shards.count_steps(used_mask)
-        for b in self.gather.order():  # each bucket's gather overlaps the next one's update
-            self.shards.update_bucket(b, self.param_groups, used_mask)
-            self.gather.launch(b)
-        self.gather.launched()
-        self.reducer.reset()
+        self.engine.step()
         return loss
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # LR schedulers rebound to us check it
@@ -326,8 +256,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         Afterwards :meth:`state_dict` returns it on rank ``to`` (the protocol of torch's
         ``ZeroRedundancyOptimizer``, which Lightning's checkpointing follows).
         """
-        self.gather.wait()
-        self._consolidated = gather_full_state(self, dst=to)
+        self.engine.wait_for_params()
+        self._consolidated = gather_full_state(self.engine, dst=to)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The full state gathered by :meth:`consolidate_state_dict` (on the destination rank).
@@ -347,14 +277,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def group_hyperparameters(self) -> list[dict[str, Any]]:
         """The param groups without their parameters, and with the parameters' plan indices."""
-        position = {p: i for i, p in enumerate(self.params_in_order)}
-        return [
-            {
-                **{k: v for k, v in g.items() if k != "params"},
-                "param_indices": [position.get(p, -1) for p in g["params"]],
-            }
-            for g in self.param_groups
-        ]
+        return self.engine.group_hyperparameters()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a full ``torch.optim.Adam``/``AdamW`` state (from any world size, or from plain torch).
@@ -362,8 +285,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         Every rank passes the same full state and keeps its own pieces; no communication. Load the
         model's parameters first: 16-bit parameters' fp32 master shards are re-read from them.
         """
-        self.gather.wait()
-        scatter_full_state(self, state_dict)
+        self.engine.wait_for_params()
+        scatter_full_state(self.engine, state_dict)
 
 
 def _check_hyper(*, lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:

@@ -269,4 +269,3 @@ class ZeroStrategy(_ShardedCheckpointing):
                 strategy_registry.register(
                     name, cls, description=f"ZeRO stage {stage} (lightning-zero)", stage=stage
                 )
-

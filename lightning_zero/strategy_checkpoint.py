@@ -102,7 +102,13 @@ class _ShardedCheckpointing(DDPStrategy):
         lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if "optimizer_states" not in checkpoint:  # save_weights_only: resuming must be refused as ddp does
             lightning_state[WEIGHTS_ONLY] = True
-        args = (self._sharded, filepath, lightning_state, checkpoint["state_dict"], self.zero_config.stage)
+        args = (
+            self._sharded.engine,
+            filepath,
+            lightning_state,
+            checkpoint["state_dict"],
+            self.zero_config.stage,
+        )
         writer = self._async_writer
         if writer is None or not self._saves_in_background(filepath):
             self.wait_for_checkpoint()  # commits stay in order
@@ -181,8 +187,8 @@ class _ShardedCheckpointing(DDPStrategy):
         path, meta = self._pending_load
         module = self.lightning_module
         if self._sharded is not None and self._fitting():
-            preflight(self._sharded, path, meta)
-            load_sharded(self._sharded, path, meta, with_optimizer=False)
+            preflight(self._sharded.engine, path, meta)
+            load_sharded(self._sharded.engine, path, meta, with_optimizer=False)
             extras = dict(checkpoint["state_dict"])
         else:  # validate/test/predict: no optimizer, read whole parameters
             files = ShardFiles(path, meta["world_size"])
@@ -206,7 +212,7 @@ class _ShardedCheckpointing(DDPStrategy):
             return super().load_optimizer_state_dict(checkpoint)
         assert self._sharded is not None
         path, meta = self._pending_load
-        load_sharded(self._sharded, path, meta, with_optimizer=True)
+        load_sharded(self._sharded.engine, path, meta, with_optimizer=True)
         self._pending_load = None
         return None
 

@@ -55,8 +55,8 @@ def train(model: TinyNet, opt: ShardedAdamW, steps: range, rank: int, world_size
 def save_phase(rank: int, world_size: int, path: str, stage: int, steps: int) -> dict[str, Any] | None:
     model, opt = build(stage)
     train(model, opt, range(steps), rank, world_size)
-    save_sharded(opt, path, {"global_step": steps}, {}, stage)
-    return gather_full_state(opt)
+    save_sharded(opt.engine, path, {"global_step": steps}, {}, stage)
+    return gather_full_state(opt.engine)
 
 
 def resume_phase(
@@ -68,9 +68,9 @@ def resume_phase(
             if p.requires_grad:
                 p.normal_()
     meta = read_meta(path)
-    preflight(opt, Path(path), meta)
-    load_sharded(opt, Path(path), meta)
-    loaded = gather_full_state(opt)
+    preflight(opt.engine, Path(path), meta)
+    load_sharded(opt.engine, Path(path), meta)
+    loaded = gather_full_state(opt.engine)
     loaded_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     train(model, opt, range(start, start + steps), rank, world_size)
     return {
@@ -93,8 +93,8 @@ def load_error(rank: int, world_size: int, path: str, width: int = 13) -> str:
     before = [p.detach().clone() for p in model.parameters()]
     try:
         meta = read_meta(path)
-        preflight(opt, Path(path), meta)
-        load_sharded(opt, Path(path), meta)
+        preflight(opt.engine, Path(path), meta)
+        load_sharded(opt.engine, Path(path), meta)
     except CheckpointError as err:
         unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         return f"{err}\nunchanged={unchanged}"

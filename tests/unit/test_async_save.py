@@ -83,12 +83,12 @@ def test_save_returns_before_the_commit_and_writes_the_state_it_was_given(
     model, opt = trained()
     state = {"loops": {"step": 2}, "callbacks": {"best_k": OrderedDict(a=1.0)}, "score": torch.tensor([1.0])}
     extra = {"frozen": model.frozen.weight.detach()}
-    save_sharded(opt, tmp_path / "blocking", state, extra, 2)  # the reference, before any change
+    save_sharded(opt.engine, tmp_path / "blocking", state, extra, 2)  # the reference, before any change
 
     gate = install_gate(monkeypatch)
     writer = AsyncCheckpointWriter()
     try:
-        writer.save(opt, tmp_path / "async", state, extra, 2)
+        writer.save(opt.engine, tmp_path / "async", state, extra, 2)
         assert writer.pending and not (tmp_path / "async").exists()
         train(model, opt, 2)  # training goes on: parameters and moments change in place
         state["loops"]["step"] = 4
@@ -114,7 +114,7 @@ def test_save_returns_before_the_commit_and_writes_the_state_it_was_given(
 def test_a_removal_waits_for_the_commit(tmp_path: Path, gate: Gate) -> None:
     _, opt = trained()
     writer = AsyncCheckpointWriter()
-    writer.save(opt, tmp_path / "new", {}, {}, 2)
+    writer.save(opt.engine, tmp_path / "new", {}, {}, 2)
     seen: list[bool] = []
     writer.remove_after_commit(lambda: seen.append((tmp_path / "new" / META).is_file()))
     assert seen == [] and writer.pending
@@ -129,7 +129,7 @@ def test_a_failed_save_keeps_what_it_was_to_replace_and_raises_once(tmp_path: Pa
     _, opt = trained()
     (tmp_path / "old").mkdir()
     writer = AsyncCheckpointWriter()
-    writer.save(opt, tmp_path / "new", {}, {}, 2)
+    writer.save(opt.engine, tmp_path / "new", {}, {}, 2)
     removed: list[str] = []
     writer.remove_after_commit(lambda: removed.append("queued behind the failing save"))
     gate.fail = True
@@ -138,7 +138,7 @@ def test_a_failed_save_keeps_what_it_was_to_replace_and_raises_once(tmp_path: Pa
         threading.Event().wait(0.01)
     writer.remove_after_commit(lambda: removed.append("requested after it failed"))
     with pytest.raises(CheckpointError, match="injected: disk full"):
-        writer.save(opt, tmp_path / "newer", {}, {}, 2)  # the next save raises, and starts nothing
+        writer.save(opt.engine, tmp_path / "newer", {}, {}, 2)  # the next save raises, and starts nothing
     assert removed == []
     assert not (tmp_path / "new").exists() and not (tmp_path / "newer").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # no temporary directory either
