@@ -42,9 +42,9 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from typing_extensions import override
 
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import ZeroConfig, register_names
 from lightning_zero.fabric_checkpoint import FabricCheckpointing
-from lightning_zero.precision import _sharded_of, _update_scale
+from lightning_zero.precision import _sharded_of, _update_scale, with_mixin
 from lightning_zero.sharded_adam import ShardedAdamW
 from lightning_zero.twin import make_twin, repoint_scheduler
 
@@ -256,11 +256,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, stage in (("zero", 2), ("zero1", 1), ("zero2", 2)):
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=f"ZeRO stage {stage} (lightning-zero)", stage=stage
-                )
+        register_names(cls, strategy_registry)
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
@@ -317,15 +313,6 @@ class _ShardAwareFabricPrecision:
         return output
 
 
-_SHARD_AWARE: dict[type, type] = {}
-
-
 def fabric_shard_aware(precision_cls: type[Precision]) -> type[Precision]:
-    """``precision_cls`` with shard-aware loss scaling (one subclass per plugin class)."""
-    if issubclass(precision_cls, _ShardAwareFabricPrecision):
-        return precision_cls
-    if precision_cls not in _SHARD_AWARE:
-        _SHARD_AWARE[precision_cls] = type(
-            f"Zero{precision_cls.__name__}", (_ShardAwareFabricPrecision, precision_cls), {}
-        )
-    return _SHARD_AWARE[precision_cls]
+    """Fabric's ``precision_cls`` with shard-aware loss scaling (one subclass per plugin class)."""
+    return with_mixin(_ShardAwareFabricPrecision, precision_cls)

@@ -86,15 +86,19 @@ def _sharded_of(optimizer: Any) -> ShardedAdamW:
     return optimizer
 
 
-_SHARD_AWARE: dict[type, type] = {}
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def with_mixin(mixin: type, precision_cls: type) -> type:
+    """``precision_cls`` with ``mixin`` in front (one subclass per pair, named ``Zero<class>``)."""
+    if issubclass(precision_cls, mixin):
+        return precision_cls
+    key = (mixin, precision_cls)
+    if key not in _MIXED:
+        _MIXED[key] = type(f"Zero{precision_cls.__name__}", (mixin, precision_cls), {})
+    return _MIXED[key]
 
 
 def shard_aware(precision_cls: type[Precision]) -> type[Precision]:
     """``precision_cls`` with shard-aware clipping and loss scaling (one subclass per plugin class)."""
-    if issubclass(precision_cls, _ShardAwarePrecision):
-        return precision_cls
-    if precision_cls not in _SHARD_AWARE:
-        _SHARD_AWARE[precision_cls] = type(
-            f"Zero{precision_cls.__name__}", (_ShardAwarePrecision, precision_cls), {}
-        )
-    return _SHARD_AWARE[precision_cls]
+    return with_mixin(_ShardAwarePrecision, precision_cls)

@@ -42,7 +42,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_zero.async_save import AsyncCheckpointWriter
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import ZeroConfig, register_names
 from lightning_zero.monitor import CommStatsMonitor
 from lightning_zero.param_barrier import ParamReadBarrier
 from lightning_zero.precision import shard_aware, unwrap_optimizer
@@ -264,8 +264,4 @@ class ZeroStrategy(_ShardedCheckpointing):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, stage in (("zero", 2), ("zero1", 1), ("zero2", 2)):
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=f"ZeRO stage {stage} (lightning-zero)", stage=stage
-                )
+        register_names(cls, strategy_registry)
