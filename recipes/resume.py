@@ -1,0 +1,166 @@
+"""Exact data-position resume for a Lightning data module (the glue around `recipes.sampling`).
+
+`TrainDataResume` is held by a `LightningDataModule`, which delegates three things to it:
+
+  * `loader(trainer, dataset, ...)` in `train_dataloader()`: a `DataLoader` over a
+    `GlobalBatchSampler` whose position is `trainer.global_step`, the number of optimizer steps, each
+    of which consumed exactly one global batch. Lightning restores `global_step` from the checkpoint
+    before it asks for the loader, and the sampler reads it again at the start of every iteration,
+    so a resume continues with the next global batch the optimizer has not seen, whatever the loop's
+    own batch counters, the loader's workers or Lightning's fetcher had prefetched.
+  * `state_dict(trainer)` in the module's `state_dict()`: the position record (`DataPosition`:
+    consumed samples, global batch and its split, dataset size, seed), saved by Lightning in every
+    checkpoint under the data module's class name.
+  * `load_state_dict(state)` in the module's `load_state_dict()`: keeps the record; the next
+    `loader()` call checks it against this run (`recipes.sampling.check_resume`): another global
+    batch `devices x num_nodes x accumulate_grad_batches x batch_size`, dataset size or seed is refused
+    with a `DataResumeError` before the first batch; another world size with the same global batch
+    continues exactly.
+
+Limits: automatic optimization with one optimizer (`global_step` must count global batches);
+`accumulate_grad_batches` fixed for the whole run (no `GradientAccumulationScheduler`); a checkpoint
+written between the micro-batches of one optimizer step resumes at the start of that global batch,
+but Lightning then steps after the remaining micro-batches only, so it is refused (the recipe saves
+at step boundaries). `TrainedSamples` is a callback that records which samples each rank trained.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+from recipes.sampling import BatchLayout, DataPosition, DataResumeError, GlobalBatchSampler, check_resume
+
+
+def batch_layout(trainer: pl.Trainer, micro_batch_size: int) -> BatchLayout:
+    """The global batch of `trainer`: world size x accumulate_grad_batches x `micro_batch_size`."""
+    return BatchLayout(
+        world_size=trainer.world_size,
+        accumulate=trainer.accumulate_grad_batches,
+        micro_batch_size=micro_batch_size,
+    )
+
+
+def _start_next_epoch_afresh(trainer: pl.Trainer) -> None:
+    """Zero the restored per-epoch batch count when the restored epoch had already finished.
+
+    With `max_steps` set, Lightning 2.6.6 always resumes as "restarting" and then keeps the finished
+    epoch's batch count: the next epoch ends after one micro-batch and steps on it (a partial global
+    batch when accumulating). A fresh count gives the next epoch all its batches, as uninterrupted.
+    """
+    epochs = trainer.fit_loop.epoch_progress.current
+    batches = trainer.fit_loop.epoch_loop.batch_progress
+    if epochs.processed == epochs.started and batches.current.ready > 0:
+        batches.reset_on_run()
+
+
+def _check_step_boundary(trainer: pl.Trainer) -> None:
+    """Refuse a restored loop that stands between the micro-batches of one optimizer step."""
+    ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+    if ready % trainer.accumulate_grad_batches != 0:
+        raise DataResumeError(
+            f"the checkpoint was written after micro-batch {ready} of its epoch, inside an optimizer step "
+            f"of accumulate_grad_batches={trainer.accumulate_grad_batches}: its accumulated gradient is "
+            "not in the checkpoint and the step cannot be repeated exactly; resume from a checkpoint "
+            "written at a step boundary (ModelCheckpoint(every_n_train_steps=...), the SLURM requeue save)"
+        )
+
+
+class TrainDataResume:
+    """Builds the training loader of a data module and saves, restores and checks its position."""
+
+    def __init__(self) -> None:
+        self.sampler: GlobalBatchSampler | None = None
+        self._saved: DataPosition | None = None
+
+    def loader(
+        self,
+        trainer: pl.Trainer,
+        dataset: Dataset[Any],
+        *,
+        micro_batch_size: int,
+        seed: int,
+        num_workers: int = 0,
+    ) -> DataLoader[Any]:
+        """The training `DataLoader` of this rank; call it from `train_dataloader()` on every rank.
+
+        Raises:
+            DataResumeError: the restored position cannot be continued with this configuration.
+        """
+        layout = batch_layout(trainer, micro_batch_size)
+        dataset_len = len(dataset)  # type: ignore[arg-type]
+        if self._saved is not None:
+            check_resume(self._saved, layout, dataset_len, seed)
+            if self._saved.consumed_steps != trainer.global_step:
+                raise DataResumeError(
+                    f"the checkpoint's data position ({self._saved.consumed_steps} global batches) differs "
+                    f"from its optimizer step count ({trainer.global_step})"
+                )
+            _start_next_epoch_afresh(trainer)
+            _check_step_boundary(trainer)
+            self._saved = None  # checked once: a reloaded loader later in the run is no resume
+
+        def consumed_steps() -> int:
+            if trainer.accumulate_grad_batches != layout.accumulate:
+                raise DataResumeError(
+                    f"accumulate_grad_batches changed from {layout.accumulate} to "
+                    f"{trainer.accumulate_grad_batches} during training; the sample order needs a fixed "
+                    "global batch"
+                )
+            return trainer.global_step
+
+        self.sampler = GlobalBatchSampler(dataset, layout, trainer.global_rank, seed, consumed_steps)
+        return DataLoader(
+            dataset,
+            batch_size=micro_batch_size,
+            sampler=self.sampler,
+            drop_last=True,
+            num_workers=num_workers,
+            persistent_workers=num_workers > 0,
+        )
+
+    def state_dict(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The position after `trainer.global_step` optimizer steps ({} before a training loader exists)."""
+        if self.sampler is None:
+            return {}
+        return {"position": self.sampler.position(trainer.global_step).to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Keep a checkpoint's position for the check in the next `loader()` call."""
+        self._saved = DataPosition.from_dict(state["position"]) if "position" in state else None
+
+
+class TrainedSamples(Callback):
+    """Appends the sample indices of every trained micro-batch to `<dirpath>/rank<R>.txt`.
+
+    One line per micro-batch: `global_step_after_the_batch index index ...`. Files are appended to,
+    so a resumed run continues them. Needs a training loader built by `TrainDataResume`.
+    """
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = Path(dirpath)
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: object,
+        batch: object,
+        batch_idx: int,
+    ) -> None:
+        loader = trainer.train_dataloader
+        sampler = getattr(loader, "sampler", None)
+        if not isinstance(sampler, GlobalBatchSampler):
+            raise TypeError(
+                "TrainedSamples needs a training DataLoader whose sampler is a GlobalBatchSampler"
+            )
+        indices = sampler.take_trained()
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        with (self.dirpath / f"rank{trainer.global_rank}.txt").open("a") as handle:
+            handle.write(f"{trainer.global_step} {' '.join(map(str, indices))}\n")
