@@ -25,9 +25,23 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
 from recipes.resume import TrainDataResume
+from recipes.sampling import global_batch
 from tests.distributed.models import TinyNet
 
 NUM_SAMPLES = 123  # not a multiple of the global batch: each epoch drops a remainder
+
+
+def expected_rows(
+    steps: int, world_size: int, accum: int, batch_size: int, rank: int = 0, seed: int = 7
+) -> list[list[int]]:
+    """The rows `fit` should record on `rank`: global batch k of the order, micro-batch m*W + r."""
+    rows = []
+    for step in range(steps):
+        order = global_batch(NUM_SAMPLES, world_size * accum * batch_size, seed, step).tolist()
+        for micro in range(accum):
+            start = (micro * world_size + rank) * batch_size
+            rows.append([step, *order[start : start + batch_size]])
+    return rows
 
 
 class IndexedSamples(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):

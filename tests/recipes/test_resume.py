@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 import recipes.callbacks
 from recipes.sampling import BatchLayout, DataResumeError, GlobalBatchSampler
-from tests.distributed.resume_fit import IndexedSamples, fit
+from tests.distributed.resume_fit import IndexedSamples, expected_rows, fit
 
 ACCUM, BATCH = 2, 4  # G = 8: 15 steps per epoch of 123 samples
 STEPS = 20  # crosses the end of epoch 0
@@ -27,7 +27,9 @@ STEPS = 20  # crosses the end of epoch 0
 
 @pytest.fixture(scope="module")
 def uninterrupted() -> dict[str, Any]:
-    return fit(accum=ACCUM, batch_size=BATCH, steps=STEPS)
+    full = fit(accum=ACCUM, batch_size=BATCH, steps=STEPS)
+    assert full["trained"] == expected_rows(STEPS, 1, ACCUM, BATCH)  # the documented order and split
+    return full
 
 
 def assert_continues(first: dict[str, Any], resumed: dict[str, Any], full: dict[str, Any]) -> None:
