@@ -37,11 +37,12 @@ from typing_extensions import override
 from recipes.sampling import BatchLayout, DataPosition, DataResumeError, GlobalBatchSampler, check_resume
 
 
-def batch_layout(trainer: pl.Trainer, micro_batch_size: int) -> BatchLayout:
-    """The global batch of `trainer`: world size x accumulate_grad_batches x `micro_batch_size`."""
+def batch_layout(trainer: pl.Trainer | None, micro_batch_size: int) -> BatchLayout:
+    """The global batch of `trainer`: world size x accumulate_grad_batches x `micro_batch_size`
+    (one rank, no accumulation without a trainer)."""
     return BatchLayout(
-        world_size=trainer.world_size,
-        accumulate=trainer.accumulate_grad_batches,
+        world_size=trainer.world_size if trainer is not None else 1,
+        accumulate=trainer.accumulate_grad_batches if trainer is not None else 1,
         micro_batch_size=micro_batch_size,
     )
 
@@ -80,7 +81,7 @@ class TrainDataResume:
 
     def loader(
         self,
-        trainer: pl.Trainer,
+        trainer: pl.Trainer | None,
         dataset: Dataset[Any],
         *,
         micro_batch_size: int,
@@ -89,11 +90,16 @@ class TrainDataResume:
     ) -> DataLoader[Any]:
         """The training `DataLoader` of this rank; call it from `train_dataloader()` on every rank.
 
+        Without a trainer (a data module used on its own) it is the single-rank order from step 0.
+
         Raises:
             DataResumeError: the restored position cannot be continued with this configuration.
         """
         layout = batch_layout(trainer, micro_batch_size)
         dataset_len = len(dataset)  # type: ignore[arg-type]
+        if trainer is None:
+            self.sampler = GlobalBatchSampler(dataset, layout, 0, seed, consumed_steps=lambda: 0)
+            return self._data_loader(dataset, micro_batch_size, num_workers)
         if self._saved is not None:
             check_resume(self._saved, layout, dataset_len, seed)
             if self._saved.consumed_steps != trainer.global_step:
@@ -115,11 +121,14 @@ class TrainDataResume:
             return trainer.global_step
 
         self.sampler = GlobalBatchSampler(dataset, layout, trainer.global_rank, seed, consumed_steps)
+        return self._data_loader(dataset, micro_batch_size, num_workers)
+
+    def _data_loader(self, dataset: Dataset[Any], micro_batch_size: int, num_workers: int) -> DataLoader[Any]:
         return DataLoader(
             dataset,
             batch_size=micro_batch_size,
             sampler=self.sampler,
-            drop_last=True,
+            drop_last=True,  # the sampler's length is a multiple of micro_batch_size: nothing is dropped
             num_workers=num_workers,
             persistent_workers=num_workers > 0,
         )
