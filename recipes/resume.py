@@ -147,12 +147,20 @@ class TrainDataResume:
 class TrainedSamples(Callback):
     """Appends the sample indices of every trained micro-batch to `<dirpath>/rank<R>.txt`.
 
-    One line per micro-batch: `global_step_after_the_batch index index ...`. Files are appended to,
-    so a resumed run continues them. Needs a training loader built by `TrainDataResume`.
+    One line per micro-batch: `step index index ...`, `step` being the 0-based optimizer step the
+    micro-batch is part of. Files are appended to, so a resumed run continues them. Needs a training
+    loader built by `TrainDataResume`.
     """
 
     def __init__(self, dirpath: str) -> None:
         self.dirpath = Path(dirpath)
+        self._step = 0
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
+    ) -> None:
+        self._step = trainer.global_step
 
     @override
     def on_train_batch_end(
@@ -163,8 +171,7 @@ class TrainedSamples(Callback):
         batch: object,
         batch_idx: int,
     ) -> None:
-        loader = trainer.train_dataloader
-        sampler = getattr(loader, "sampler", None)
+        sampler = getattr(trainer.train_dataloader, "sampler", None)
         if not isinstance(sampler, GlobalBatchSampler):
             raise TypeError(
                 "TrainedSamples needs a training DataLoader whose sampler is a GlobalBatchSampler"
@@ -172,4 +179,4 @@ class TrainedSamples(Callback):
         indices = sampler.take_trained()
         self.dirpath.mkdir(parents=True, exist_ok=True)
         with (self.dirpath / f"rank{trainer.global_rank}.txt").open("a") as handle:
-            handle.write(f"{trainer.global_step} {' '.join(map(str, indices))}\n")
+            handle.write(f"{self._step} {' '.join(map(str, indices))}\n")

@@ -66,10 +66,10 @@ class BatchLayout:
         return self.world_size * self.accumulate * self.micro_batch_size
 
     def describe(self) -> str:
-        """`G (W x A x B)`, for error messages."""
+        """`G samples (W x A x B)`, for error messages."""
         return (
-            f"{self.global_batch_size} = {self.world_size} ranks x {self.accumulate} accumulated x "
-            f"{self.micro_batch_size} per micro-batch"
+            f"{self.global_batch_size} samples ({self.world_size} ranks x {self.accumulate} micro-batches "
+            f"x {self.micro_batch_size})"
         )
 
 
@@ -146,7 +146,7 @@ def check_resume(saved: DataPosition, layout: BatchLayout, dataset_len: int, see
             world_size=saved.world_size, accumulate=saved.accumulate, micro_batch_size=saved.micro_batch_size
         )
         raise DataResumeError(
-            f"the checkpoint was trained with a global batch of {was.describe()} samples, this run has "
+            f"the checkpoint was trained with a global batch of {was.describe()}, this run has "
             f"{layout.describe()}. An exact data resume needs the same global batch "
             f"({GLOBAL_BATCH_FORMULA} = {saved.global_batch_size}): change trainer.accumulate_grad_batches "
             "or data.batch_size to keep the product, or start a new run (ckpt_path=null)."

@@ -195,7 +195,7 @@ def test_torchrun_two_nodes_matches_one_node(tmp_path: Path) -> None:
 
 
 def assert_each_sample_trained_once_in_order(run_dir: Path, steps: int, world_size: int) -> None:
-    """The `callbacks=trained_samples` record of every rank (lines `global_step_after index ...`)
+    """The `callbacks=trained_samples` record of every rank (lines `step index ...`)
     holds each step 0..steps-1 once, with rank r's part of the order's global batch of that step
     (micro-batch r: no accumulation), so no sample was trained twice or skipped across the requeue."""
     position = read_meta(run_dir / "checkpoints" / "last.ckpt")["lightning"]["PretrainDataModule"]["position"]
@@ -204,9 +204,7 @@ def assert_each_sample_trained_once_in_order(run_dir: Path, steps: int, world_si
     for rank in range(world_size):
         lines = (run_dir / "trained_samples" / f"rank{rank}.txt").read_text().split("\n")
         rows = [[int(n) for n in line.split()] for line in lines if line]
-        assert [row[0] - 1 for row in rows] == list(range(steps)), (
-            f"rank {rank}: steps trained twice or skipped"
-        )
+        assert [row[0] for row in rows] == list(range(steps)), f"rank {rank}: steps trained twice or skipped"
         for step, row in enumerate(rows):
             order = global_batch(position["dataset_len"], size, position["seed"], step)
             assert row[1:] == order[rank * batch : (rank + 1) * batch].tolist(), (rank, step)

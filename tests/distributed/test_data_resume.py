@@ -95,5 +95,5 @@ def test_resume_on_one_rank_with_accumulation_continues_the_same_global_batches(
     assert steps_to_samples([runs[0][1], runs[1][1], one]) == full and sorted(full) == list(range(40))
     assert (
         "DataResumeError" in refused["error"]
-        and "global batch of 8 = 2 ranks x 1 accumulated x 4" in (refused["error"])
+        and "global batch of 8 samples (2 ranks x 1 micro-batches x 4)" in (refused["error"])
     )

@@ -89,7 +89,9 @@ def test_checkpoint_inside_an_accumulation_is_refused(tmp_path: Path) -> None:
 def test_another_global_batch_is_refused_before_training(tmp_path: Path) -> None:
     fit(accum=ACCUM, batch_size=BATCH, steps=3, save=str(tmp_path / "g8.ckpt"))
     fit(accum=1, batch_size=2 * BATCH, steps=4, resume=str(tmp_path / "g8.ckpt"))  # same G: accepted
-    with pytest.raises(DataResumeError, match="global batch of 8 = 1 ranks x 2 accumulated x 4") as refused:
+    with pytest.raises(
+        DataResumeError, match=r"global batch of 8 samples \(1 ranks x 2 micro-batches x 4\)"
+    ) as refused:
         fit(accum=1, batch_size=BATCH, steps=6, resume=str(tmp_path / "g8.ckpt"))
     assert "devices x num_nodes x accumulate_grad_batches x batch_size" in str(refused.value)
 

@@ -108,7 +108,7 @@ def test_resume_check_accepts_another_split_and_refuses_another_global_batch() -
     with pytest.raises(DataResumeError) as refused:
         check_resume(saved, BatchLayout(world_size=1, accumulate=1, micro_batch_size=6), N, SEED)
     message = str(refused.value)
-    assert "12 = 2 ranks x 1 accumulated x 6" in message and "6 = 1 ranks x 1 accumulated x 6" in message
+    assert "of 12 samples (2 ranks x 1 micro-batches x 6)" in message and "has 6 samples (1 ranks" in message
     assert GLOBAL_BATCH_FORMULA in message
     with pytest.raises(DataResumeError, match="seed"):
         check_resume(saved, BatchLayout(world_size=2, accumulate=1, micro_batch_size=6), N, SEED + 1)
