@@ -54,9 +54,9 @@ def _start_next_epoch_afresh(trainer: pl.Trainer) -> None:
     epoch's batch count: the next epoch ends after one micro-batch and steps on it (a partial global
     batch when accumulating). A fresh count gives the next epoch all its batches, as uninterrupted.
     """
-    epochs = trainer.fit_loop.epoch_progress.current
+    epochs = trainer.fit_loop.epoch_progress.current  # a _ProcessedTracker (typed as its base class)
     batches = trainer.fit_loop.epoch_loop.batch_progress
-    if epochs.processed == epochs.started and batches.current.ready > 0:
+    if epochs.processed == epochs.started and batches.current.ready > 0:  # type: ignore[attr-defined]
         batches.reset_on_run()
 
 

@@ -31,10 +31,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sized
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
 GLOBAL_BATCH_FORMULA = "devices x num_nodes x accumulate_grad_batches x batch_size"
 YIELDED_KEPT = 256
@@ -176,7 +176,7 @@ class GlobalBatchSampler(DistributedSampler):
 
     def __init__(
         self,
-        dataset: Sized,
+        dataset: Dataset[Any],
         layout: BatchLayout,
         rank: int,
         seed: int,
@@ -186,7 +186,7 @@ class GlobalBatchSampler(DistributedSampler):
             raise ValueError(f"rank {rank} is outside world size {layout.world_size}")
         super().__init__(dataset, num_replicas=layout.world_size, rank=rank, shuffle=False, drop_last=True)
         self.layout = layout
-        self.dataset_len = len(dataset)
+        self.dataset_len = len(cast(Sized, dataset))  # a map-style dataset with __len__
         self.seed = seed
         self.consumed_steps = consumed_steps
         self.steps_per_epoch = steps_per_epoch(self.dataset_len, layout.global_batch_size)
