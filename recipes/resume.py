@@ -107,9 +107,9 @@ class TrainDataResume:
                     f"the checkpoint's data position ({self._saved.consumed_steps} global batches) differs "
                     f"from its optimizer step count ({trainer.global_step})"
                 )
-            _start_next_epoch_afresh(trainer)
-            _check_step_boundary(trainer)
             self._saved = None  # checked once: a reloaded loader later in the run is no resume
+        _start_next_epoch_afresh(trainer)  # also for a checkpoint without a position record
+        _check_step_boundary(trainer)
 
         def consumed_steps() -> int:
             if trainer.accumulate_grad_batches != layout.accumulate:
