@@ -72,6 +72,21 @@ def _check_step_boundary(trainer: pl.Trainer) -> None:
         )
 
 
+class _PositionedLoader(DataLoader[Any]):
+    """A `DataLoader` that Lightning recognises as resumable (it has `state_dict`/`load_state_dict`).
+
+    Its position is its sampler's, read from the trainer's step count, so it has no state of its own;
+    being "stateful" only stops Lightning from warning, at every mid-epoch resume, that the loader is
+    not resumable and the results may be unreliable.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
 class TrainDataResume:
     """Builds the training loader of a data module and saves, restores and checks its position."""
 
@@ -124,7 +139,7 @@ class TrainDataResume:
         return self._data_loader(dataset, micro_batch_size, num_workers)
 
     def _data_loader(self, dataset: Dataset[Any], micro_batch_size: int, num_workers: int) -> DataLoader[Any]:
-        return DataLoader(
+        return _PositionedLoader(
             dataset,
             batch_size=micro_batch_size,
             sampler=self.sampler,

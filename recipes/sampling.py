@@ -196,6 +196,7 @@ class GlobalBatchSampler(DistributedSampler):
                 f"{layout.describe()}"
             )
         self.num_samples = self.steps_per_epoch * layout.accumulate * layout.micro_batch_size
+        self.total_size = self.num_samples * layout.world_size
         self.yielded: deque[list[int]] = deque(maxlen=YIELDED_KEPT)
 
     def __len__(self) -> int:
