@@ -22,6 +22,8 @@ trained does not move the position, and a resume on any world size with the same
 the same global batches. `DataPosition` is the record a checkpoint keeps of it; `check_resume`
 refuses a resume that cannot continue the same order (another `G`, dataset size or seed).
 
+Limits: each iteration materialises its epoch's permutation (8 bytes per sample, per rank).
+
 This module depends on torch and numpy only (no process group, no Lightning); `recipes.resume`
 connects it to a Lightning data module.
 """
