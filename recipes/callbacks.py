@@ -36,7 +36,9 @@ class SlurmRequeue(Callback):
     """The one requeue mechanism under SLURM: save together at a step boundary, requeue, stop.
 
     SIGUSR1 (``#SBATCH --signal=SIGUSR1@90`` before the time limit, or ``scancel -s USR1 JOB``) only
-    sets a flag. After every training batch the ranks agree on it (a one-element max all-reduce);
+    sets a flag. After every optimizer step (the last micro-batch of ``accumulate_grad_batches``: no
+    accumulated gradient is lost and the data position is a whole global batch) the ranks agree on
+    it (a one-element max all-reduce);
     when set, all ranks save ``hpc_ckpt_N.ckpt`` in the run directory together, rank 0 runs
     ``scontrol requeue``, and training stops. The requeued job finds that checkpoint itself
     (Lightning resumes from the newest ``hpc_ckpt_*`` under SLURM when no ``ckpt_path`` is given).
@@ -69,6 +71,9 @@ class SlurmRequeue(Callback):
         batch: object,
         batch_idx: int,
     ) -> None:
+        stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        if not stepped and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            return  # inside an optimizer step: its accumulated gradient would not be in the checkpoint
         flag = torch.tensor([1.0 if self._signalled else 0.0], device=pl_module.device)
         if float(trainer.strategy.reduce(flag, reduce_op="max")) == 0.0:
             return

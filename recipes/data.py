@@ -11,10 +11,13 @@ a new entry, and a second run over the same text reuses the old one. Locally tra
 live in `<cache_dir>/tokenizers/`.
 
 Sampling: training windows start at offsets drawn once from `numpy.random.default_rng(data.seed)`;
-Lightning replaces the loader's sampler with a seeded `DistributedSampler`, so each rank reads a
-distinct, reproducible slice of the windows every epoch. Validation uses consecutive non-overlapping
-windows. The cache is built in `prepare_data` (one process per node), then every rank maps it in
-`setup`.
+their order is `recipes.sampling`'s: a permutation per epoch from `(data.seed, epoch)`, cut into global
+batches of `devices x num_nodes x accumulate_grad_batches x batch_size` windows, each rank training its
+part of every global batch; the position (the optimizer's step count) is saved in checkpoints and a
+resume continues with the next unseen global batch, also on another world size with the same global
+batch (`recipes.resume`). Validation uses consecutive non-overlapping windows, split over ranks by
+Lightning's `DistributedSampler`. The cache is built in `prepare_data` (one process per node), then
+every rank maps it in `setup`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -31,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from recipes.corpus import Corpus, CorpusError, resolve_corpus
+from recipes.resume import TrainDataResume
 from recipes.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, train_bpe
 
 _CACHE_FORMAT = "tokens-v1"
@@ -51,7 +56,7 @@ class DataConfig:
     seq_len: int = 256
     """Tokens per training window; must be <= model.max_seq_len."""
     batch_size: int = 16
-    """Windows per batch on each device (the global batch is batch_size * devices * num_nodes)."""
+    """Windows per micro-batch on each device (global batch: devices x num_nodes x accumulate x this)."""
     val_fraction: float = 0.05
     """Tail fraction of the token stream held out for validation."""
     max_corpus_mb: float = 4.0
@@ -61,7 +66,7 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank."""
     seed: int = 1234
-    """Seed of the training window offsets."""
+    """Seed of the training window offsets and of each epoch's sample order."""
 
     def __post_init__(self) -> None:
         if self.tokenizer not in ("byte", "bpe"):
@@ -229,6 +234,7 @@ class PretrainDataModule(pl.LightningDataModule):
         self.cache: TokenCache | None = None
         self.train_set: RandomWindows | None = None
         self.val_set: SequentialWindows | None = None
+        self.train_resume = TrainDataResume()
 
     def _tokens(self, prepare: bool) -> np.ndarray:
         self.tokenizer = load_tokenizer(self.config, self.corpus, train_if_missing=prepare)
@@ -249,7 +255,20 @@ class PretrainDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
         assert self.train_set is not None, "setup() must run first"
-        return self._loader(self.train_set, shuffle=True)
+        return self.train_resume.loader(
+            self.trainer,
+            self.train_set,
+            micro_batch_size=self.config.batch_size,
+            seed=self.config.seed,
+            num_workers=self.config.num_workers,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training data position, saved in every checkpoint (see `recipes.resume`)."""
+        return self.train_resume.state_dict(self.trainer) if self.trainer is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.train_resume.load_state_dict(state_dict)
 
     def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
         assert self.val_set is not None, "setup() must run first"

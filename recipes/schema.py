@@ -129,9 +129,16 @@ class ProgressBarSchema:
 
 
 @dataclass
+class TrainedSamplesSchema:
+    _target_: str = "recipes.resume.TrainedSamples"
+    dirpath: str = "${run_dir}/trained_samples"
+
+
+@dataclass
 class CallbacksSchema:
     model_checkpoint: CheckpointSchema | None = None
     progress_bar: ProgressBarSchema | None = None
+    trained_samples: TrainedSamplesSchema | None = None  # set by callbacks=trained_samples
 
 
 @dataclass

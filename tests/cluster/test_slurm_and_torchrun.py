@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint import read_meta, shard_name
+from recipes.sampling import global_batch
 from recipes.sbatch import ROOT, compose_config, sbatch_script
 
 SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
@@ -194,9 +195,26 @@ def test_torchrun_two_nodes_matches_one_node(tmp_path: Path) -> None:
             assert all(torch.equal(x, y) for x, y in zip(ours[key], tensors, strict=True)), key
 
 
+def assert_each_sample_trained_once_in_order(run_dir: Path, steps: int, world_size: int) -> None:
+    """The `callbacks=trained_samples` record of every rank (lines `step index ...`)
+    holds each step 0..steps-1 once, with rank r's part of the order's global batch of that step
+    (micro-batch r: no accumulation), so no sample was trained twice or skipped across the requeue."""
+    position = read_meta(run_dir / "checkpoints" / "last.ckpt")["lightning"]["PretrainDataModule"]["position"]
+    size, batch = position["global_batch_size"], position["micro_batch_size"]
+    assert position["consumed_samples"] == steps * size and position["world_size"] == world_size
+    for rank in range(world_size):
+        lines = (run_dir / "trained_samples" / f"rank{rank}.txt").read_text().split("\n")
+        rows = [[int(n) for n in line.split()] for line in lines if line]
+        assert [row[0] for row in rows] == list(range(steps)), f"rank {rank}: steps trained twice or skipped"
+        for step, row in enumerate(rows):
+            order = global_batch(position["dataset_len"], size, position["seed"], step)
+            assert row[1:] == order[rank * batch : (rank + 1) * batch].tolist(), (rank, step)
+
+
 def test_requeue_resumes_from_its_checkpoint_and_finishes(slurm: None, tmp_path: Path) -> None:
     """SIGUSR1 part-way (what --signal=SIGUSR1@90 sends before a time limit): the ranks save together,
-    the job requeues itself, resumes from that checkpoint and ends at max_steps, no step trained twice."""
+    the job requeues itself, resumes from that checkpoint and ends at max_steps, no step trained twice
+    and every sample of the uninterrupted order trained once."""
     steps = 40
     overrides = [
         *SLURM_TWO_TASKS,
@@ -205,6 +223,7 @@ def test_requeue_resumes_from_its_checkpoint_and_finishes(slurm: None, tmp_path:
         f"trainer.max_steps={steps}",
         "trainer.val_check_interval=1000",
         "sample.max_new_tokens=5",
+        "callbacks=trained_samples",
     ]
     job_id = submit_generated(overrides, tmp_path)
     log = tmp_path / "requeue" / f"slurm-{job_id}.out"
@@ -234,6 +253,7 @@ def test_requeue_resumes_from_its_checkpoint_and_finishes(slurm: None, tmp_path:
         saved,
     )
     assert read_meta(tmp_path / "requeue" / "checkpoints" / "last.ckpt")["lightning"]["global_step"] == steps
+    assert_each_sample_trained_once_in_order(tmp_path / "requeue", steps, world_size=2)
 
 
 def test_submitit_launcher_submits_the_recipe(slurm: None, tmp_path: Path) -> None:
