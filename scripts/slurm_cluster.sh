@@ -34,7 +34,7 @@ start_munge() {
 write_conf() {
   local host cpus mem
   host=$(hostname)
-  cpus=$(nproc)
+  cpus=$(nproc --all)  # --all: OMP_NUM_THREADS, set by test runs, would shrink the node
   mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 2048 ))
   mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log" /etc/slurm
   cat > "$CONF" <<CONF
