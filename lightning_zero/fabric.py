@@ -152,6 +152,11 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
             )
         module = self.setup_module(module)
         sharded = make_twin(optimizers[0], self.zero_config, module.named_parameters())
+        self._module = module
+        self._hooks = [
+            module.register_forward_pre_hook(self._before_forward),
+            module.register_forward_hook(self._after_forward),
+        ]
         if scheduler is not None:
             repoint_scheduler(scheduler, sharded)
         if self.zero_config.overlap_param_gather:
@@ -164,15 +169,10 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
 
     @override
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:  # type: ignore[override]  # no DDP wrapper
-        """The module itself (no wrapper), with rank 0's parameters and buffers on every rank."""
-        if self._module is not None:
-            raise RuntimeError("strategy 'zero' sets up one model per Fabric; fabric.setup was called twice")
+        """The module itself (no wrapper), with rank 0's parameters and buffers on every rank. Set up
+        without the optimizer (an evaluation or teacher model) it stays a replica: its gradients, if
+        any, are not synchronized (only the model set up with the optimizer is sharded)."""
         _sync_module_states(module)
-        self._module = module
-        self._hooks = [
-            module.register_forward_pre_hook(self._before_forward),
-            module.register_forward_hook(self._after_forward),
-        ]
         return module
 
     @override
@@ -271,10 +271,7 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
         if not enabled or sharded is None:
             return nullcontext()
         if module is not self._strategy._module:
-            raise TypeError(
-                "no_backward_sync needs the model set up with the sharded optimizer by "
-                f"fabric.setup(model, optimizer); got a {type(module).__name__}"
-            )
+            return nullcontext()  # a replica set up without the optimizer synchronizes nothing anyway
         return sharded.no_sync()
 
 

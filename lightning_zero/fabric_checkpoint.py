@@ -149,6 +149,11 @@ class FabricCheckpointing(DDPStrategy):
         if module_key is None and keys.get("module") in state:
             module_key = keys["module"]  # e.g. loading for inference, no sharded optimizer set up
         requested = [k for k in state if k not in (module_key, optimizer_key)]
+        if keys.get("optimizer") in requested:
+            raise CheckpointError(
+                f"{path}: its optimizer state (saved under {keys['optimizer']!r}) loads only into the "
+                "sharded optimizer returned by fabric.setup(model, optimizer); call fabric.load after it"
+            )
         missing = [k for k in requested if k not in saved]
         if strict and missing:
             raise KeyError(

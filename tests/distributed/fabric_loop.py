@@ -94,7 +94,7 @@ def make_fabric(case: dict[str, Any], devices: int) -> Fabric:
 
 def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
     """The Fabric loop. Case keys: strategy, by_name, overlap_param_gather, steps, accum, clip (max
-    norm), clip_value, schedule, eps, precision, inf_at_step, batchnorm, unfreeze_at, optimizer
+    norm), clip_value, schedule, eps, precision, inf_at_step, teacher, batchnorm, unfreeze_at, optimizer
     ("SGD"), two_optimizers, separate_setup (refusals), save_at + save (a path), resume (a path),
     resume_trainer (a Trainer checkpoint: model and optimizer, step from its global_step),
     consolidate (a path: rank 0 consolidates ``save`` there after the loop), load_raw (a
@@ -110,6 +110,8 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
     if case.get("separate_setup"):
         model = fabric.setup_module(model)
         fabric.setup_optimizers(optimizer)
+    if case.get("teacher"):  # a second model set up without an optimizer: a replica, as under ddp
+        teacher = fabric.setup(Holder())
     model, optimizer = fabric.setup(model, optimizer)
     sharded = getattr(fabric.strategy, "sharded_optimizer", None)
     if case.get("overlap_param_gather"):
@@ -148,6 +150,9 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
             x, y = rank_rows(step, micro, fabric.global_rank, fabric.world_size, dtype)
             with fabric.no_backward_sync(model, enabled=micro < accum - 1):
                 loss = nn.functional.mse_loss(model(x), y) / accum
+                if case.get("teacher"):
+                    with torch.no_grad():
+                        loss = loss + 0.0 * teacher(x).sum()
                 if step == case.get("inf_at_step") and fabric.global_rank == 1:
                     loss = loss * float("inf")  # an overflow on one rank only
                 fabric.backward(loss)

@@ -61,7 +61,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "zero": dict(BASE, strategy="zero"),
         "zero1": dict(BASE, strategy="zero1"),
         "overlap": dict(BASE, strategy="zero", overlap_param_gather=True),
-        "registered": dict(BASE, strategy="zero1", by_name=True),
+        "registered": dict(BASE, strategy="zero1", by_name=True, teacher=True),
         "ddp_value": {"strategy": "ddp", "clip_value": 0.01},
         "zero_value": {"strategy": "zero", "clip_value": 0.01},
         "saving": dict(
