@@ -95,7 +95,9 @@ def test_model_sizes_instantiate_on_meta(name: str) -> None:
 @pytest.mark.parametrize("name", group_options("data"))
 def test_data_options_instantiate(name: str) -> None:
     cfg = compose_pretrain([f"data={name}", *([] if name == "stdlib" else REQUIRED["data"])])
-    assert isinstance(instantiate(cfg.data), DataConfig)
+    data = instantiate(cfg.data)
+    assert isinstance(data, DataConfig)
+    assert (data.tokenizer is None) == (name == "tokens")  # a prepared directory names its own tokenizer
 
 
 @pytest.mark.parametrize("name", group_options("strategy"))
