@@ -1,18 +1,21 @@
 """Where the training text comes from: the embedded default corpus, user files, or a pre-tokenized file.
 
-Three kinds of source, chosen by `data.path`:
+Three kinds of source, chosen by `data.path` (a directory prepared by `recipes.prepare` is recognised
+by its `index.json` before this module is asked, see `recipes.data`):
 
 * `null` (default): the Python standard library's own `.py` files, found through
   `sysconfig.get_paths()["stdlib"]` - always present, no download. Test suites, `site-packages` and
   caches are skipped; the files are ordered by a hash of their relative path (a stable shuffle that
   mixes modules) and taken until `data.max_corpus_mb` is reached, so the subset is deterministic for a
   given Python installation.
-* text files: a file, a directory (every regular non-hidden file below it) or a glob (`**` allowed),
-  each file one document, in sorted path order.
+* user files: a file, a directory (every regular non-hidden file below it) or a glob (`**` allowed), in
+  sorted path order; `recipes.sources` reads them by format (text: one document per file; `.jsonl`,
+  `.parquet`: one per row).
 * one pre-tokenized `.bin` file of token ids (uint16, or uint32 for vocabularies above 65,536).
 
-Relative paths are taken from the directory the command was started in (Hydra does not change it).
-Every failure is a `CorpusError` whose message names `data.path` and says what is accepted.
+A corpus is identified by `fingerprint()`: paths, sizes and modification times, one `stat` per file and
+no reading. Relative paths are taken from the directory the command was started in (Hydra does not
+change it). Every failure is a `CorpusError` whose message names `data.path` and says what is accepted.
 """
 
 from __future__ import annotations

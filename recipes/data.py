@@ -30,7 +30,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from recipes.corpus import Corpus, CorpusError, resolve_corpus
-from recipes.prepare import PrepareConfig, plan_key, plan_record, prepare, tokenizer_from_dir
+from recipes.prepare import prepare, tokenizer_from_dir
+from recipes.prepare_plan import PrepareConfig, plan_key, plan_record
 from recipes.shards import (
     TokenIndex,
     TokenStream,

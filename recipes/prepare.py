@@ -29,26 +29,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import multiprocessing
 import os
-import shutil
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from recipes.corpus import CorpusError
+from recipes.prepare_plan import (
+    PrepareConfig,
+    PrepareError,
+    claim_directory,
+    plan_key,
+    plan_record,
+    tokenizer_into_dir,
+)
 from recipes.prepare_units import UnitResult, UnitTask, limit_threads, reusable_result, run_unit
 from recipes.shards import (
-    FORMAT,
     INDEX_NAME,
     ShardError,
     TokenIndex,
-    file_sha256,
     read_index,
     token_dtype,
     verify_shards,
@@ -61,72 +63,18 @@ from recipes.sources import (
     check_hf,
     plan_file_units,
     plan_hf_units,
-    read_piece,
     resolve_files,
     source_fingerprint,
 )
 from recipes.tokenizer import (
-    Document,
     Tokenizer,
     TokenizerError,
     TokenizerSpec,
     load_tokenizer_spec,
     resolve_tokenizer,
-    train_bpe,
 )
 
-PLAN_NAME = ".plan.json"
 EXIT_ERROR = 2
-
-
-class PrepareError(ValueError):
-    """A preparation that cannot run; the message names the setting or directory."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrepareConfig:
-    """What to tokenize, with what, and where to."""
-
-    out: str
-    """Output directory (created; refused if it holds another preparation or foreign files)."""
-    inputs: tuple[str, ...] = ()
-    """Local text / .jsonl / .parquet files, directories or globs, in order."""
-    dataset: str | None = None
-    """A `datasets.load_dataset` name or builder (`json`, `parquet`, `text`, a hub name) instead of inputs."""
-    dataset_config: str | None = None
-    """Its configuration name."""
-    data_files: tuple[str, ...] = ()
-    """Its `data_files`."""
-    split: str = "train"
-    """Its split."""
-    text_field: str = "text"
-    """Field holding the text in .jsonl, .parquet and datasets rows."""
-    tokenizer: str = "byte"
-    """"byte", "bpe" (trained on the corpus), or a tokenizer.json / .model / .tiktoken file or directory."""
-    eos_token: str | None = None
-    """End-of-document token, overriding the tokenizer's own."""
-    bpe_vocab_size: int = 4096
-    """Vocabulary of a trained BPE."""
-    bpe_train_mb: float = 256.0
-    """Text (from the start of the corpus) that BPE is trained on."""
-    val_fraction: float = 0.01
-    """Fraction of documents held out for validation."""
-    shard_mb: float = 64.0
-    """Input MB per unit (one train + one validation shard each)."""
-    workers: int = 1
-    """Processes tokenizing units in parallel."""
-    verify: bool = True
-    """Check the sha256 of shards before reusing them (else their size only)."""
-    progress: bool = True
-    """Show a progress bar and print the summary."""
-
-    def __post_init__(self) -> None:
-        if bool(self.inputs) == (self.dataset is not None):
-            raise PrepareError("give input files/directories/globs or --dataset, exactly one of the two")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise PrepareError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.shard_mb <= 0 or self.workers < 1 or self.bpe_train_mb <= 0:
-            raise PrepareError("shard_mb and bpe_train_mb must be > 0 and workers >= 1")
 
 
 @dataclass(frozen=True)
@@ -201,93 +149,6 @@ def _run_units(tasks: list[UnitTask], workers: int, progress: bool, total_nbytes
     return sorted(results, key=lambda r: r.index)
 
 
-def plan_record(config: PrepareConfig, fingerprint: str, tokenizer: TokenizerSpec | None) -> dict[str, Any]:
-    """What the directory is prepared from; a re-run must ask for exactly the same.
-
-    `fingerprint` is `source_fingerprint` of the inputs, `tokenizer` the resolved spec (None: BPE).
-    """
-    if tokenizer is None:
-        tokenizer_id = f"bpe-{config.bpe_vocab_size}-{config.bpe_train_mb}"
-    elif tokenizer.path is None:
-        tokenizer_id = tokenizer.kind
-    else:
-        tokenizer_id = f"{tokenizer.kind}-{file_sha256(Path(tokenizer.path))}"
-    return {
-        "format": FORMAT,
-        "source": fingerprint,
-        "tokenizer": tokenizer_id,
-        "eos_token": config.eos_token,
-        "text_field": config.text_field,
-        "val_fraction": config.val_fraction,
-        "shard_mb": config.shard_mb,
-    }
-
-
-def plan_key(plan: dict[str, Any]) -> str:
-    """Short stable hash of a plan record (names cache directories)."""
-    import json
-
-    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def claim_directory(out: Path, plan: dict[str, Any]) -> None:
-    """Create `out` for `plan`, or accept it if it was prepared for the same plan.
-
-    Raises:
-        PrepareError: `out` holds another preparation (naming what differs) or files that are not ours.
-    """
-    import json
-
-    plan_path = out / PLAN_NAME
-    if plan_path.is_file():
-        previous = json.loads(plan_path.read_text())
-        differs = sorted(k for k in plan.keys() | previous.keys() if plan.get(k) != previous.get(k))
-        if differs:
-            raise PrepareError(
-                f"{out} was prepared with other settings ({', '.join(differs)} differ: the inputs, the "
-                "tokenizer or the split); refusing to overwrite it. Choose another --out or delete it."
-            )
-        return
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise PrepareError(f"{out} exists and was not written by recipes.prepare; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(plan_path, plan)
-
-
-def _tokenizer_in_dir(
-    config: PrepareConfig,
-    spec: TokenizerSpec | None,
-    out: Path,
-    units: list[Unit],
-    files_source: HFSource | None,
-) -> TokenizerSpec:
-    """Copy the tokenizer file into `out` (or train BPE there); the spec every worker loads."""
-    if spec is None:  # --tokenizer bpe
-        path = out / "tokenizer.json"
-        if not path.is_file():
-            budget = int(config.bpe_train_mb * 2**20)
-
-            def sample() -> Iterator[Document]:
-                seen = 0
-                for piece in (p for unit in units for p in unit):
-                    for document in read_piece(piece, config.text_field, files_source):
-                        if seen >= budget:
-                            return
-                        seen += len(document)
-                        yield document
-
-            train_bpe(sample(), config.bpe_vocab_size, path)
-        return TokenizerSpec("hf", str(path), config.eos_token)
-    if spec.path is None:
-        return spec
-    source = Path(spec.path)
-    name = {"hf": "tokenizer.json", "sentencepiece": "tokenizer.model"}.get(spec.kind, source.name)
-    if not (out / name).is_file() or file_sha256(out / name) != file_sha256(source):
-        shutil.copyfile(source, out / f".{name}.tmp")
-        os.replace(out / f".{name}.tmp", out / name)
-    return dataclasses.replace(spec, path=str(out / name))
-
-
 def _resolve(config: PrepareConfig) -> tuple[list[Unit], HFSource | None, str, str, TokenizerSpec | None]:
     """Inputs -> units, and the tokenizer spec (None for BPE still to train); every check before work."""
     hf_source = None
@@ -324,7 +185,7 @@ def prepare(config: PrepareConfig) -> PrepareSummary:
     out = Path(config.out).expanduser()
     plan = plan_record(config, fingerprint, spec)
     claim_directory(out, plan)
-    spec = _tokenizer_in_dir(config, spec, out, units, hf_source)
+    spec = tokenizer_into_dir(config, spec, out, units, hf_source)
     tokenizer = load_tokenizer_spec(spec)
     dtype = token_dtype(tokenizer.vocab_size)
     tasks = [

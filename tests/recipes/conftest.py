@@ -16,8 +16,8 @@ LINES = [
 
 @pytest.fixture(scope="session")
 def hf_tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A byte-level BPE (vocabulary 300) whose special tokens are `<s>` and `</s>` (Llama style)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE (vocabulary 300), specials `<s>` (added before every text) and `</s>`: Llama style."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -26,6 +26,7 @@ def hf_tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
         vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tokenizer.train_from_iterator(LINES, trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
     tokenizer.save(str(path))
     return path
