@@ -35,7 +35,6 @@ from recipes.prepare_plan import PrepareConfig, plan_key, plan_record
 from recipes.shards import (
     TokenIndex,
     TokenStream,
-    TokenWindows,
     check_shard_sizes,
     is_token_dir,
     read_index,
@@ -106,6 +105,27 @@ class DataConfig:
     @property
     def pretokenized(self) -> bool:
         return self.path is not None and Path(self.path).suffix == ".bin" and Path(self.path).is_file()
+
+
+class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Windows `(x, y)` of `seq_len` tokens at offsets `i * seq_len`, `y` = `x` shifted by one token.
+
+    `tokens` is a `TokenStream` or a 1-D array; the order of the windows is the sampler's business.
+    """
+
+    def __init__(self, tokens: TokenStream | np.ndarray, seq_len: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} of {len(self)}")
+        start = index * self.seq_len
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))  # (T + 1,)
+        return window[:-1], window[1:]
 
 
 def prepare_config(config: DataConfig, corpus: Corpus) -> PrepareConfig:

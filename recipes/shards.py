@@ -20,9 +20,10 @@ concatenation of its shards in that order - is the same whatever number of proce
 
 Reading: every rank opens `index.json` and, lazily, a `np.memmap` of each shard the first time it
 reads from it; start-up costs one `stat` per shard (`check_shard_sizes`), never a read or hash of the
-corpus (`verify_shards` hashes everything, for `prepare` and an explicit check). Training windows are
-`seq_len + 1` consecutive tokens of the split's stream at offsets `i * seq_len` (`TokenWindows`); a
-window may span two or more shards (the offset table maps it), so no token is lost at shard ends.
+corpus (`verify_shards` hashes everything, for `prepare` and an explicit check). A split is read as one
+`TokenStream`: its shards concatenated in index order, sliced through an offset table, so a training
+window (`recipes.data.TokenWindows`) may span two or more shards and no token is lost at shard ends.
+This module imports numpy only (no torch): preparation workers start fast.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset
 
 FORMAT = "lightning-zero-tokens-v1"
 INDEX_NAME = "index.json"
@@ -248,24 +247,3 @@ class TokenStream:
             start += take
             shard += 1
         return np.concatenate(parts) if len(parts) != 1 else np.array(parts[0])
-
-
-class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Windows `(x, y)` of `seq_len` tokens at offsets `i * seq_len`, `y` = `x` shifted by one token.
-
-    `tokens` is a `TokenStream` or a 1-D array; the order of the windows is the sampler's business.
-    """
-
-    def __init__(self, tokens: TokenStream | np.ndarray, seq_len: int) -> None:
-        self.tokens = tokens
-        self.seq_len = seq_len
-
-    def __len__(self) -> int:
-        return max(0, (len(self.tokens) - 1) // self.seq_len)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= index < len(self):
-            raise IndexError(f"window {index} of {len(self)}")
-        start = index * self.seq_len
-        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))  # (T + 1,)
-        return window[:-1], window[1:]

@@ -10,9 +10,16 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from recipes.corpus import CorpusError, resolve_corpus, stdlib_corpus
-from recipes.data import DataConfig, PretrainDataModule, check_token_count, prepare_config, token_dtype
+from recipes.data import (
+    DataConfig,
+    PretrainDataModule,
+    TokenWindows,
+    check_token_count,
+    prepare_config,
+    token_dtype,
+)
 from recipes.prepare import PrepareConfig, prepare
-from recipes.shards import ShardError, TokenStream, TokenWindows, read_index
+from recipes.shards import ShardError, TokenStream, read_index
 from recipes.tokenizer import HFTokenizer
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 40
