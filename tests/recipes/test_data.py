@@ -159,3 +159,53 @@ def test_token_dtype_follows_vocabulary_size() -> None:
     assert (
         token_dtype(256) == np.uint16 and token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
     )
+
+
+def test_fit_on_shards_prepared_with_a_sentencepiece_model(tmp_path: Path, sp_model_file: Path) -> None:
+    """The whole path in one process: prepare with the user's tokenizer -> data=tokens -> fit."""
+    import lightning.pytorch as pl
+
+    from recipes.module import PretrainModule
+    from recipes.validate import validate
+    from tests.conf.compose import compose_pretrain
+
+    corpus = write_corpus(tmp_path / "corpus", [f"def f{i}(x): return x * {i}\n" * 30 for i in range(20)])
+    prepare(
+        PrepareConfig(
+            out=str(tmp_path / "tok"),
+            inputs=(str(corpus),),
+            tokenizer=str(sp_model_file),
+            val_fraction=0.1,
+            progress=False,
+        )
+    )
+    cfg = compose_pretrain(
+        [
+            "data=tokens",
+            f"data.path={tmp_path / 'tok'}",
+            "data.seq_len=32",
+            "data.batch_size=4",
+            "model.n_layer=1",
+            "model.d_model=32",
+            "model.n_head=2",
+        ]
+    )
+    configs = validate(cfg)
+    assert configs.model.vocab_size == 120  # the SentencePiece model's, from index.json
+    datamodule = PretrainDataModule(configs.data)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        limit_val_batches=1,
+        val_check_interval=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(PretrainModule(configs.model, configs.optim), datamodule=datamodule)
+    assert trainer.global_step == 3 and torch.isfinite(trainer.callback_metrics["val/loss"])
+    assert datamodule.tokenizer is not None and datamodule.tokenizer.eos_id == 2
+    assert datamodule.tokenizer.decode(datamodule.tokenizer.encode("def f1(x):")) == "def f1(x):"
