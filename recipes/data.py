@@ -137,6 +137,7 @@ def prepare_config(config: DataConfig, corpus: Corpus) -> PrepareConfig:
         text_field=config.text_field,
         bpe_vocab_size=config.bpe_vocab_size,
         val_fraction=config.val_fraction,
+        verify=False,  # reuse after a size check: no rank re-reads the corpus or its shards at start-up
         progress=False,
     )
     spec = (
@@ -195,7 +196,9 @@ class PretrainDataModule(pl.LightningDataModule):
     def prepare_data(self) -> None:
         """Local rank 0 of each node: tokenize a text source into the cache (a no-op when it is there)."""
         if not (self.config.prepared or self.config.pretokenized):
-            prepare(self._prepare_config())
+            summary = prepare(self._prepare_config())
+            if summary.new_tokens:  # first use: say where the shards went (once per node)
+                print(summary.line(), flush=True)
 
     def setup(self, stage: str) -> None:
         if self.config.pretokenized:

@@ -246,4 +246,6 @@ class TokenStream:
             parts.append(self._shard(shard)[start - base : start - base + take])
             start += take
             shard += 1
-        return np.concatenate(parts) if len(parts) != 1 else np.array(parts[0])
+        if not parts:
+            return np.empty(0, dtype=self.dtype)
+        return np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
