@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recipes.shards import FORMAT, file_sha256, write_json_atomic
+from recipes.shards import FORMAT, file_sha256, temporary_name
 from recipes.sources import HFSource, Unit, read_piece
 from recipes.tokenizer import Document, TokenizerSpec, train_bpe
 
@@ -106,25 +106,35 @@ def plan_key(plan: dict[str, Any]) -> str:
 
 
 def claim_directory(out: Path, plan: dict[str, Any]) -> None:
-    """Create `out` for `plan`, or accept it if it was prepared for the same plan.
+    """Create `out` for `plan`, or accept it if it was prepared (or is being prepared) for the same plan.
+
+    Several processes may claim at once (the local rank 0 of every node, on shared storage): the plan
+    file is created exclusively (`os.link`), the first one wins and the others compare against it.
 
     Raises:
         PrepareError: `out` holds another preparation (naming what differs) or files that are not ours.
     """
     plan_path = out / PLAN_NAME
-    if plan_path.is_file():
-        previous = json.loads(plan_path.read_text())
-        differs = sorted(k for k in plan.keys() | previous.keys() if plan.get(k) != previous.get(k))
-        if differs:
-            raise PrepareError(
-                f"{out} was prepared with other settings ({', '.join(differs)} differ: the inputs, the "
-                "tokenizer or the split); refusing to overwrite it. Choose another --out or delete it."
-            )
-        return
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise PrepareError(f"{out} exists and was not written by recipes.prepare; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(plan_path, plan)
+    if not plan_path.is_file():
+        ours = (PLAN_NAME, f".{PLAN_NAME}.tmp")
+        if out.exists() and (not out.is_dir() or any(not p.name.startswith(ours) for p in out.iterdir())):
+            raise PrepareError(f"{out} exists and was not written by recipes.prepare; choose another --out")
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / temporary_name(PLAN_NAME)
+        tmp.write_text(json.dumps(plan, indent=1, sort_keys=True) + "\n")
+        try:
+            os.link(tmp, plan_path)  # fails if another process claimed first
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    previous = json.loads(plan_path.read_text())
+    differs = sorted(k for k in plan.keys() | previous.keys() if plan.get(k) != previous.get(k))
+    if differs:
+        raise PrepareError(
+            f"{out} was prepared with other settings ({', '.join(differs)} differ: the inputs, the "
+            "tokenizer or the split); refusing to overwrite it. Choose another --out or delete it."
+        )
 
 
 def tokenizer_into_dir(
@@ -156,6 +166,7 @@ def tokenizer_into_dir(
     source = Path(spec.path)
     name = {"hf": "tokenizer.json", "sentencepiece": "tokenizer.model"}.get(spec.kind, source.name)
     if not (out / name).is_file() or file_sha256(out / name) != file_sha256(source):
-        shutil.copyfile(source, out / f".{name}.tmp")
-        os.replace(out / f".{name}.tmp", out / name)
+        tmp = out / temporary_name(name)
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, out / name)
     return dataclasses.replace(spec, path=str(out / name))

@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,14 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
+def temporary_name(name: str) -> str:
+    """`.NAME.tmp<host>-<pid>`: hidden, and distinct for every process on every node of a shared disk."""
+    return f".{name}.tmp{socket.gethostname()}-{os.getpid()}"
+
+
 def write_json_atomic(path: Path, payload: Any) -> None:
     """Write JSON through a temporary file and `os.replace`, so readers see the old or the new file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(temporary_name(path.name))
     tmp.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)
 
@@ -164,11 +170,11 @@ def verify_shards(directory: str | Path) -> list[str]:
 
 
 class ShardWriter:
-    """Appends token ids to `DIR/.NAME.tmp<pid>`, hashing as it goes; `commit` renames it to `NAME`."""
+    """Appends token ids to `DIR/.NAME.tmp<host>-<pid>`, hashing as it goes; `commit` renames it to `NAME`."""
 
     def __init__(self, directory: Path, name: str, split: str, unit: int, dtype: np.dtype) -> None:
         self.directory, self.name, self.split, self.unit, self.dtype = directory, name, split, unit, dtype
-        self.tmp = directory / f".{name}.tmp{os.getpid()}"
+        self.tmp = directory / temporary_name(name)
         self._handle = self.tmp.open("wb")
         self._digest = hashlib.sha256()
         self.tokens = self.documents = 0

@@ -179,3 +179,22 @@ def test_command_line_prints_a_summary_and_fails_with_status_2(
     assert main(["--verify", str(tmp_path / "out")]) == 0
     assert main([str(tmp_path / "nothing*"), "--out", str(tmp_path / "x")]) == 2
     assert "error: input" in capsys.readouterr().err
+
+
+def test_two_preparations_of_one_directory_at_once_agree(tmp_path: Path) -> None:
+    """What the local rank 0 of two nodes does with `data=text` on shared storage."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    corpus = text_corpus(tmp_path / "corpus")
+    settings = config(tmp_path / "out", corpus)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / ".plan.json.tmpothernode-123").write_text("{}")  # another claim, in flight
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        summaries = list(pool.map(prepare, [settings, settings]))
+    assert summaries[0].index == summaries[1].index
+    assert verify_shards(tmp_path / "out") == []
+    prepare(config(tmp_path / "alone", corpus))
+    assert contents(tmp_path / "alone") == {
+        k: v for k, v in contents(tmp_path / "out").items() if not k.startswith(".plan.json.tmp")
+    }
