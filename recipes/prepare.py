@@ -161,7 +161,9 @@ def _resolve(config: PrepareConfig) -> tuple[list[Unit], HFSource | None, str, s
         files = resolve_files(tuple(config.inputs))
         check_files(files, config.text_field)
         units = plan_file_units(files, max(1, int(config.shard_mb * 2**20)))
-        description = f"{', '.join(config.inputs)} ({len(files)} files)"
+        more = f", ... ({len(config.inputs)} inputs)" if len(config.inputs) > 3 else ""
+        shown = ", ".join(config.inputs[:3]) + more
+        description = f"{shown} ({len(files)} files)"
     if not units:
         raise CorpusError(f"the inputs hold no text: {description}")
     spec = None
