@@ -1,18 +1,21 @@
 """Where the training text comes from: the embedded default corpus, user files, or a pre-tokenized file.
 
-Three kinds of source, chosen by `data.path`:
+Three kinds of source, chosen by `data.path` (a directory prepared by `recipes.prepare` is recognised
+by its `index.json` before this module is asked, see `recipes.data`):
 
 * `null` (default): the Python standard library's own `.py` files, found through
   `sysconfig.get_paths()["stdlib"]` - always present, no download. Test suites, `site-packages` and
   caches are skipped; the files are ordered by a hash of their relative path (a stable shuffle that
   mixes modules) and taken until `data.max_corpus_mb` is reached, so the subset is deterministic for a
   given Python installation.
-* text files: a file, a directory (every regular non-hidden file below it) or a glob (`**` allowed),
-  each file one document, in sorted path order.
+* user files: a file, a directory (every regular non-hidden file below it) or a glob (`**` allowed), in
+  sorted path order; `recipes.sources` reads them by format (text: one document per file; `.jsonl`,
+  `.parquet`: one per row).
 * one pre-tokenized `.bin` file of token ids (uint16, or uint32 for vocabularies above 65,536).
 
-Relative paths are taken from the directory the command was started in (Hydra does not change it).
-Every failure is a `CorpusError` whose message names `data.path` and says what is accepted.
+A corpus is identified by `fingerprint()`: paths, sizes and modification times, one `stat` per file and
+no reading. Relative paths are taken from the directory the command was started in (Hydra does not
+change it). Every failure is a `CorpusError` whose message names `data.path` and says what is accepted.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,14 +55,21 @@ class Corpus:
         for path in self.files:
             yield path.read_bytes()
 
-    def content_hash(self) -> str:
-        """sha256 over every document's length and bytes: independent of paths, sensitive to order."""
-        digest = hashlib.sha256()
-        for path in self.files:
-            data = path.read_bytes()
-            digest.update(len(data).to_bytes(8, "little"))
-            digest.update(data)
-        return digest.hexdigest()
+    def fingerprint(self) -> str:
+        """sha256 over each file's resolved path, size and modification time, in order.
+
+        Cheap (one `stat` per file, no reading): an edited, added, removed or reordered file changes it.
+        """
+        return fingerprint_files(self.files)
+
+
+def fingerprint_files(files: Iterable[Path]) -> str:
+    """sha256 of (resolved path, size, mtime in ns) of `files`, in order."""
+    digest = hashlib.sha256()
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
 
 
 def stdlib_corpus(max_corpus_mb: float) -> Corpus:
@@ -86,7 +96,8 @@ def stdlib_corpus(max_corpus_mb: float) -> Corpus:
     )
 
 
-def _expand(pattern: str) -> list[Path]:
+def expand_path(pattern: str) -> list[Path]:
+    """The regular files a file name, directory (recursive, no hidden entries) or glob designates, sorted."""
     path = Path(pattern).expanduser()
     if _GLOB_CHARS.intersection(pattern):
         matches = [Path(p) for p in glob.glob(str(path), recursive=True)]
@@ -104,7 +115,7 @@ def user_corpus(path_spec: str) -> Corpus:
     Raises:
         CorpusError: nothing matches, the files are all empty, or `.bin` files are mixed with others.
     """
-    files = _expand(path_spec)
+    files = expand_path(path_spec)
     if not files:
         raise CorpusError(
             f"data.path={path_spec!r}: no file matches. Give a text file, a directory of text files, "

@@ -27,7 +27,6 @@ from omegaconf import DictConfig
 
 from recipes import schema  # noqa: F401  (registers `pretrain_schema` in the ConfigStore)
 from recipes.build import Run, build_run
-from recipes.tokenizer import BPETokenizer
 from recipes.validate import ConfigError, validate
 
 EXIT_CONFIG_ERROR = 2
@@ -65,9 +64,9 @@ def report(run: Run, cfg: DictConfig) -> None:
     print(f"--- sample ({cfg.sample.max_new_tokens} tokens after {cfg.sample.prompt!r}) ---")
     print(sample_text(run, cfg))
     print("---")
-    tokenizer = run.datamodule.tokenizer
-    if isinstance(tokenizer, BPETokenizer):
-        shutil.copy(tokenizer.path, run.run_dir / "tokenizer.json")
+    tokenizer_file = getattr(run.datamodule.tokenizer, "path", None)  # none for bytes
+    if tokenizer_file is not None:
+        shutil.copy(tokenizer_file, run.run_dir / Path(tokenizer_file).name)
     print(f"run directory: {run.run_dir.resolve()}")
     for logger in run.trainer.loggers:
         print(f"logs ({type(logger).__name__}): {Path(logger.log_dir or logger.save_dir or '.').resolve()}")

@@ -1,7 +1,7 @@
 """Write a ready, commented ``sbatch`` script for the recipe: ``python -m recipes.sbatch [overrides]``.
 
     python -m recipes.sbatch cluster=slurm cluster.partition=gpu cluster.nodes=4 trainer=gpu \
-        trainer.devices=8 experiment=llama_1b_multinode --output job.sbatch
+        trainer.devices=8 experiment=llama_1b_multinode data.path=/shared/tok --output job.sbatch
     sbatch job.sbatch
 
 The overrides are composed exactly as ``python -m recipes.pretrain`` composes them (the same schema

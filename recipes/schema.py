@@ -42,9 +42,10 @@ class ModelSchema:
 class DataSchema:
     _target_: str = "recipes.data.DataConfig"
     path: str | None = MISSING  # MISSING, not None: a YAML `???` cannot override a default when merged
-    tokenizer: str = "byte"
+    tokenizer: str | None = "byte"  # byte | bpe | tokenizer file; null: a prepared directory's own
+    eos_token: str | None = None
+    text_field: str = "text"
     bpe_vocab_size: int = 4096
-    tokenizer_path: str | None = None
     seq_len: int = 256
     batch_size: int = 16
     val_fraction: float = 0.05

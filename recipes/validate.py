@@ -2,8 +2,10 @@
 
 The schema (`recipes.schema`) already rejects unknown keys and wrong types at compose time, and Hydra
 rejects unknown group options (`model=huge`) listing the valid ones. This module catches what needs
-the values together or the machine: a data path that matches nothing or holds no text, a window
-longer than the model's context, a vocabulary the model cannot cover, more devices than the machine
+the values together or the machine: a data path that matches nothing or holds no text (or a .jsonl /
+.parquet without the text field), a prepared directory that is incomplete or too small, a window
+longer than the model's context, token ids the model's vocabulary cannot cover (from the prepared
+index's `max_token_id`; for a `.bin` by one pass over it), more devices than the machine
 has, a `ckpt_path` with nothing to resume, a strategy whose package is missing, and the value checks
 of the recipe dataclasses. Each failure is a `ConfigError` whose message names the setting and what
 would be valid; the entry point prints it and exits non-zero without touching earlier runs.
@@ -24,10 +26,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.corpus import Corpus, CorpusError, resolve_corpus
-from recipes.data import DataConfig, check_token_count, token_dtype
+from recipes.data import DataConfig, bin_split, check_token_count, load_pretokenized
 from recipes.model import GPTConfig
 from recipes.module import OptimConfig
-from recipes.tokenizer import BPETokenizer
+from recipes.shards import ShardError, check_shard_sizes, read_index
+from recipes.sources import check_files, file_format
+from recipes.tokenizer import TokenizerError, load_tokenizer_spec, resolve_tokenizer
 
 
 class ConfigError(ValueError):
@@ -41,7 +45,8 @@ class RecipeConfigs:
     model: GPTConfig
     data: DataConfig
     optim: OptimConfig
-    corpus: Corpus
+    corpus: Corpus | None
+    """The text corpus to prepare; None for a prepared directory or a `.bin`."""
 
 
 def _build(node: DictConfig, **kwargs: Any) -> Any:
@@ -53,32 +58,83 @@ def _build(node: DictConfig, **kwargs: Any) -> Any:
 
 
 def tokenizer_vocab_size(data: DataConfig) -> int:
-    """Vocabulary of the configured tokenizer; an existing `data.tokenizer_path` is read for it."""
-    if data.tokenizer == "bpe" and data.tokenizer_path is not None:
-        path = Path(data.tokenizer_path).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"data.tokenizer_path={data.tokenizer_path!r} does not exist")
-        return BPETokenizer(path).vocab_size
-    return data.vocab_size
-
-
-def check_corpus(data: DataConfig, vocab_size: int) -> Corpus:
-    """Resolve `data.path` and, where the token count is known without tokenizing, check its size."""
+    """Vocabulary of the configured tokenizer: a prepared directory's index, or the tokenizer itself."""
+    if data.prepared:
+        if data.tokenizer is not None:
+            raise ConfigError(
+                f"data.path={data.path!r} is a prepared token directory: use data=tokens (data.tokenizer="
+                "null); its tokenizer is the one recorded in its index.json"
+            )
+        return read_index(data.path).vocab_size  # type: ignore[arg-type]
+    if data.tokenizer is None:
+        raise ConfigError(
+            f"data.tokenizer=null needs data.path to be a directory written by `python -m recipes.prepare` "
+            f"(one with index.json); data.path={data.path!r} is not. Prepare it first, or name a tokenizer."
+        )
+    if data.pretokenized and data.tokenizer == "bpe":
+        raise ConfigError(
+            f"data.path={data.path!r} is pre-tokenized: data.tokenizer=bpe would train a new BPE; give the "
+            "tokenizer that made it (byte or its tokenizer.json / .model / .tiktoken file)"
+        )
+    if data.vocab_size is not None:
+        return data.vocab_size
     try:
+        return load_tokenizer_spec(resolve_tokenizer(data.tokenizer, data.eos_token)).vocab_size
+    except TokenizerError as error:
+        raise ConfigError(f"data.{error}") from error
+
+
+def max_token_id(data: DataConfig, vocab_size: int) -> int:
+    """Largest token id the run will read: from the index of a prepared directory, or by one pass
+    over a `.bin` (its only record); -1 for text, whose ids come from the tokenizer itself."""
+    if data.prepared:
+        return read_index(data.path).max_token_id  # type: ignore[arg-type]
+    if not data.pretokenized:
+        return -1
+    tokens = load_pretokenized(data.path, vocab_size)  # type: ignore[arg-type]
+    step = 1 << 24
+    return max((int(tokens[i : i + step].max()) for i in range(0, len(tokens), step)), default=-1)
+
+
+def check_vocabulary(data: DataConfig, data_vocab: int, model_vocab: int) -> None:
+    """Refuse token ids the model's embedding cannot look up (on CUDA: a device-side assert)."""
+    if model_vocab < data_vocab:
+        raise ConfigError(
+            f"model.vocab_size={model_vocab} is smaller than the tokenizer's {data_vocab} "
+            f"(data.tokenizer={data.tokenizer}); set model.vocab_size>={data_vocab} or null"
+        )
+    top = max_token_id(data, data_vocab)
+    if top >= model_vocab:
+        raise ConfigError(
+            f"data.path={data.path!r} holds token id {top}, outside model.vocab_size={model_vocab} "
+            f"(tokenizer vocabulary {data_vocab}): these tokens were made by another tokenizer; set "
+            f"model.vocab_size>={top + 1} and the matching data.tokenizer"
+        )
+
+
+def check_corpus(data: DataConfig, vocab_size: int) -> Corpus | None:
+    """Resolve `data.path` and check its size where that is known without tokenizing.
+
+    A prepared directory: its index's token counts and a `stat` of each shard. Returns the text corpus
+    to prepare, or None for a prepared directory and a `.bin`.
+    """
+    try:
+        if data.prepared:
+            index = read_index(data.path)  # type: ignore[arg-type]
+            check_shard_sizes(data.path, index)  # type: ignore[arg-type]
+            check_token_count(index.tokens["train"], index.tokens["val"], data)
+            return None
+        if data.pretokenized:
+            tokens = load_pretokenized(data.path, vocab_size)  # type: ignore[arg-type]
+            check_token_count(*map(len, bin_split(tokens, data.val_fraction)), data)
+            return None
         corpus = resolve_corpus(data.path, data.max_corpus_mb)
-        if corpus.pretokenized:
-            if data.tokenizer == "bpe" and data.tokenizer_path is None:
-                raise CorpusError(
-                    f"data.path={data.path!r} is pre-tokenized: with data.tokenizer=bpe also give "
-                    "data.tokenizer_path=<the tokenizer.json that produced it>"
-                )
-            itemsize = token_dtype(vocab_size).itemsize
-            if corpus.nbytes % itemsize != 0:
-                raise CorpusError(f"data.path={data.path!r}: size is not a multiple of {itemsize} bytes")
-            check_token_count(corpus.nbytes // itemsize, data)
-        elif data.tokenizer == "byte":
-            check_token_count(corpus.nbytes + 2 * len(corpus.files), data)
-    except CorpusError as error:
+        check_files(list(corpus.files), data.text_field)
+        if data.tokenizer == "byte" and all(file_format(p) == "text" for p in corpus.files):
+            n_tokens = corpus.nbytes + 2 * len(corpus.files)
+            n_train = int(n_tokens * (1.0 - data.val_fraction))  # about: validation is chosen by documents
+            check_token_count(n_train, n_tokens - n_train, data)
+    except (CorpusError, ShardError) as error:
         raise ConfigError(str(error)) from error
     return corpus
 
@@ -184,21 +240,20 @@ def validate(cfg: DictConfig) -> RecipeConfigs:
             f"missing mandatory value(s): {', '.join(missing)}; set them as key=value overrides"
         )
     data: DataConfig = _build(cfg.data)
-    data_vocab = tokenizer_vocab_size(data)
+    try:
+        data_vocab = tokenizer_vocab_size(data)
+    except ShardError as error:
+        raise ConfigError(str(error)) from error
     model_vocab = cfg.model.vocab_size if cfg.model.vocab_size is not None else data_vocab
     model: GPTConfig = _build(cfg.model, vocab_size=model_vocab)
     optim: OptimConfig = _build(cfg.optim)
-    if model.vocab_size < data_vocab:
-        raise ConfigError(
-            f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's {data_vocab} "
-            f"(data.tokenizer={data.tokenizer}); set model.vocab_size>={data_vocab} or null"
-        )
+    corpus = check_corpus(data, data_vocab)
+    check_vocabulary(data, data_vocab, model.vocab_size)
     if data.seq_len > model.max_seq_len:
         raise ConfigError(
             f"data.seq_len={data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; "
             f"use data.seq_len<={model.max_seq_len} or a larger model.max_seq_len"
         )
-    corpus = check_corpus(data, data_vocab)
     check_devices(str(cfg.trainer.accelerator), cfg.trainer.devices)
     check_slurm_launch()
     check_ckpt_path(cfg.ckpt_path, Path(cfg.run_dir), cfg.run_name)

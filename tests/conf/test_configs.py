@@ -95,7 +95,9 @@ def test_model_sizes_instantiate_on_meta(name: str) -> None:
 @pytest.mark.parametrize("name", group_options("data"))
 def test_data_options_instantiate(name: str) -> None:
     cfg = compose_pretrain([f"data={name}", *([] if name == "stdlib" else REQUIRED["data"])])
-    assert isinstance(instantiate(cfg.data), DataConfig)
+    data = instantiate(cfg.data)
+    assert isinstance(data, DataConfig)
+    assert (data.tokenizer is None) == (name == "tokens")  # a prepared directory names its own tokenizer
 
 
 @pytest.mark.parametrize("name", group_options("strategy"))
@@ -158,7 +160,7 @@ def test_experiments_compose_and_instantiate(name: str) -> None:
     data = instantiate(cfg.data)
     assert isinstance(instantiate(cfg.optim), OptimConfig)
     assert data.seq_len <= model.config.max_seq_len
-    assert model.config.vocab_size >= data.vocab_size
+    assert data.vocab_size is None or model.config.vocab_size >= data.vocab_size  # None: the index's
 
 
 @pytest.mark.parametrize(

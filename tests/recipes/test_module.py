@@ -44,7 +44,8 @@ def test_peak_flops_defaults() -> None:
 def test_single_process_fit_logs_loss_throughput_and_perplexity(tmp_path: Path) -> None:
     text_dir = tmp_path / "text"
     text_dir.mkdir()
-    (text_dir / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    for i in range(20):  # validation is chosen by documents
+        (text_dir / f"{i}.txt").write_text(f"the quick brown fox {i} jumps over the lazy dog\n" * 10)
     data = DataConfig(path=str(text_dir), seq_len=32, batch_size=4, cache_dir=str(tmp_path / "cache"))
     optim = OptimConfig(lr=1e-2, warmup_steps=2)
     module = PretrainModule(TINY, optim)

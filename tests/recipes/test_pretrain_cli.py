@@ -144,6 +144,7 @@ def snapshot(directory: Path) -> dict[str, tuple[float, bytes]]:
         (["data=text"], "missing mandatory value(s): data.path"),
         (["data.path=/nonexistent/*.txt"], "data.path='/nonexistent/*.txt': no file matches"),
         (["data.path=EMPTY"], "the corpus is empty"),
+        (["data=tokens", "data.path=EMPTY"], "data.tokenizer=null needs data.path to be a directory written"),
         (["data.seq_len=512"], "data.seq_len=512 exceeds model.max_seq_len=256"),
         ([f"trainer.devices={len(os.sched_getaffinity(0)) + 1}"], "CPU cores"),
         (["model.n_layer=two"], "model.n_layer"),
