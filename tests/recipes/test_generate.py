@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
+from recipes.generate import main
 from recipes.model import GPT, GPTConfig, KVCache
+from recipes.tokenizer import ByteTokenizer
+from tests.recipes.tiny_fit import fit_tiny
 
 CONFIG = GPTConfig(vocab_size=64, max_seq_len=24, n_layer=2, n_head=4, n_kv_head=2, d_model=32)
 
@@ -56,3 +62,30 @@ def test_cache_overflow_is_refused(model: GPT) -> None:
         model(torch.zeros(1, 4, dtype=torch.long), cache)
         with pytest.raises(ValueError, match="KV cache's 6"):
             model(torch.zeros(1, 3, dtype=torch.long), cache)
+
+
+def test_cli_prints_the_greedy_continuation_and_tokens_per_s(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = tmp_path / "tiny.ckpt"
+    module = fit_tiny(str(checkpoint), strategy="auto", steps=1)
+    capsys.readouterr()  # the fit's own output
+    prompt = ByteTokenizer().encode("hi there")
+    expected = module.model.generate(torch.tensor([prompt]), 12, temperature=0.0)[0].tolist()
+    for extra in ([], ["--no-cache"]):
+        main(
+            [
+                str(checkpoint),
+                "prompt=hi there",
+                "max_new_tokens=12",
+                "temperature=0",
+                "tokenizer=byte",
+                *extra,
+            ]
+        )
+        out, err = capsys.readouterr()
+        assert out == ByteTokenizer().decode(expected) + "\n"
+        assert re.search(r"12 tokens in [\d.]+ s: [\d.]+ tokens/s", err)
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing.ckpt")])
+    assert f"checkpoint not found: {tmp_path / 'missing.ckpt'}" in capsys.readouterr().err
