@@ -75,9 +75,10 @@ def find_tokenizer(checkpoint: str | Path, spec: str = "auto") -> Tokenizer:
         if (folder / "tokenizer.json").is_file():
             return BPETokenizer(folder / "tokenizer.json")
         if (folder / "config.yaml").is_file():
-            from omegaconf import OmegaConf
+            from omegaconf import DictConfig, OmegaConf
 
-            data = OmegaConf.load(folder / "config.yaml").get("data") or {}
+            run_config = OmegaConf.load(folder / "config.yaml")
+            data = (run_config.get("data") if isinstance(run_config, DictConfig) else None) or {}
             if data.get("tokenizer") == "byte":
                 return ByteTokenizer()
             if data.get("tokenizer_path") and Path(data["tokenizer_path"]).is_file():

@@ -242,6 +242,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only language model; `forward(idx)` returns logits (batch, seq, vocab_size)."""
 
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -283,10 +286,8 @@ class GPT(nn.Module):
             )
         if cache is not None and start + seq > cache.capacity:
             raise ValueError(f"sequence length {start + seq} exceeds the KV cache's {cache.capacity}")
-        cos, sin = (
-            self.rope_cos[start : start + seq],
-            self.rope_sin[start : start + seq],
-        )  # (T, head_dim // 2)
+        positions = slice(start, start + seq)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T, head_dim // 2)
         x = self.embed(idx)  # (B, T, d_model)
         for i, block in enumerate(self.blocks):
             if cache is not None:
