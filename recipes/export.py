@@ -255,7 +255,7 @@ def export(
         out_dir: the directory to create (must not exist or be empty, unless `force`).
         tokenizer_spec: "auto", "byte" or a tokenizer.json path (see `recipes.load.find_tokenizer`).
         max_shard_bytes: largest safetensors file; above it the weights are split into several.
-        dtype: cast the weights to it; None keeps the checkpoint's.
+        dtype: cast the weights to it; None keeps float32 (as `PretrainModule` holds them).
         force: replace a non-empty `out_dir`.
 
     Raises:
@@ -299,9 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-shard-size", type=parse_size, default="5GB", help="e.g. 5GB, 500MB (default 5GB)"
     )
-    parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's"
-    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32")
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
     args = parser.parse_args(argv)
     try:

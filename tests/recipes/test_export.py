@@ -9,6 +9,7 @@ of each is loaded by `transformers` and must give our logits on the same tokens 
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,12 @@ def test_tokenizer_is_found_in_the_run_directory(tmp_path: Path) -> None:
     assert isinstance(find_tokenizer(checkpoint), ByteTokenizer)
     bpe = train_bpe([t.encode() for t in TEXTS], vocab_size=270, path=tmp_path / "run" / "tokenizer.json")
     assert find_tokenizer(checkpoint).identity == bpe.identity
+
+
+def test_dtype_casts_the_weights_and_the_config(checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    main([str(checkpoints["file"][0]), str(tmp_path / "hf"), "--tokenizer", "byte", "--dtype", "bfloat16"])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}  # noqa: SIM118
