@@ -144,6 +144,10 @@ def test_bad_paths_fail_clearly_and_keep_out_dir(
     corrupt.write_bytes(b"not a checkpoint")
     with pytest.raises(LoadError, match=f"cannot read checkpoint {corrupt}"):
         export(corrupt, tmp_path / "a", tokenizer_spec="byte")
+    old = tmp_path / "old.ckpt"  # what checkpoints held before the hyper-parameters were saved
+    torch.save({"state_dict": checkpoints["file"][2]}, old)
+    with pytest.raises(LoadError, match=f"{old} has no saved model config"):
+        export(old, tmp_path / "a", tokenizer_spec="byte")
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
@@ -154,7 +158,7 @@ def test_bad_paths_fail_clearly_and_keep_out_dir(
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
     main([str(checkpoints["sharded"][0]), str(busy), "--tokenizer", "byte", "--force"])
     assert "keep.txt" not in {p.name for p in busy.iterdir()} and (busy / "config.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "corrupt.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "corrupt.ckpt", "old.ckpt"]
 
 
 def test_tokenizer_is_found_in_the_run_directory(tmp_path: Path) -> None:
