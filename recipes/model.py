@@ -14,14 +14,19 @@ The model never imports `torch.distributed`: data parallelism (DDP, ZeRO) is app
 strategy. It can be built on the meta device (`with torch.device("meta"): GPT(config)`) to count the
 parameters of a large size without allocating them.
 
-Limits: `generate` recomputes the full context at every step (no KV cache); it is meant for short
-samples at the end of a run, not for serving.
+Inference: `forward(idx, cache=KVCache(...))` feeds tokens after those already in the cache. Each
+layer writes the new keys/values (after RoPE, at their absolute positions) into preallocated
+(batch, n_kv_head, capacity, head_dim) buffers and attends over everything cached so far; the
+training path (`cache=None`) is untouched. `generate` decodes with a cache while the sequence fits in
+`max_seq_len` and, past it, recomputes a sliding window of the last `max_seq_len` tokens per step
+(RoPE positions are absolute, so a full cache cannot slide). Batch decoding assumes prompts of equal
+length (no padding); it is meant for samples and checks, not for serving.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +120,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.type_as(x)
 
 
+@dataclass
+class KVCache:
+    """Keys and values of the tokens a `GPT` has seen, per layer, for incremental decoding.
+
+    `keys[i]` and `values[i]` are (batch, n_kv_head, capacity, head_dim); positions `[0, length)` are
+    filled. `GPT.forward(idx, cache)` appends `idx.shape[1]` positions and advances `length`.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+    capacity: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.capacity = self.keys[0].shape[2]
+
+    @classmethod
+    def empty(
+        cls,
+        config: GPTConfig,
+        batch: int,
+        capacity: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """A cache for `batch` sequences of up to `capacity` (default `max_seq_len`) tokens."""
+        capacity = config.max_seq_len if capacity is None else min(capacity, config.max_seq_len)
+        shape = (batch, config.kv_heads, capacity, config.head_dim)
+        make = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(2 * config.n_layer)]
+        return cls(keys=make[: config.n_layer], values=make[config.n_layer :])
+
+
 class Attention(nn.Module):
     """Causal self-attention with RoPE and optional grouped key/value heads."""
 
@@ -127,7 +164,14 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.d_model, qkv_dim, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    ) -> torch.Tensor:
+        """`cache`: this layer's (keys, values, start) - the new positions are written at `start`."""
         batch, seq, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_head * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim],
@@ -137,10 +181,27 @@ class Attention(nn.Module):
         k = k.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
         v = v.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask: torch.Tensor | None = None
+        if cache is not None:
+            cached_k, cached_v, start = cache  # each (B, KV, capacity, D)
+            cached_k[:, :, start : start + seq] = k
+            cached_v[:, :, start : start + seq] = v
+            k, v = (
+                cached_k[:, :, : start + seq],
+                cached_v[:, :, : start + seq],
+            )  # (B, KV, S, D), S = start + T
+            if start > 0 and seq > 1:  # query i sits at start + i: it sees keys 0 .. start + i
+                mask = torch.ones(seq, start + seq, dtype=torch.bool, device=x.device).tril(start)
         if self.kv_heads != self.n_head:
             repeat = self.n_head // self.kv_heads
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)  # (B, H, T, D)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+            k, v = (
+                k.repeat_interleave(repeat, dim=1),
+                v.repeat_interleave(repeat, dim=1),
+            )  # (B, H, start + T, D)
+        if cache is None or (cache[2] == 0 and seq > 1):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        else:  # one new token sees the whole cache; several after a prefix need the shifted mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, D)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -167,13 +228,22 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class GPT(nn.Module):
     """Decoder-only language model; `forward(idx)` returns logits (batch, seq, vocab_size)."""
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -202,17 +272,32 @@ class GPT(nn.Module):
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.down.weight, mean=0.0, std=residual_std)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab_size) of `idx` (B, T); with `cache`, `idx` follows the cached tokens.
+
+        Raises:
+            ValueError: if the sequence (cached tokens included) is longer than `max_seq_len` or the cache.
+        """
         seq = idx.shape[1]
-        if seq > self.config.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.config.max_seq_len}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]  # (T, head_dim // 2)
+        start = 0 if cache is None else cache.length
+        if start + seq > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {start + seq} exceeds model.max_seq_len={self.config.max_seq_len}"
+            )
+        if cache is not None and start + seq > cache.capacity:
+            raise ValueError(f"sequence length {start + seq} exceeds the KV cache's {cache.capacity}")
+        positions = slice(start, start + seq)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T, head_dim // 2)
         x = self.embed(idx)  # (B, T, d_model)
-        for block in self.blocks:
-            if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+        for i, block in enumerate(self.blocks):
+            if cache is not None:
+                x = block(x, cos, sin, (cache.keys[i], cache.values[i], start))
+            elif self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
+        if cache is not None:
+            cache.length = start + seq
         return self.head(self.norm(x))  # (B, T, vocab_size)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
@@ -241,6 +326,7 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        use_cache: bool = True,
     ) -> torch.Tensor:
         """Sample `max_new_tokens` tokens after the prompt `idx` (batch, prompt_len).
 
@@ -250,15 +336,26 @@ class GPT(nn.Module):
             temperature: softmax temperature; 0 means greedy decoding.
             top_k: keep only the k most likely tokens before sampling; None keeps all.
             generator: random generator for reproducible samples.
+            use_cache: decode with a `KVCache` (same tokens as recomputing the context at every step).
 
         Returns:
             (batch, prompt_len + max_new_tokens) token ids.
         """
         was_training = self.training
         self.eval()
+        cache: KVCache | None = None
+        if use_cache and idx.shape[1] < self.config.max_seq_len:
+            capacity = idx.shape[1] + max_new_tokens
+            dtype = self.embed.weight.dtype
+            cache = KVCache.empty(self.config, idx.shape[0], capacity, device=idx.device, dtype=dtype)
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.max_seq_len :]  # (B, <= max_seq_len)
-            logits = self(context)[:, -1, :].float()  # (B, vocab_size)
+            if cache is not None and idx.shape[1] > cache.capacity:
+                cache = None  # full: from here on recompute the sliding window
+            if cache is not None:
+                logits = self(idx[:, cache.length :], cache)[:, -1, :].float()  # (B, vocab_size)
+            else:
+                context = idx[:, -self.config.max_seq_len :]  # (B, <= max_seq_len)
+                logits = self(context)[:, -1, :].float()  # (B, vocab_size)
             if temperature <= 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
             else:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.text import Perplexity
 
+import lightning_zero  # noqa: F401  (load_from_checkpoint reads sharded checkpoint directories)
 from recipes.model import GPT, GPTConfig
 
 DEFAULT_CPU_PEAK_FLOPS = 1.5e11
@@ -112,12 +113,33 @@ def peak_flops(device: torch.device, configured: float | None) -> float | None:
 
 
 class PretrainModule(pl.LightningModule):
-    """Next-token language modelling of a `GPT` built from `model_config`."""
+    """Next-token language modelling of a `GPT` built from `model_config`.
+
+    The hyper-parameters are saved in every checkpoint as plain dicts (what `torch.load(weights_only=True)`
+    reads, as lightning-zero's sharded `meta.pt` is), so `PretrainModule.load_from_checkpoint(path)` needs
+    no arguments, for a checkpoint file and for a sharded checkpoint directory alike.
+    """
 
     def __init__(
-        self, model_config: GPTConfig, optim: OptimConfig, peak_flops_per_device: float | None = None
+        self,
+        model_config: GPTConfig | dict[str, Any],
+        optim: OptimConfig | dict[str, Any],
+        peak_flops_per_device: float | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(model_config, dict):  # from a checkpoint's hyper-parameters
+            model_config = GPTConfig(**model_config)
+        if isinstance(optim, dict):
+            optim = OptimConfig(**optim)
+        # The loggers get the whole resolved config from `recipes.build`; these are for checkpoints.
+        self.save_hyperparameters(
+            {
+                "model_config": asdict(model_config),
+                "optim": asdict(optim),
+                "peak_flops_per_device": peak_flops_per_device,
+            },
+            logger=False,
+        )
         self.model_config = model_config
         self.optim_config = optim
         self.peak_flops_per_device = peak_flops_per_device

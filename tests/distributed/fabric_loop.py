@@ -152,7 +152,8 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
                 loss = nn.functional.mse_loss(model(x), y) / accum
                 if case.get("teacher"):
                     with torch.no_grad():
-                        loss = loss + 0.0 * teacher(x).sum()
+                        guide = teacher(x).sum()
+                    loss = loss + 0.0 * guide
                 if step == case.get("inf_at_step") and fabric.global_rank == 1:
                     loss = loss * float("inf")  # an overflow on one rank only
                 fabric.backward(loss)
