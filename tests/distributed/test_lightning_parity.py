@@ -136,25 +136,6 @@ def test_comm_stats_are_logged(tmp_path: Path) -> None:
     assert all(0.0 <= w < 1.0 for w in waits)
 
 
-def test_torchrun_launch_matches_lightning_launcher(tmp_path: Path) -> None:
-    case = {"devices": 2, "stage": 2, "accum": 2, "clip": 0.05, "steps": 6}
-    expected = launch([case], tmp_path)[0]
-    out = tmp_path / "torchrun.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.run(
-        [*torchrun, "-m", "tests.distributed.lit_fit", "--out", str(out), "--cases", json.dumps([case])],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    result = torch.load(out, weights_only=True)[0]
-    assert max_diff(result, expected) == 0.0
-
-
 def test_fp16_loss_scaling_overflow_on_one_rank_skips_everywhere(tmp_path: Path) -> None:
     """16-mixed with a GradScaler (on CPU through an explicit plugin): an inf on rank 1 alone at step 3
     must skip that step on both ranks and back the scale off, exactly as "ddp" does."""
