@@ -209,12 +209,6 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
             )
         self._sharded.replan(self._module.parameters(), {p: n for n, p in self._module.named_parameters()})
 
-    def wait_for_params(self) -> None:
-        """Complete the parameter all-gathers left in flight by ``overlap_param_gather`` (needed
-        before reading parameters outside the model's forward)."""
-        if self._sharded is not None:
-            self._sharded.wait_for_params()
-
     @override
     def clip_gradients_norm(
         self,

@@ -58,8 +58,11 @@ class FabricCheckpointing(DDPStrategy):
     _sharded: ShardedAdamW | None
     _module: torch.nn.Module | None
 
-    def wait_for_params(self) -> None:  # defined by ZeroFabricStrategy
-        raise NotImplementedError
+    def wait_for_params(self) -> None:
+        """Complete the parameter all-gathers left in flight by ``overlap_param_gather`` (needed
+        before reading parameters outside the model's forward)."""
+        if self._sharded is not None:
+            self._sharded.wait_for_params()
 
     def _bound(self) -> bool:
         """Whether the sharded optimizer exists and the model's parameters still are its views."""
