@@ -1,9 +1,16 @@
-"""Trainer checkpoints with strategy "zero": directories of shards that resume on any world size."""
+"""Trainer checkpoints with strategy "zero": directories of shards that resume on any world size.
+
+The fits run in four shared launches (a module fixture): 2 ranks, then 3, then 2 again, then 1. A case
+can resume a checkpoint that an earlier case of the same or an earlier launch wrote. Each test reads
+its own cases' results by name.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from lightning_zero.checkpoint import META, shard_name
@@ -25,86 +32,99 @@ def case(devices: int, **kw: object) -> dict:
     }
 
 
-def reference(steps: int) -> dict[str, torch.Tensor]:
+def reference(steps: int, **kw: Any) -> dict[str, torch.Tensor]:
     return fit(
-        strategy="auto", devices=1, batch_size=GLOBAL, identical_batches=True, accum=2, clip=0.05, steps=steps
-    )[1]
-
-
-def test_same_world_size_resume_is_bit_identical(tmp_path: Path) -> None:
-    ckpt = str(tmp_path / "half.ckpt")
-    uninterrupted, _ = launch([case(2, steps=10), case(2, steps=5, save=ckpt)], tmp_path)
-    assert sorted(p.name for p in Path(ckpt).iterdir()) == sorted(
-        [META, "model_extra.pt", shard_name(0, 2), shard_name(1, 2)]
-    )
-    resumed = launch([case(2, steps=10, resume=ckpt)], tmp_path)[0]
-    assert max_diff(resumed, uninterrupted) == 0.0
-
-
-def test_resume_on_other_world_sizes_and_stages_matches_one_process(tmp_path: Path) -> None:
-    """2 ranks (stage 2) -> 3 ranks (stage 1) -> 1 rank (stage 2): 15 steps equal one process's 15."""
-    first, second = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
-    launch([case(2, steps=5, stage=2, save=first)], tmp_path)
-    launch([case(3, steps=10, stage=1, resume=first, save=second)], tmp_path)
-    final = launch([case(1, steps=15, stage=2, resume=second)], tmp_path)[0]
-    assert max_diff(final, reference(15)) <= 1e-10
-
-
-def test_ddp_file_resumes_under_zero(tmp_path: Path) -> None:
-    ddp_file = str(tmp_path / "ddp.ckpt")
-    launch([case(2, strategy="ddp", steps=5, save=ddp_file, unused_every=0)], tmp_path)
-    assert Path(ddp_file).is_file()
-    final = launch([case(3, steps=10, resume=ddp_file, unused_every=0)], tmp_path)[0]
-    expected = fit(
         strategy="auto",
         devices=1,
         batch_size=GLOBAL,
         identical_batches=True,
         accum=2,
         clip=0.05,
-        steps=10,
-        unused_every=0,
+        steps=steps,
+        **kw,
     )[1]
-    assert max_diff(final, expected) <= 1e-10
 
 
-def test_saving_over_a_checkpoint_from_more_ranks_leaves_no_stale_shard(tmp_path: Path) -> None:
-    ckpt = tmp_path / "same.ckpt"
-    launch([case(3, steps=2, save=str(ckpt))], tmp_path)
-    launch([case(2, steps=3, save=str(ckpt))], tmp_path)
-    assert sorted(p.name for p in ckpt.iterdir()) == sorted(
+def launches(root: Path) -> list[list[tuple[str, dict[str, Any]]]]:
+    """The named cases of each launch, in launch order (a resume's checkpoint is written earlier)."""
+    p = {name: str(root / name) for name in ("half", "a", "b", "ddp", "stale", "sync", "async", "link", "v")}
+    two = [
+        ("uninterrupted10", case(2, steps=10)),
+        ("half", case(2, steps=5, save=p["half"] + ".ckpt")),
+        ("resumed10", case(2, steps=10, resume=p["half"] + ".ckpt")),
+        ("stage2_first", case(2, steps=5, stage=2, save=p["a"] + ".ckpt")),
+        ("ddp_save", case(2, strategy="ddp", steps=5, save=p["ddp"] + ".ckpt", unused_every=0)),
+        ("sync", case(2, steps=7, checkpoint_dir=p["sync"])),
+        ("async", case(2, steps=7, checkpoint_dir=p["async"], async_checkpoint=True)),
+        ("uninterrupted9", case(2, steps=9)),
+        ("async_resumed9", case(2, steps=9, resume=p["async"] + "/last.ckpt")),
+        ("link", case(2, steps=5, checkpoint_dir=p["link"], save_last="link")),
+    ]
+    three = [
+        ("stage1_second", case(3, steps=10, stage=1, resume=p["a"] + ".ckpt", save=p["b"] + ".ckpt")),
+        ("ddp_resumed", case(3, steps=10, resume=p["ddp"] + ".ckpt", unused_every=0)),
+        ("stale_three", case(3, steps=2, save=p["stale"] + "/same.ckpt")),
+        ("validated_source", case(3, steps=3, save=p["v"] + ".ckpt")),
+    ]
+    two_again = [("stale_two", case(2, steps=3, save=p["stale"] + "/same.ckpt"))]
+    one = [("stage2_final", case(1, steps=15, stage=2, resume=p["b"] + ".ckpt"))]
+    return [two, three, two_again, one]
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+    root = tmp_path_factory.mktemp("lightning_checkpoint")
+    (root / "stale").mkdir()
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    for named in launches(root):
+        out = launch([c for _, c in named], root)
+        results.update(zip([name for name, _ in named], out, strict=True))
+    return root, results
+
+
+def test_same_world_size_resume_is_bit_identical(fits: tuple[Path, dict]) -> None:
+    root, results = fits
+    assert sorted(p.name for p in (root / "half.ckpt").iterdir()) == sorted(
         [META, "model_extra.pt", shard_name(0, 2), shard_name(1, 2)]
     )
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".same.ckpt")], (
-        "temporary dirs left behind"
+    assert max_diff(results["resumed10"], results["uninterrupted10"]) == 0.0
+
+
+def test_resume_on_other_world_sizes_and_stages_matches_one_process(fits: tuple[Path, dict]) -> None:
+    """2 ranks (stage 2) -> 3 ranks (stage 1) -> 1 rank (stage 2): 15 steps equal one process's 15."""
+    assert max_diff(fits[1]["stage2_final"], reference(15)) <= 1e-10
+
+
+def test_ddp_file_resumes_under_zero(fits: tuple[Path, dict]) -> None:
+    root, results = fits
+    assert (root / "ddp.ckpt").is_file()
+    assert max_diff(results["ddp_resumed"], reference(10, unused_every=0)) <= 1e-10
+
+
+def test_saving_over_a_checkpoint_from_more_ranks_leaves_no_stale_shard(fits: tuple[Path, dict]) -> None:
+    stale = fits[0] / "stale"
+    assert sorted(p.name for p in (stale / "same.ckpt").iterdir()) == sorted(
+        [META, "model_extra.pt", shard_name(0, 2), shard_name(1, 2)]
     )
+    assert not [p for p in stale.iterdir() if p.name.startswith(".same.ckpt")], "temporary dirs left behind"
 
 
-def test_model_checkpoint_async_equals_sync(tmp_path: Path) -> None:
+def test_model_checkpoint_async_equals_sync(fits: tuple[Path, dict]) -> None:
     """ModelCheckpoint every 2 steps, top-2, save_last: the asynchronous writer commits the same
     checkpoints as the blocking one (shards, model extras and meta.pt), keeps only the newest two,
     and "last" resumes. (tests/distributed/test_async_checkpoint.py shows that training goes on
     while an asynchronous save is written.)"""
-    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
-    *_, uninterrupted = launch(
-        [
-            case(2, steps=7, checkpoint_dir=str(sync_dir)),
-            case(2, steps=7, checkpoint_dir=str(async_dir), async_checkpoint=True),
-            case(2, steps=9),  # the reference for the resume below (one launch fewer)
-        ],
-        tmp_path,
-    )
+    root, results = fits
+    sync_dir, async_dir = root / "sync", root / "async"
     names = sorted(p.name for p in async_dir.iterdir())  # no temporary directory left
     assert names == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"], names
     for name in names:
         assert_same_checkpoint(async_dir / name, sync_dir / name, (str(async_dir), str(sync_dir)))
-    resumed = launch([case(2, steps=9, resume=str(async_dir / "last.ckpt"))], tmp_path)[0]
-    assert max_diff(resumed, uninterrupted) == 0.0
+    assert max_diff(results["async_resumed9"], results["uninterrupted9"]) == 0.0
 
 
-def test_save_last_link(tmp_path: Path) -> None:
-    launch([case(2, steps=5, checkpoint_dir=str(tmp_path / "ck"), save_last="link")], tmp_path)
-    last = tmp_path / "ck" / "last.ckpt"
+def test_save_last_link(fits: tuple[Path, dict]) -> None:
+    last = fits[0] / "link" / "last.ckpt"
     assert last.is_symlink() and (last / META).is_file()
 
 
@@ -149,15 +169,16 @@ def test_rank_killed_mid_save_ends_every_rank_and_keeps_the_previous_checkpoint(
     assert max_diff(resumed, uninterrupted) == 0.0
 
 
-def test_validate_loads_a_sharded_checkpoint_without_an_optimizer(tmp_path: Path) -> None:
+def test_validate_loads_a_sharded_checkpoint_without_an_optimizer(
+    fits: tuple[Path, dict], tmp_path: Path
+) -> None:
     """trainer.validate(ckpt_path=dir) under "zero": no optimizer, whole parameters read from the shards."""
     import subprocess
     import sys
 
     from tests.distributed.test_lightning_parity import ROOT
 
-    ckpt = tmp_path / "v.ckpt"
-    trained = launch([case(3, steps=3, save=str(ckpt))], tmp_path)[0]
+    ckpt, trained = fits[0] / "v.ckpt", fits[1]["validated_source"]
     out = tmp_path / "validated.pt"
     code = (
         "import torch, lightning as L, lightning_zero\n"
