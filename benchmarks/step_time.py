@@ -17,19 +17,25 @@ writes its figures; this script prints them side by side:
     ZeroRedundancyOptimizer's broadcasts through torch.distributed), over the minimum 2Ψ(N−1)/N;
   * RSS per rank when training starts (after setup) and at its peak (ru_maxrss), and the peak's
     saving against ddp over the theoretical one (Adam state and gradients cut to 1/N, and no DDP
-    bucket copy of the gradients).
+    bucket copy of the gradients);
+  * the peak of the heap in use (glibc's ``mallinfo2``: bytes allocated and not freed, sampled
+    every millisecond by a thread), the analogue of ``torch.cuda.max_memory_allocated``: RSS also
+    counts memory glibc keeps after a free, which depends on the allocation history, not on what
+    the strategy holds. Its saving against ddp over the same theoretical one is printed too.
 Figures, not assertions: these machines are noisy, so compare ratios from one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +58,38 @@ MODELS = {
     "small": {"layers": 6, "dim": 384, "vocab": 8192},
     "large": {"layers": 4, "dim": 512, "vocab": 32768},
 }
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+class HeapPeak:
+    """Peak bytes of heap in use (glibc ``mallinfo2``: ``uordblks + hblkhd``), sampled by a daemon
+    thread every ``interval_s``; ``peak_mb`` is None where glibc's ``mallinfo2`` is missing."""
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        self.peak = 0
+        try:
+            self._mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+            self._mallinfo2.restype = _MallInfo2
+        except (OSError, AttributeError):
+            self._mallinfo2 = None
+            return
+        threading.Thread(target=self._sample, args=(interval_s,), daemon=True).start()
+
+    def _sample(self, interval_s: float) -> None:
+        while True:
+            info = self._mallinfo2()
+            self.peak = max(self.peak, info.uordblks + info.hblkhd)
+            time.sleep(interval_s)
+
+    @property
+    def peak_mb(self) -> float | None:
+        return self.peak / 2**20 if self._mallinfo2 is not None else None
 
 
 class Block(nn.Module):
@@ -181,6 +219,7 @@ def collectives_alone_s(opt: Any, repeats: int = 3) -> float:
 
 
 def run_one(name: str, args: argparse.Namespace) -> None:
+    heap = HeapPeak()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
@@ -218,6 +257,7 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         "elements_sent": sent,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "setup_rss_mb": model.setup_rss_mb,
+        "peak_heap_mb": heap.peak_mb,
         "params": sum(p.numel() for p in model.parameters()),
     }
     out = Path(args.out, f"{args.model}.{name}.round{args.round}.rank{trainer.global_rank}.json")
@@ -237,6 +277,7 @@ def report(args: argparse.Namespace) -> None:
     minimum = 2 * params * (n - 1) // n
     ddp_median = statistics.median(s for r in rows["ddp"] for s in r["step_s"])
     ddp_rss = max(r["peak_rss_mb"] for r in rows["ddp"])
+    ddp_heap = max(r["peak_heap_mb"] or 0.0 for r in rows["ddp"])
     theory_mb = (8 * params * (n - 1) / n + 4 * params * (n - 1) / n + 4 * params) / 2**20
     print(
         f"\nGPT {args.model}, {params / 1e6:.1f}M params, {n} ranks x 1 thread, gloo, fp32, batch "
@@ -246,6 +287,7 @@ def report(args: argparse.Namespace) -> None:
     header = (
         f"{'strategy':<30}{'step s':>8}{'vs ddp':>8}{'exposed':>9}{'opt state MB':>14}{'grads MB':>10}"
         f"{'sent/step':>12}{'vs min':>8}{'start RSS':>10}{'peak RSS MB':>13}{'saved/theory':>14}"
+        f"{'peak heap MB':>14}{'saved/theory':>14}"
     )
     print(header)
     print("-" * len(header))
@@ -259,16 +301,19 @@ def report(args: argparse.Namespace) -> None:
             alone = statistics.median(r["alone_s"] for r in ranks)
             exposed = f"{waits / alone:.0%}"
         saved = "" if name.startswith("ddp") else f"{(ddp_rss - rss) / theory_mb:.0%}"
+        heap = max(r["peak_heap_mb"] or 0.0 for r in ranks)
+        heap_saved = "" if name.startswith("ddp") or not heap else f"{(ddp_heap - heap) / theory_mb:.0%}"
         print(
             f"{name:<30}{med:>8.3f}{med / ddp_median:>8.2f}{exposed:>9}{r0['opt_state_bytes'] / 2**20:>14.1f}"
             f"{r0['grad_bytes'] / 2**20:>10.1f}{r0['elements_sent'] / 1e6:>11.2f}M"
             f"{r0['elements_sent'] / minimum:>8.2f}{max(r['setup_rss_mb'] for r in ranks):>10.0f}{rss:>13.0f}"
-            f"{saved:>14}"
+            f"{saved:>14}{heap or float('nan'):>14.0f}{heap_saved:>14}"
         )
     print(f"\nminimum elements sent per rank and step: 2Ψ(N−1)/N = {minimum / 1e6:.2f}M")
     print(
         f"theoretical RSS saving against ddp: Adam state and gradients to 1/N, no DDP bucket copy = "
-        f"{theory_mb:.0f} MB; 'exposed' = time blocked on collectives per step / their time alone"
+        f"{theory_mb:.0f} MB; 'exposed' = time blocked on collectives per step / their time alone;"
+        f" 'peak heap' = bytes allocated and not yet freed (glibc mallinfo2), without what glibc keeps"
     )
 
 

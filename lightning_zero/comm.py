@@ -10,7 +10,13 @@ Every collective goes through :class:`Comm`, which
   * times how long the caller blocks in ``wait()``: communication that backward did not hide.
 
 It never chooses a backend: the process group (gloo on CPU, NCCL on CUDA) is whatever the caller,
-e.g. Lightning, initialised.
+e.g. Lightning, initialised. It chooses how a collective runs on that backend, here and only here.
+On gloo, ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` each allocate a full-size copy of
+the bucket and are slower than the collectives they could be built from; measured at 2 ranks on a
+64 MiB fp32 bucket: reduce-scatter 142 ms and +66 MiB, as one ``reduce`` per destination rank 56 ms
+and +4 MiB; all-gather 103 ms and +64 MiB, as one ``broadcast`` per source rank 25 ms and +0 MiB.
+So on gloo a reduce-scatter is ``N`` reduces (its input is scratch afterwards) and an all-gather is
+``N`` broadcasts into the output; the elements each rank sends are the same ``P·(N−1)/N``.
 """
 
 from __future__ import annotations
@@ -51,6 +57,28 @@ class _Done:
         return True
 
 
+class _Split:
+    """Handle of a collective run as several: waits for all of them, then runs ``finish``."""
+
+    def __init__(self, works: list[Any], finish: Any = None) -> None:
+        self.works, self.finish = works, finish
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
+        return True
+
+
+_SPLIT_BACKENDS = ("gloo",)
+"""Backends whose reduce-scatter and all-gather run as per-rank reduces and broadcasts (see above)."""
+
+
 class Comm:
     """Collectives over one process group, with counters. Create it on every rank."""
 
@@ -61,6 +89,7 @@ class Comm:
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.stats = CommStats()
         self._on_cuda = self.distributed and dist.get_backend(group) == "nccl"
+        self._split = self.distributed and dist.get_backend(group) in _SPLIT_BACKENDS
         self.time_device_waits = False
         """Measure waits with CUDA events (NCCL); off by default: it keeps two events per wait
         until :meth:`flush_timings`."""
@@ -70,12 +99,23 @@ class Comm:
         return numel * (self.world_size - 1) // self.world_size
 
     def reduce_scatter(self, output: Tensor, input_: Tensor) -> object:
-        """Async sum-reduce-scatter of ``input_`` (``world_size * output.numel()``) into ``output``."""
+        """Async sum-reduce-scatter of ``input_`` (``world_size * output.numel()``) into ``output``.
+
+        ``input_`` is scratch afterwards: its contents are undefined once the handle is waited for.
+        """
         self.stats.elements_sent += self._ring(input_.numel())
         self.stats.collectives += 1
         if self.world_size == 1:
             output.copy_(input_)
             return _Done()
+        if self._split:
+            chunks = input_.chunk(self.world_size)
+            works = [
+                dist.reduce(chunk, dst=self._global(r), group=self.group, async_op=True)
+                for r, chunk in enumerate(chunks)
+            ]
+            mine = chunks[self.rank]
+            return _Split(works, None if mine.data_ptr() == output.data_ptr() else lambda: output.copy_(mine))
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return fn(output, input_, group=self.group, async_op=True)
 
@@ -100,6 +140,15 @@ class Comm:
             if output.data_ptr() != input_.data_ptr():
                 output.copy_(input_)
             return _Done()
+        if self._split:
+            chunks = output.chunk(self.world_size)
+            if chunks[self.rank].data_ptr() != input_.data_ptr():
+                chunks[self.rank].copy_(input_)
+            works = [
+                dist.broadcast(chunk, src=self._global(r), group=self.group, async_op=True)
+                for r, chunk in enumerate(chunks)
+            ]
+            return _Split(works)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return fn(output, input_, group=self.group, async_op=True)
 

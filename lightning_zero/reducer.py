@@ -5,7 +5,10 @@ Per optimizer step (one or more backward passes):
   1. Every gradient, as autograd accumulates it (a ``post_accumulate_grad`` hook), is added into
      its bucket's *accumulation buffer* (the master dtype: fp32 for 16-bit parameters, so
      micro-batches of a ``bf16-true`` model accumulate in fp32, not in a bf16 ``param.grad``) and
-     ``param.grad`` is released. Inside ``no_sync`` nothing more happens: nothing is sent.
+     ``param.grad`` is released. A parameter alone in an unpadded bucket of its master dtype (an
+     fp32 embedding or output layer, typically larger than the bucket cap) skips the copy: the
+     gradient autograd created becomes the buffer (*adopted*; never a ``.grad`` the user
+     assigned). Inside ``no_sync`` nothing more happens: nothing is sent.
   2. Outside ``no_sync`` a backward pass is a *round*: when every parameter of a bucket has
      arrived, and every earlier bucket has been launched, the bucket is divided by the world size,
      cast to the wire dtype and its collective starts asynchronously while backward goes on.
@@ -22,14 +25,15 @@ The stage 1 / stage 2 difference lives only in :meth:`GradReducer._launch` / ``_
 stage 1 all-reduces the bucket and keeps the owned slice; stage 2 reduce-scatters it. Either way
 the optimizer sees only ``grad_shards[b]``: ``(padded_numel // world_size,)`` in the master dtype.
 
-Memory: a bucket's accumulation buffer is a slot of a small pool (:class:`_WirePool`: three
-buffers as long as the longest bucket, allocated once) from the bucket's first gradient of the step
-until its collective is collected; a launched bucket is collected as soon as its collective has
-finished (checked when later buckets launch), at most ``_MAX_IN_FLIGHT`` launched buckets wait
-uncollected, and a bucket that needs a slot when none is free waits for the oldest one in flight.
-So stage 2 holds ``1/N`` of the gradients plus at most three buckets, and allocates nothing per
-step. Across the micro-batches of ``no_sync`` all buckets hold data (like ``param.grad`` under
-DDP): those beyond the pool get buffers of their own for the accumulation window.
+Memory: a bucket's accumulation buffer is a slot of a small pool (:class:`WirePool`: three
+buffers as long as the longest bucket within the cap, plus one as long as the longest bucket above
+it, allocated once) from the bucket's first gradient of the step until its collective is collected;
+a launched bucket is collected as soon as its collective has finished (checked when later buckets
+launch), at most ``_MAX_IN_FLIGHT`` launched buckets wait uncollected, and a bucket that needs a
+slot when none of its size is free waits for the oldest ones in flight. So stage 2 holds ``1/N`` of
+the gradients plus at most three buckets and the largest one, and allocates nothing per step.
+Across the micro-batches of ``no_sync`` all buckets hold data (like ``param.grad`` under DDP):
+those beyond the pool get buffers of their own for the accumulation window.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from lightning_zero.comm import Comm
 from lightning_zero.config import ZeroConfig, master_dtype
 from lightning_zero.flat import FlatParams, dtype_from_str
 from lightning_zero.partition import shard_range
+from lightning_zero.wire_pool import WirePool, adoptable_params
 
 _MAX_IN_FLIGHT = 2
 """Launched buckets that may wait uncollected at once (bounds stage 2's transient gradient memory)."""
@@ -72,48 +77,11 @@ class _BucketState:
     """The pending collective."""
     waiting: int = 0
     """Parameters of the bucket that have not yet arrived in this round."""
-    slot: int | None = None
-    """The pool slot ``accum`` lives in (``None``: not from the pool)."""
+    slot: tuple[tuple[torch.dtype, bool], int] | None = None
+    """The pool slot ``accum`` lives in, as (size class, index) (``None``: not from the pool)."""
 
     def clear(self) -> None:
         self.accum = self.wire = self.output = self.handle = None
-
-
-class _WirePool:
-    """``slots`` reusable buffers per dtype, each as long as the longest bucket of that dtype.
-
-    A bucket's accumulation buffer is a view of a free slot, taken at its first gradient and given
-    back once its collective is collected, so nothing is allocated per step and the transient
-    gradient memory of a step is at most ``slots`` buckets (more only while several buckets fill at
-    once, e.g. across ``no_sync`` micro-batches: those get buffers of their own).
-    """
-
-    def __init__(self, plan: BucketPlan, slots: int, device: torch.device) -> None:
-        self.slots, self.device = slots, device
-        self._longest: dict[torch.dtype, int] = {}
-        for bucket in plan.buckets:
-            dtype = master_dtype(dtype_from_str(bucket.dtype))
-            self._longest[dtype] = max(self._longest.get(dtype, 0), bucket.padded_numel)
-        self._buffers: dict[torch.dtype, list[Tensor]] = {d: [] for d in self._longest}
-        self._free: dict[torch.dtype, list[int]] = {d: [] for d in self._longest}
-
-    def take(self, dtype: torch.dtype, numel: int) -> tuple[int, Tensor] | None:
-        """A free slot (allocated on first use) as a ``(numel,)`` view, or ``None`` if all are busy."""
-        if self._free[dtype]:
-            index = self._free[dtype].pop()
-        elif len(self._buffers[dtype]) < self.slots:
-            index = len(self._buffers[dtype])
-            self._buffers[dtype].append(torch.empty(self._longest[dtype], dtype=dtype, device=self.device))
-        else:
-            return None
-        return index, self._buffers[dtype][index][:numel]
-
-    def give(self, dtype: torch.dtype, index: int) -> None:
-        self._free[dtype].append(index)
-
-    def nbytes(self) -> int:
-        """Bytes the pool holds (allocated slots)."""
-        return sum(b.numel() * b.element_size() for buffers in self._buffers.values() for b in buffers)
 
 
 class GradReducer:
@@ -138,9 +106,14 @@ class GradReducer:
             for b in plan.buckets
         ]
         self._buckets = [_BucketState(b, waiting=len(b.slots)) for b in plan.buckets]
-        self.pool = _WirePool(plan, _MAX_IN_FLIGHT + 1, flat.device)  # in flight + the one filling
+        self._adoptable = adoptable_params(plan)
+        cap_bytes = max(config.bucket_cap_mb, config.first_bucket_cap_mb) * 2**20
+        adopted_buckets = {self._where[i][0] for i in self._adoptable}
+        self.pool = WirePool(plan, _MAX_IN_FLIGHT + 1, cap_bytes, flat.device, adopted_buckets)
         self.allocations_outside_pool = 0
         """Accumulation buffers allocated because every pool slot was busy (e.g. ``no_sync``)."""
+        self.adopted = 0
+        """Gradients that became their bucket's accumulation buffer (no copy, no slot)."""
         self._sync = True
         # at world size 1 the local mask is the global one: torch's exact semantics for free
         self._skip_unused = config.find_unused_parameters or comm.world_size == 1
@@ -156,6 +129,9 @@ class GradReducer:
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
         ]
+        self._fresh: dict[int, bool] = {}  # adoptable parameter -> its .grad was None as a gradient arrived
+        for index in self._adoptable:
+            self._hooks.append(self.params[index].register_hook(self._make_fresh_check(index)))
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -191,13 +167,40 @@ class GradReducer:
 
         return hook
 
+    def _make_fresh_check(self, index: int):  # noqa: ANN202 - a closure over the parameter index
+        def check(grad: Tensor) -> None:
+            self._fresh[index] = self.params[index].grad is None
+
+        return check
+
+    def _adopt(self, index: int, bucket_index: int, grad: Tensor) -> bool:
+        """Make ``grad`` the bucket's accumulation buffer instead of copying it into a pool slot.
+
+        Safe only for a gradient autograd created into an empty ``.grad``: torch then stores the
+        incoming gradient only if nothing else references it, else a clone, so the tensor is ours. A
+        ``.grad`` the user assigned (and may still hold) is copied as usual.
+        """
+        state = self._buckets[bucket_index]
+        if index not in self._adoptable or not self._fresh.pop(index, False) or state.accum is not None:
+            return False
+        if not grad.is_contiguous() or grad.device != self.flat.device:
+            return False
+        state.accum = grad.detach().view(-1)
+        self.adopted += 1
+        return True
+
     def _take_grad(self, index: int, param: torch.nn.Parameter) -> None:
         """Add ``param.grad`` into its bucket's accumulation buffer and release it."""
         bucket_index, slot = self._where[index]
         if bucket_index < self._next_launch:  # already on the wire: this gradient opens a new round
             self._finish_round()
-        view = self._accum(bucket_index)[slot.bucket_offset : slot.bucket_offset + slot.numel]
         assert param.grad is not None  # callers check
+        if not self._has_data[index] and self._adopt(index, bucket_index, param.grad):
+            self._has_data[index] = True
+            self._round_open = True
+            param.grad = None
+            return
+        view = self._accum(bucket_index)[slot.bucket_offset : slot.bucket_offset + slot.numel]
         grad = param.grad.detach().reshape(-1)
         if self._has_data[index]:
             view.add_(grad)
@@ -218,13 +221,16 @@ class GradReducer:
             bucket = state.bucket
             dtype = master_dtype(dtype_from_str(bucket.dtype))
             taken = self.pool.take(dtype, bucket.padded_numel)
-            if taken is None and self._collect_oldest():  # a finished collective frees its slot
+            while (
+                taken is None and self.pool.serves(dtype, bucket.padded_numel) and self._collect_oldest()
+            ):  # a collected bucket frees its slot
                 taken = self.pool.take(dtype, bucket.padded_numel)
-            if taken is None:  # every slot holds a bucket still being filled
+            if taken is None:  # every slot holds a bucket being filled, or no slot is this long
                 state.accum = torch.empty(bucket.padded_numel, dtype=dtype, device=self.flat.device)
                 self.allocations_outside_pool += 1
             else:
-                state.slot, state.accum = taken
+                key, index, state.accum = taken
+                state.slot = (key, index)
             state.accum[bucket.numel :].zero_()
         return state.accum
 
@@ -239,7 +245,7 @@ class GradReducer:
     def _release(self, state: _BucketState) -> None:
         """Give the bucket's pool slot back and drop its buffers."""
         if state.slot is not None:
-            self.pool.give(master_dtype(dtype_from_str(state.bucket.dtype)), state.slot)
+            self.pool.give(*state.slot)
             state.slot = None
         state.clear()
 

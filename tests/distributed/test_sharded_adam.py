@@ -5,9 +5,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.workers import bf16_accumulation, parity
+from tests.distributed.workers import bf16_accumulation, parity, user_grad_is_not_scratch
 
 CASES = [
     {"stage": stage, "accum": accum, "clip": clip}
@@ -26,13 +27,25 @@ def test_float64_parity_all_cases(world_size: int) -> None:
 
 
 def test_amsgrad_and_no_overlap_parity() -> None:
+    """Width 12: most parameters fill an unpadded bucket of their own on 3 ranks, so their gradients
+    become the communication buffers (adopted, not copied); width 13 pads every one."""
     cases = [
         {"stage": 2, "accum": 2, "clip": None, "amsgrad": True},
         {"stage": 1, "accum": 1, "clip": 0.05, "overlap": False},
+        {"stage": 2, "accum": 2, "clip": 0.05, "width": 12},
+        {"stage": 1, "accum": 1, "clip": None, "width": 12},
     ]
     for rank_results in run_ranks(parity, 3, cases):
         for case, result in zip(cases, rank_results, strict=True):
             assert max(result["max_diff"]) <= 1e-10, (case, result["max_diff"])
+            assert (result["adopted"] > 0) == (case.get("width") == 12), (case, result["adopted"])
+
+
+def test_a_gradient_the_user_assigned_is_not_used_as_a_buffer() -> None:
+    for result in run_ranks(user_grad_is_not_scratch, 2):
+        assert result["adopted_fresh"] == 1
+        assert result["adopted_after"] == 1, "the user's .grad was adopted"
+        torch.testing.assert_close(result["held"], result["expected"], rtol=0, atol=1e-12)
 
 
 def test_every_backward_communicating_sums_like_no_sync() -> None:

@@ -32,6 +32,7 @@ def _parity_case(
     overlap: bool = True,
     no_sync: bool = True,
     param_overlap: bool = False,
+    width: int = 13,
 ) -> dict[str, Any]:
     """``no_sync=False``: every micro-batch's backward communicates (accumulation by hand, as a
     manual-optimization loop does under DDP); the sum must be the same. ``param_overlap``: the
@@ -39,7 +40,7 @@ def _parity_case(
     (:func:`_defer_gathers`), so any read before the right wait sees stale parameters."""
     torch_dtype = getattr(torch, dtype)
     torch.manual_seed(0)
-    model = TinyNet().to(torch_dtype)
+    model = TinyNet(width).to(torch_dtype)
     reference = copy.deepcopy(model)
     config = ZeroConfig(
         stage=stage,
@@ -96,9 +97,15 @@ def _parity_case(
     opt.wait_for_params()  # reading parameters outside a forward: the documented contract
     max_diff.append(_max_diff(model, reference))
     moved = max(
-        (a - b).abs().max().item() for a, b in zip(model.parameters(), TinyNet_init(torch_dtype), strict=True)
+        (a - b).abs().max().item()
+        for a, b in zip(model.parameters(), TinyNet_init(torch_dtype, width), strict=True)
     )
-    return {"max_diff": max_diff, "moved": moved, "buckets": len(opt.plan.buckets)}
+    return {
+        "max_diff": max_diff,
+        "moved": moved,
+        "buckets": len(opt.plan.buckets),
+        "adopted": opt.reducer.adopted,
+    }
 
 
 def _max_diff(model: torch.nn.Module, reference: torch.nn.Module) -> float:
@@ -133,9 +140,9 @@ def _xy_extra(step: int, micro: int, rank: int, size: int, dtype: torch.dtype): 
     return x, uses_extra(step, rank), y
 
 
-def TinyNet_init(dtype: torch.dtype) -> list[torch.Tensor]:  # noqa: N802
+def TinyNet_init(dtype: torch.dtype, width: int = 13) -> list[torch.Tensor]:  # noqa: N802
     torch.manual_seed(0)
-    return [p.detach() for p in TinyNet().to(dtype).parameters()]
+    return [p.detach() for p in TinyNet(width).to(dtype).parameters()]
 
 
 def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dict[str, Any]:
@@ -276,3 +283,27 @@ def bf16_accumulation(
 def _ref_index(opt: ShardedAdamW, model: torch.nn.Module, plan_index: int) -> int:
     target = opt.params_in_order[plan_index]
     return next(i for i, p in enumerate(model.parameters()) if p is target)
+
+
+def user_grad_is_not_scratch(rank: int, world_size: int) -> dict[str, Any]:
+    """A ``.grad`` the user assigned before backward (and still holds) is summed into, as torch does,
+    but never adopted as a communication buffer: a gradient autograd creates into an empty ``.grad``
+    is. Returns the user's tensor after backward, the local gradient and the adoption counts."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 6, bias=False).double()  # 24 elements: one unpadded bucket on 2 or 3 ranks
+    opt = ShardedAdamW(model.parameters(), lr=0.1, config=ZeroConfig())
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    model(x).pow(2).sum().backward()  # fresh .grad: adopted
+    opt.step()
+    adopted_fresh = opt.reducer.adopted
+    opt.zero_grad()
+    held = torch.full_like(model.weight, 0.5)
+    model.weight.grad = held
+    model(x).pow(2).sum().backward()
+    local = 2 * (model(x).detach().T @ x)  # the local gradient of sum(y^2) at the same weights
+    return {
+        "held": held.clone(),
+        "expected": (0.5 + local).clone(),
+        "adopted_fresh": adopted_fresh,
+        "adopted_after": opt.reducer.adopted,
+    }

@@ -210,16 +210,10 @@ def test_reentrant_activation_checkpointing_stays_exact() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-def test_gradient_buffers_come_from_a_bounded_pool() -> None:
-    """Many buckets, steps without accumulation: every accumulation buffer is a pool slot (nothing
-    allocated per step), the pool holds at most three buckets; no_sync needs buffers of its own."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]).double()
+def _train_three_steps(opt: ShardedAdamW, model: torch.nn.Module) -> list[list[int]]:
+    """Three steps of ``opt`` and of torch's AdamW on a copy; returns the pool's buffers after each."""
     reference = copy.deepcopy(model)
-    opt = ShardedAdamW(model.parameters(), config=ZeroConfig(bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4))
     ref_opt = torch.optim.AdamW(reference.parameters())
-    buckets = opt.plan.buckets
-    assert len(buckets) >= 6
     slots = []
     for step in range(3):
         for m, o in ((model, opt), (reference, ref_opt)):
@@ -227,11 +221,40 @@ def test_gradient_buffers_come_from_a_bounded_pool() -> None:
             o.step()
             o.zero_grad()
         slots.append([b.data_ptr() for buffers in opt.reducer.pool._buffers.values() for b in buffers])
-    assert opt.reducer.allocations_outside_pool == 0
-    assert slots[0] == slots[-1] and 0 < len(slots[0]) <= 3, "slots are allocated once and reused"
-    assert opt.reducer.pool.nbytes() <= 3 * max(b.padded_numel for b in buckets) * 8
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    return slots
+
+
+def test_gradient_buffers_come_from_a_bounded_pool() -> None:
+    """Many buckets, each padded (``align_numel=3``), steps without accumulation: every accumulation
+    buffer is a pool slot (nothing allocated per step); the pool holds three slots as long as the
+    longest bucket within the cap (the biases) and one as long as the longest above it (the
+    weights); no_sync needs buffers of its own."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]).double()
+    config = ZeroConfig(bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4, align_numel=3)
+    opt = ShardedAdamW(model.parameters(), config=config)
+    buckets = opt.plan.buckets
+    assert len(buckets) == 12 and all(b.padding > 0 for b in buckets)
+    slots = _train_three_steps(opt, model)
+    assert opt.reducer.allocations_outside_pool == 0 and opt.reducer.adopted == 0
+    assert slots[0] == slots[-1] and 0 < len(slots[0]) <= 4, "slots are allocated once and reused"
+    biases = [b.padded_numel for b in buckets if b.numel == 8]
+    weights = [b.padded_numel for b in buckets if b.numel == 64]
+    lengths = sorted(b.numel() for buffers in opt.reducer.pool._buffers.values() for b in buffers)
+    assert lengths.count(max(weights)) == 1 and set(lengths) == {max(biases), max(weights)}, lengths
     with opt.no_sync():
         model(torch.ones(2, 8, dtype=torch.float64)).sum().backward()
-    assert opt.reducer.allocations_outside_pool == len(buckets) - 3
+    assert opt.reducer.allocations_outside_pool == len(buckets) - 4
+
+
+def test_a_gradient_alone_in_an_unpadded_bucket_is_the_buffer() -> None:
+    """Without padding every bucket here is one parameter in the master dtype: autograd's gradient
+    itself is reduced (adopted), so the pool never allocates; results equal torch's AdamW."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]).double()
+    opt = ShardedAdamW(model.parameters(), config=ZeroConfig(bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4))
+    assert len(opt.plan.buckets) == 12
+    _train_three_steps(opt, model)
+    assert opt.reducer.adopted == 3 * 12 and opt.reducer.pool.nbytes() == 0
