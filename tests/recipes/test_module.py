@@ -53,9 +53,17 @@ def test_peak_flops_override_cpu_fallback_and_lightning_gpu_table(monkeypatch: p
     assert compute_dtype("64-true") == torch.float64 and compute_dtype("32-true") == torch.float32
     # The hand-written table this replaced gave an H100 PCIe the SXM peak; Lightning's tells them apart.
     cuda = torch.device("cuda", 0)
-    for name, expected in (("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 80GB HBM3", 989.4e12)):
+    monkeypatch.setattr("lightning.fabric.accelerators.cuda._is_ampere_or_later", lambda: True)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")  # no TF32 rate for fp32
+    for name, bf16, fp32 in (
+        ("NVIDIA H100 PCIe", 756e12, 51.2e12),
+        ("NVIDIA H100 80GB HBM3", 989.4e12, 66.9e12),
+    ):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
-        assert peak_flops(cuda, "bf16-mixed", None) == pytest.approx(expected)
+        assert peak_flops(cuda, "bf16-mixed", None) == pytest.approx(bf16)
+        assert peak_flops(cuda, "32-true", None) == pytest.approx(
+            fp32
+        )  # TF32 off: matmul precision "highest"
     with pytest.raises(ValueError, match="window must be >= 1 logging interval, got 0"):
         TokenThroughput(window=0)
 
