@@ -9,7 +9,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +19,7 @@ from recipes.evaluate import main, resolve_checkpoint
 from recipes.load import LoadError
 from recipes.model import GPTConfig
 from recipes.module import OptimConfig, PretrainModule
+from tests.recipes.tiny_fit import quiet_trainer, write_text_corpus
 
 TINY = GPTConfig(vocab_size=256, max_seq_len=32, n_layer=1, n_head=2, d_model=32)
 RESULT = re.compile(r"(val|train): loss ([\d.]+) nats/token, perplexity ([\d.]+) over ([\d,]+) tokens")
@@ -30,25 +30,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A run directory as `recipes.pretrain` leaves it: 6 steps of the byte-level tiny model, validated
     on the whole held-out split after the last step; `checkpoints/last.ckpt` and `config.yaml`."""
     root = tmp_path_factory.mktemp("evaluate")
-    text_dir = root / "text"
-    text_dir.mkdir()
-    for i in range(20):  # validation is chosen by documents
-        (text_dir / f"{i}.txt").write_text(f"the quick brown fox {i} jumps over the lazy dog\n" * 10)
+    text_dir = write_text_corpus(root / "text")
     data = DataConfig(
         path=str(text_dir), seq_len=32, batch_size=4, val_fraction=0.2, cache_dir=str(root / "cache")
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=6,
-        val_check_interval=6,
-        limit_val_batches=1.0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_steps=6, val_check_interval=6, limit_val_batches=1.0)
     module = PretrainModule(TINY, OptimConfig(lr=1e-2, warmup_steps=2))
     datamodule = PretrainDataModule(data)
     trainer.fit(module, datamodule=datamodule)

@@ -9,7 +9,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -21,6 +20,7 @@ from recipes.model import GPT, GPTConfig
 from recipes.module import OptimConfig, PretrainModule, lr_factor, param_groups
 from recipes.plot import TRAIN_COLOR, VAL_COLOR, LossPlot
 from recipes.throughput import TokenThroughput, compute_dtype, peak_flops, train_flops
+from tests.recipes.tiny_fit import quiet_trainer, write_text_corpus
 
 TINY = GPTConfig(vocab_size=256, max_seq_len=32, n_layer=1, n_head=2, d_model=32)
 
@@ -91,29 +91,20 @@ class SlowValidation(Callback):
 def fit(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """12 steps on a tiny text corpus, logging every 4 steps, validating every 4 (one 1000 s batch)."""
     tmp_path = tmp_path_factory.mktemp("fit")
-    text_dir = tmp_path / "text"
-    text_dir.mkdir()
-    for i in range(20):  # validation is chosen by documents
-        (text_dir / f"{i}.txt").write_text(f"the quick brown fox {i} jumps over the lazy dog\n" * 10)
+    text_dir = write_text_corpus(tmp_path / "text")
     data = DataConfig(path=str(text_dir), seq_len=32, batch_size=4, cache_dir=str(tmp_path / "cache"))
     optim = OptimConfig(lr=1e-2, warmup_steps=2)
     clock = [0.0]
     real_perf_counter = throughput.perf_counter
     callbacks = [TokenThroughput(window=1), LossPlot(), SlowValidation(clock)]
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = quiet_trainer(
         max_steps=12,
         val_check_interval=4,
         limit_val_batches=1,
         log_every_n_steps=4,
-        num_sanity_val_steps=0,
         default_root_dir=str(tmp_path / "run"),
         logger=CSVLogger(tmp_path / "run", name="logs"),
         callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(throughput, "perf_counter", lambda: real_perf_counter() + clock[0])
