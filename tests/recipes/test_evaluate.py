@@ -154,3 +154,16 @@ def test_a_bare_checkpoint_file_still_gets_the_vocabulary_check(
     assert "note: only the vocabulary size can be checked" in err
     assert "the tokenizer has 300 tokens but the model only model.vocab_size=256" in err
     assert "no run config.yaml beside" in refusal(capsys, str(bare))
+
+
+def test_a_checkpoint_from_before_the_throughput_callback_still_loads(
+    run: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Its hyper-parameters name `peak_flops_per_device`, which the module no longer takes."""
+    checkpoint = torch.load(run["run_dir"] / "checkpoints" / "last.ckpt", weights_only=True)
+    checkpoint["hyper_parameters"]["peak_flops_per_device"] = None
+    (tmp_path / "checkpoints").mkdir()
+    torch.save(checkpoint, tmp_path / "checkpoints" / "old.ckpt")
+    (tmp_path / "config.yaml").write_text((run["run_dir"] / "config.yaml").read_text())
+    _, loss, _, _ = evaluate(capsys, str(tmp_path), "limit_batches=1")
+    assert loss > 0
