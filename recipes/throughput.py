@@ -96,6 +96,9 @@ def is_logged_step(trainer: pl.Trainer, batch_idx: int) -> bool:
 class TokenThroughput(Callback):
     """Logs `tokens_per_s` and `mfu` once per logging interval (see the module docstring).
 
+    FLOPs (and so `mfu`) need the module's `model_config` (a `GPTConfig`, as `PretrainModule` has) and
+    batches whose first element is the (B, T) token ids; other modules get `tokens_per_s` only.
+
     Args:
         window: logging intervals averaged (>= 1).
         peak_flops_per_device: FLOP/s of one device for MFU; None: Lightning's table or the CPU default.
