@@ -8,9 +8,10 @@ linear warmup over `optim.warmup_steps`, then a cosine from `optim.lr` down to
 `optim.lr * optim.min_lr_ratio` at the trainer's last step.
 
 Throughput and MFU are not the module's business: `recipes.throughput.TokenThroughput` (a callback in
-the recipe's default callbacks) measures them with Lightning's tools. The module logs `train/loss` (a
-device tensor: the progress bar and the loggers read it only when they refresh, so there is no host
-sync per step) and `lr`.
+the recipe's default callbacks) measures them with Lightning's tools. The module logs `train/loss` as a
+device tensor without `prog_bar` (Lightning reads every `prog_bar` tensor to the host after every batch;
+`recipes.progress.RefreshProgressBar` shows it when it redraws, the loggers read it every
+`log_every_n_steps`), so no step waits for the device; and `lr`, a Python number.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class PretrainModule(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch  # each (B, T)
         loss = self._loss(self(inputs), targets)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss)  # not prog_bar: Lightning would read it to the host every step
         self.log("lr", self.optimizers().param_groups[0]["lr"])  # type: ignore[union-attr]
         return loss
 

@@ -125,7 +125,7 @@ class CheckpointSchema:
 
 @dataclass
 class ProgressBarSchema:
-    _target_: str = "lightning.pytorch.callbacks.TQDMProgressBar"
+    _target_: str = "recipes.progress.RefreshProgressBar"
     refresh_rate: int = 10
 
 

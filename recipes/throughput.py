@@ -20,9 +20,9 @@ or `trainer.callback_metrics`) under keys like `train/device/items_per_sec`, and
 reads the step's metrics anyway - so the interval's wall time is exact; validation time is left out.
 
 Logged (all ranks alike, rank 0's reach the loggers): `tokens_per_s` (global: this rank's rate x world
-size; progress bar) and `mfu` (model FLOPs/s per device / peak), averaged over the last `window`
-logging intervals; the first figure comes after `window` + 1 logging steps (the first interval holds
-start-up costs).
+size; shown by `recipes.progress.RefreshProgressBar`) and `mfu` (model FLOPs/s per device / peak),
+averaged over the last `window` logging intervals; the first figure comes after `window` + 1 logging
+steps (the first interval holds start-up costs).
 """
 
 from __future__ import annotations
@@ -190,6 +190,7 @@ class TokenThroughput(Callback):
 
     def _log(self, pl_module: pl.LightningModule, metrics: dict[str, float], world_size: int) -> None:
         if "device/items_per_sec" in metrics:
-            pl_module.log("tokens_per_s", metrics["device/items_per_sec"] * world_size, prog_bar=True)
+            # Not prog_bar: Lightning would read the logged tensor back to the host after every batch.
+            pl_module.log("tokens_per_s", metrics["device/items_per_sec"] * world_size)
         if "device/mfu" in metrics:
             pl_module.log("mfu", metrics["device/mfu"])

@@ -9,16 +9,19 @@ import math
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
 
 import recipes.throughput as throughput
 from recipes.data import DataConfig, PretrainDataModule
 from recipes.model import GPT, GPTConfig
 from recipes.module import OptimConfig, PretrainModule, lr_factor, param_groups
 from recipes.plot import TRAIN_COLOR, VAL_COLOR, LossPlot
+from recipes.progress import RefreshProgressBar
 from recipes.throughput import TokenThroughput, compute_dtype, peak_flops, train_flops
 from tests.recipes.tiny_fit import quiet_trainer, write_text_corpus
 
@@ -87,17 +90,33 @@ class SlowValidation(Callback):
         self.clock[0] += 1000.0
 
 
+def count_reads(monkeypatch: pytest.MonkeyPatch, trainer: pl.Trainer) -> list[int]:
+    """The global step at each of Lightning's conversions of logged tensors to Python numbers (for the
+    progress bar after every batch, for the loggers at logging steps): the host syncs of logging."""
+    steps: list[int] = []
+    for module in (logger_connector, result):
+
+        def counting(data: Any, convert: Any = module.convert_tensors_to_scalars) -> Any:
+            steps.append(trainer.global_step)
+            return convert(data)
+
+        monkeypatch.setattr(module, "convert_tensors_to_scalars", counting)
+    return steps
+
+
 @pytest.fixture(scope="module")
 def fit(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """12 steps on a tiny text corpus, logging every 4 steps, validating every 4 (one 1000 s batch)."""
+    """12 steps on a tiny text corpus, logging every 4 steps, validating every 4 (one 1000 s batch), the
+    progress bar redrawn every 4 batches."""
     tmp_path = tmp_path_factory.mktemp("fit")
     text_dir = write_text_corpus(tmp_path / "text")
     data = DataConfig(path=str(text_dir), seq_len=32, batch_size=4, cache_dir=str(tmp_path / "cache"))
     optim = OptimConfig(lr=1e-2, warmup_steps=2)
     clock = [0.0]
     real_perf_counter = throughput.perf_counter
-    callbacks = [TokenThroughput(window=1), LossPlot(), SlowValidation(clock)]
+    callbacks = [TokenThroughput(window=1), LossPlot(), SlowValidation(clock), RefreshProgressBar(4)]
     trainer = quiet_trainer(
+        enable_progress_bar=True,
         max_steps=12,
         val_check_interval=4,
         limit_val_batches=1,
@@ -108,8 +127,16 @@ def fit(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(throughput, "perf_counter", lambda: real_perf_counter() + clock[0])
+        reads = count_reads(monkeypatch, trainer)
         trainer.fit(PretrainModule(TINY, optim), datamodule=PretrainDataModule(data))
-    return {"trainer": trainer, "optim": optim, "throughput": callbacks[0], "plot": callbacks[1]}
+    return {
+        "trainer": trainer,
+        "optim": optim,
+        "throughput": callbacks[0],
+        "plot": callbacks[1],
+        "bar": callbacks[3],
+        "reads": reads,
+    }
 
 
 def test_single_process_fit_logs_loss_throughput_and_perplexity(fit: dict[str, Any]) -> None:
@@ -159,3 +186,17 @@ def test_loss_plot_collects_both_curves_and_writes_a_png(fit: dict[str, Any], tm
     restored = LossPlot()
     restored.load_state_dict(saved)
     assert restored.train == plot.train and restored.val == plot.val
+
+
+def test_logged_tensors_are_read_at_logging_steps_only_and_the_bar_shows_the_loss(
+    fit: dict[str, Any],
+) -> None:
+    """No step between two logging steps (4, 8, 12: logging, validation, redraw) waits for the device:
+    `train/loss` is not a `prog_bar` metric, which Lightning would read after every batch; the bar
+    shows it all the same."""
+    trainer, bar = fit["trainer"], fit["bar"]
+    assert fit["reads"] and set(fit["reads"]) <= {4, 8, 12}
+    assert "train/loss" not in trainer.progress_bar_metrics
+    assert (
+        "train/loss=" in bar.train_progress_bar.postfix and "tokens_per_s=" in bar.train_progress_bar.postfix
+    )
