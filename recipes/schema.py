@@ -127,6 +127,7 @@ class CheckpointSchema:
 class ProgressBarSchema:
     _target_: str = "recipes.progress.RefreshProgressBar"
     refresh_rate: int = 10
+    show: list[str] = field(default_factory=lambda: ["train/loss", "tokens_per_s"])
 
 
 @dataclass
