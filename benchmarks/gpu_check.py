@@ -111,6 +111,7 @@ def _train_one(
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_zero
+    from recipes.throughput import TokenThroughput
 
     seq, batch = (64, 2) if args.quick else (1024, 8)
     g = torch.Generator().manual_seed(0)
@@ -119,6 +120,7 @@ def _train_one(
     module = _module(size, seq)
     strategy: Any = lightning_zero.ZeroStrategy(log_comm_stats=True) if strategy_name == "zero" else "ddp"
     checkpoint = ModelCheckpoint(dirpath=root / "ckpt", monitor="val/loss", save_top_k=1)
+    throughput = TokenThroughput(window=2)  # tokens_per_s and mfu over the last half of the steps
     trainer = L.Trainer(
         accelerator=args.device,
         devices=1,
@@ -127,8 +129,9 @@ def _train_one(
         max_steps=args.steps,
         limit_val_batches=2,
         val_check_interval=args.steps,
+        log_every_n_steps=max(1, args.steps // 4),
         logger=False,
-        callbacks=[checkpoint],
+        callbacks=[checkpoint, throughput],
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(root),

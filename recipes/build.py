@@ -73,7 +73,7 @@ def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
     quiet_other_ranks()
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = PretrainDataModule(configs.data, corpus=configs.corpus)
-    module = PretrainModule(configs.model, configs.optim, peak_flops_per_device=cfg.peak_flops_per_device)
+    module = PretrainModule(configs.model, configs.optim)
     loggers = build_loggers(cfg)
     callbacks, plugins = build_callbacks(cfg), []
     if SLURMEnvironment.detect():  # one requeue mechanism: ours, not Lightning's signal-handler save

@@ -12,6 +12,7 @@ checkpoint in `<run_dir>/checkpoints/`; `--tokenizer byte|PATH` overrides the se
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,10 @@ def load_module(path: str | Path) -> PretrainModule:
             f"{path} has no saved model config (hyper_parameters.model_config): it was written before "
             "PretrainModule saved its hyper-parameters, or by another LightningModule"
         )
-    module = PretrainModule(**hparams)
+    # As Lightning's load_from_checkpoint does, drop what the module no longer takes (checkpoints written
+    # before throughput moved to a callback saved `peak_flops_per_device`).
+    accepted = inspect.signature(PretrainModule).parameters
+    module = PretrainModule(**{k: v for k, v in hparams.items() if k in accepted})
     try:
         module.load_state_dict(checkpoint["state_dict"])
     except RuntimeError as error:

@@ -1,4 +1,4 @@
-"""LightningModule for next-token pretraining: loss, perplexity, AdamW with warmup + cosine, throughput.
+"""LightningModule for next-token pretraining: loss, perplexity, AdamW with warmup + cosine.
 
 Optimizer: a plain `torch.optim.AdamW` with two parameter groups - weight decay on matrices, none on
 norm weights, biases and (unless `optim.decay_embeddings`) the embedding table, which with tied
@@ -7,18 +7,16 @@ module never sees the difference. The learning rate follows a `LambdaLR` stepped
 linear warmup over `optim.warmup_steps`, then a cosine from `optim.lr` down to
 `optim.lr * optim.min_lr_ratio` at the trainer's last step.
 
-Throughput: `tokens_per_s` is the global rate (this rank's tokens x world size, over the wall time
-between two consecutive training steps, smoothed), shown on the progress bar. `mfu` (model FLOPs
-utilisation) = `GPT.flops_per_token` x tokens/s / (peak FLOP/s per device x world size). The peak comes
-from `peak_flops_per_device`; when it is null the module uses `DEFAULT_CPU_PEAK_FLOPS` on CPU (about one
-AVX-512 core's fp32 matmul rate measured on the development machine: 1.5e11) and, on GPU, a small table
-of dense bf16 peaks keyed by device name; an unknown GPU logs no MFU.
+Throughput and MFU are not the module's business: `recipes.throughput.TokenThroughput` (a callback in
+the recipe's default callbacks) measures them with Lightning's tools. The module logs `train/loss` as a
+device tensor without `prog_bar` (Lightning reads every `prog_bar` tensor to the host after every batch;
+`recipes.progress.RefreshProgressBar` shows it when it redraws, the loggers read it every
+`log_every_n_steps`), so no step waits for the device; and `lr`, a Python number.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,19 +28,6 @@ from torchmetrics.text import Perplexity
 
 import lightning_zero  # noqa: F401  (load_from_checkpoint reads sharded checkpoint directories)
 from recipes.model import GPT, GPTConfig
-
-DEFAULT_CPU_PEAK_FLOPS = 1.5e11
-"""FLOP/s assumed per CPU process when `peak_flops_per_device` is null (one core, fp32, AVX-512 FMA)."""
-
-GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-}
-"""Dense bf16 tensor-core peaks (vendor data sheets), matched as substrings of the CUDA device name."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,18 +85,6 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool) 
     ]
 
 
-def peak_flops(device: torch.device, configured: float | None) -> float | None:
-    """Peak FLOP/s of one device: the configured figure, else a default for CPU or a known GPU."""
-    if configured is not None:
-        return configured
-    if device.type == "cpu":
-        return DEFAULT_CPU_PEAK_FLOPS
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((flops for key, flops in GPU_PEAK_FLOPS.items() if key in name), None)
-    return None
-
-
 class PretrainModule(pl.LightningModule):
     """Next-token language modelling of a `GPT` built from `model_config`.
 
@@ -124,7 +97,6 @@ class PretrainModule(pl.LightningModule):
         self,
         model_config: GPTConfig | dict[str, Any],
         optim: OptimConfig | dict[str, Any],
-        peak_flops_per_device: float | None = None,
     ) -> None:
         super().__init__()
         if isinstance(model_config, dict):  # from a checkpoint's hyper-parameters
@@ -136,17 +108,13 @@ class PretrainModule(pl.LightningModule):
             {
                 "model_config": asdict(model_config),
                 "optim": asdict(optim),
-                "peak_flops_per_device": peak_flops_per_device,
             },
             logger=False,
         )
         self.model_config = model_config
         self.optim_config = optim
-        self.peak_flops_per_device = peak_flops_per_device
         self.model = GPT(model_config)
         self.val_perplexity = Perplexity()
-        self._step_started: float | None = None
-        self._tokens_per_s: float | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -169,26 +137,9 @@ class PretrainModule(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch  # each (B, T)
         loss = self._loss(self(inputs), targets)
-        self.log("train/loss", loss, prog_bar=True)
-        self._log_throughput(inputs.numel(), inputs.shape[1])
+        self.log("train/loss", loss)  # not prog_bar: Lightning would read it to the host every step
+        self.log("lr", self.optimizers().param_groups[0]["lr"])  # type: ignore[union-attr]
         return loss
-
-    def _log_throughput(self, local_tokens: int, seq_len: int) -> None:
-        now = time.perf_counter()
-        started, self._step_started = self._step_started, now
-        self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=False)  # type: ignore[union-attr]
-        if started is None:
-            return  # the first step includes start-up costs; no rate yet
-        rate = local_tokens * self.trainer.world_size / (now - started)
-        self._tokens_per_s = rate if self._tokens_per_s is None else 0.8 * self._tokens_per_s + 0.2 * rate
-        self.log("tokens_per_s", self._tokens_per_s, prog_bar=True)
-        peak = peak_flops(self.device, self.peak_flops_per_device)
-        if peak is not None:
-            flops_per_s = self.model.flops_per_token(seq_len) * self._tokens_per_s
-            self.log("mfu", flops_per_s / (peak * self.trainer.world_size))
-
-    def on_validation_epoch_start(self) -> None:
-        self._step_started = None  # validation time must not count as one slow training step
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, targets = batch

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from recipes import schema  # noqa: F401  (registers `pretrain_schema` in the ConfigStore)
 from recipes.build import Run, build_run
+from recipes.plot import LossPlot
 from recipes.validate import ConfigError, validate
 
 EXIT_CONFIG_ERROR = 2
@@ -70,6 +71,9 @@ def report(run: Run, cfg: DictConfig) -> None:
     print(f"run directory: {run.run_dir.resolve()}")
     for logger in run.trainer.loggers:
         print(f"logs ({type(logger).__name__}): {Path(logger.log_dir or logger.save_dir or '.').resolve()}")
+    plots = [c.written for c in run.trainer.callbacks if isinstance(c, LossPlot) and c.written is not None]
+    for path in plots:
+        print(f"loss curves: {path.resolve()}")
     callback = run.checkpoint_callback
     if callback is not None and callback.last_model_path:
         print(f"checkpoint: {Path(callback.last_model_path).resolve()}")

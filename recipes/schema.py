@@ -125,8 +125,24 @@ class CheckpointSchema:
 
 @dataclass
 class ProgressBarSchema:
-    _target_: str = "lightning.pytorch.callbacks.TQDMProgressBar"
-    refresh_rate: int = 1
+    _target_: str = "recipes.progress.RefreshProgressBar"
+    refresh_rate: int = 10
+    show: list[str] = field(default_factory=lambda: ["train/loss", "tokens_per_s"])
+
+
+@dataclass
+class ThroughputSchema:
+    _target_: str = "recipes.throughput.TokenThroughput"
+    window: int = 2
+    peak_flops_per_device: float | None = "${peak_flops_per_device}"  # type: ignore[assignment]
+
+
+@dataclass
+class LossPlotSchema:
+    _target_: str = "recipes.plot.LossPlot"
+    path: str | None = "${run_dir}/loss.png"
+    train_key: str = "train/loss"
+    val_key: str = "val/loss"
 
 
 @dataclass
@@ -139,6 +155,8 @@ class TrainedSamplesSchema:
 class CallbacksSchema:
     model_checkpoint: CheckpointSchema | None = None
     progress_bar: ProgressBarSchema | None = None
+    throughput: ThroughputSchema | None = None
+    loss_plot: LossPlotSchema | None = None
     trained_samples: TrainedSamplesSchema | None = None  # set by callbacks=trained_samples
 
 

@@ -92,6 +92,8 @@ def test_two_process_run_reports_sample_and_locations(two_runs: tuple[Path, Resu
     assert "--- sample" in first.stdout and first.stdout.count("--- sample") == 1
     assert f"run directory: {run_dir.resolve()}" in first.stdout
     assert f"checkpoint: {(run_dir / 'checkpoints' / 'last.ckpt').resolve()}" in first.stdout
+    assert f"loss curves: {(run_dir / 'loss.png').resolve()}" in first.stdout
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     metrics = read_metrics(run_dir / "logs" / "version_0" / "metrics.csv")
     assert any("val/ppl" in row for row in metrics) and any("tokens_per_s" in row for row in metrics)
 
@@ -99,7 +101,7 @@ def test_two_process_run_reports_sample_and_locations(two_runs: tuple[Path, Resu
 def test_ranks_share_one_run_directory(two_runs: tuple[Path, Result, Result]) -> None:
     run_dir, _, _ = two_runs
     assert [p.name for p in run_dir.parent.iterdir()] == ["e2e"]
-    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml", "logs"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml", "logs", "loss.png"]
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["version_0", "version_1"]
 
 
