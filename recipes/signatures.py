@@ -106,7 +106,9 @@ def field_type(annotation: Any, default: Any) -> Any:
         else:
             return Any
     if typing.get_origin(annotation) is Literal:
-        annotation = str if all(isinstance(a, str) for a in typing.get_args(annotation)) else Any
+        if not all(isinstance(a, str) for a in typing.get_args(annotation)):
+            return Any
+        annotation = str
     elif typing.get_origin(annotation) is list and typing.get_args(annotation)[0] in PRIMITIVES:
         annotation = list[typing.get_args(annotation)[0]]  # type: ignore[misc]
     elif annotation not in PRIMITIVES:
@@ -161,7 +163,7 @@ def matches(value: Any, annotation: Any) -> bool:
     if origin is Literal:
         return any(value == choice and type(value) is type(choice) for choice in args)
     if annotation is type(None) or value is None:
-        return annotation is type(None)
+        return annotation is type(None) and value is None
     if isinstance(value, Mapping) and "_target_" in value:
         return True  # built by instantiate; its own arguments are checked as a node of their own
     if annotation in (bool, str):
