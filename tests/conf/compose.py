@@ -7,7 +7,7 @@ around each call, so tests can compose repeatedly in one process.
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from recipes.compose import CONF_DIR, compose_recipe
 
@@ -23,3 +23,22 @@ def group_options(group: str) -> list[str]:
     """Names of the YAML files of one config group."""
     return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
 
+
+def flatten(node: object, prefix: str = "") -> dict[str, object]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    flat: dict[str, object] = {}
+    for key, child in node.items():
+        flat.update(flatten(child, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def group_file_values(group: str, option: str) -> dict[str, object]:
+    """The values one group file sets, by full key (a `_global_` file's from the root), unresolved."""
+    path = CONF_DIR / group / f"{option}.yaml"
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    assert isinstance(raw, dict)
+    raw.pop("defaults", None)
+    is_global = path.read_text().startswith("# @package _global_")
+    return flatten(raw if is_global else {group: raw})
