@@ -37,18 +37,25 @@ DEMO_RUN_NAME = "cpu_demo"
 GPU_ACCELERATORS = ("gpu", "cuda")
 
 
-def default_run_name() -> str:
+def hydra_node(root: DictConfig) -> DictConfig:
+    """Hydra's own config: the root's `hydra` node where it is still there (a multirun's launching
+    process, which resolves the launcher's settings before any job exists), else Hydra's runtime state
+    (a job, and `compose_recipe`)."""
+    return root.hydra if "hydra" in root else HydraConfig.get()
+
+
+def default_run_name(*, _root_: DictConfig) -> str:
     """`cpu_demo` for the demo's groups, else `<model>-<data>-<trainer>` of the groups chosen."""
-    choices = HydraConfig.get().runtime.choices
+    choices = hydra_node(_root_).runtime.choices
     chosen = {group: choices.get(group) for group in DEMO_CHOICES}
     if chosen == DEMO_CHOICES:
         return DEMO_RUN_NAME
     return "-".join(str(choice) for choice in chosen.values())
 
 
-def job_dir() -> str:
+def job_dir(*, _root_: DictConfig) -> str:
     """The directory Hydra runs this job in (a multirun job: its sweep subdirectory)."""
-    hydra = HydraConfig.get()
+    hydra = hydra_node(_root_)
     if hydra.mode == RunMode.MULTIRUN:
         return str(Path(str(hydra.sweep.dir)) / str(hydra.sweep.subdir))
     return str(hydra.run.dir)

@@ -35,7 +35,7 @@ from recipes.signatures import schema_for
 
 TRAINER_ARGS_FROM_GROUPS = {
     "strategy": "the strategy group: strategy=zero|zero1|zero2|ddp, strategy.<argument>=...",
-    "logger": "the logger group: logger=csv|tensorboard|wandb|many|null, +logger.<name>._target_=...",
+    "logger": "the logger group: logger=csv|tensorboard|wandb|many, ~logger, +logger.<name>._target_=...",
     "callbacks": "the callbacks group: callbacks.<name>=null, +callbacks.<name>._target_=...",
 }
 """Trainer arguments the recipe fills from groups of their own (so they are not in `trainer`)."""

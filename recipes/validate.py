@@ -1,13 +1,19 @@
 """Checks of a composed config that the schema cannot express, run before any process starts.
 
 The schema (`recipes.schema`) already rejects unknown keys and wrong types at compose time, and Hydra
-rejects unknown group options (`model=huge`) listing the valid ones. This module catches what needs
-the values together or the machine: a data path that matches nothing or holds no text (or a .jsonl /
-.parquet without the text field), a prepared directory that is incomplete or too small, a window
-longer than the model's context, token ids the model's vocabulary cannot cover (from the prepared
-index's `max_token_id`; for a `.bin` by one pass over it), more devices than the machine
-has, a `ckpt_path` with nothing to resume, a strategy whose package is missing, and the value checks
-of the recipe dataclasses. Each failure is a `ConfigError` whose message names the setting and what
+rejects unknown group options (`model=huge`) listing the valid ones. `check_keys` catches what
+composition lets through without looking at data or machine (`recipes.sbatch` runs it too): keys added
+with `+key=` to a recipe node, values left `???`, a hand-set `run_dir`, and every Lightning `_target_`
+node (trainer, strategy, each logger and callback, nested ones) against its class's signature
+(`recipes.signatures`: an argument it does not take, with the closest valid names; a value outside its
+annotation's union or `Literal` choices). `check_objects` builds the strategy, loggers and callbacks
+once, so a constructor's own check or a missing package (`logger=wandb` without wandb) fails here.
+`validate` then catches what needs the values together or the machine: a data path that matches
+nothing or holds no text (or a .jsonl / .parquet without the text field), a prepared directory that is
+incomplete or too small, a window longer than the model's context, token ids the model's vocabulary
+cannot cover (from the prepared index's `max_token_id`; for a `.bin` by one pass over it), more devices
+than the machine has, a `ckpt_path` with nothing to resume, and the value checks of the recipe
+dataclasses. Each failure is a `ConfigError` whose message names the setting and what
 would be valid; the entry point prints it and exits non-zero without touching earlier runs.
 """
 
