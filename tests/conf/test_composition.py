@@ -100,6 +100,15 @@ def test_a_multirun_job_runs_in_its_sweep_subdirectory(tmp_path: Path) -> None:
     assert cfg.run_dir == str(tmp_path / "lr1")
 
 
+def test_a_multirun_launching_process_resolves_the_launcher_before_any_job(tmp_path: Path) -> None:
+    """`-m hydra/launcher=slurm` builds submitit's launcher (its folder is under `run_dir`) in the
+    launching process, where Hydra's runtime state is not set yet: the root's `hydra` node serves."""
+    overrides = ["hydra/launcher=slurm", "cluster=slurm", "cluster.partition=debug", "hydra.mode=MULTIRUN"]
+    cfg = compose_pretrain([*overrides, f"hydra.sweep.dir={tmp_path}"], return_hydra_config=True)
+    HydraConfig.instance().cfg = None  # type: ignore[assignment]  # as before the first job starts
+    assert cfg.hydra.launcher.submitit_folder == f"{tmp_path}/cpu_demo/.submitit/%j"
+
+
 def test_setting_run_dir_itself_is_refused_naming_hydra_run_dir() -> None:
     with pytest.raises(ConfigError, match="set hydra.run.dir=/tmp/x instead"):
         check_keys(compose_pretrain(["run_dir=/tmp/x"]))
