@@ -4,8 +4,6 @@ SLURM's task count follows the GPUs per node. All in-process compositions (milli
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +11,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from recipes.compose import tasks_per_node
+from recipes.sbatch import main as sbatch_main
 from recipes.sbatch import sbatch_script
 from recipes.validate import ConfigError, check_keys
-from tests.conf.compose import REPO_ROOT, compose_pretrain, flatten, group_file_values, group_options
+from tests.conf.compose import compose_pretrain, flatten, group_file_values, group_options
 
 USER_CHOICES = [
     {"trainer": "gpu"},
@@ -142,16 +141,10 @@ def test_sbatch_for_a_gpu_cluster_starts_one_task_per_gpu() -> None:
     assert "#SBATCH --job-name=tiny-stdlib-gpu" in lines
 
 
-def test_sbatch_refuses_devices_that_disagree_with_the_gpus_per_node(tmp_path: Path) -> None:
+def test_sbatch_refuses_devices_that_disagree_with_the_gpus_per_node(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "job.sbatch"
     overrides = ["cluster=slurm", "trainer=gpu", "cluster.partition=gpu", "trainer.devices=2"]
-    result = subprocess.run(
-        [sys.executable, "-m", "recipes.sbatch", "--output", str(out), *overrides],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2 and not out.exists()
-    assert "error: trainer.devices=2 but cluster.gpus_per_node=8" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert sbatch_main(["--output", str(out), *overrides]) == 2 and not out.exists()
+    assert "error: trainer.devices=2 but cluster.gpus_per_node=8" in capsys.readouterr().err
