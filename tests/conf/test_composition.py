@@ -67,7 +67,8 @@ def test_experiments_set_everything_they_name(name: str) -> None:
 def test_debug_setups(name: str) -> None:
     cfg = compose_pretrain([f"debug={name}"])
     assert cfg.trainer.devices == 1 and cfg.trainer.detect_anomaly is True
-    assert cfg.callbacks.model_checkpoint is None and cfg.run_name.startswith("debug")
+    assert cfg.callbacks.model_checkpoint is None and cfg.trainer.enable_checkpointing is False
+    assert cfg.run_name.startswith("debug")
     assert {"fdr": cfg.trainer.fast_dev_run is True, "overfit": cfg.trainer.overfit_batches == 1}.get(
         name, True
     )
