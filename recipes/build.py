@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipes.callbacks import SlurmRequeue
 from recipes.data import PretrainDataModule
@@ -56,6 +56,19 @@ def build_loggers(cfg: DictConfig) -> list[Logger]:
     return [instantiate(node) for node in cfg.logger.values() if node is not None]
 
 
+def build_plugins(cfg: DictConfig) -> list[Any]:
+    """The user's `trainer.plugins` (a node, a list, or a name Lightning knows), plus, under SLURM, the
+    environment without Lightning's auto-requeue (the recipe's `SlurmRequeue` is the one mechanism)."""
+    node = cfg.trainer.get("plugins")
+    if isinstance(node, ListConfig):
+        plugins = list(instantiate(node))
+    else:
+        plugins = [] if node is None else [instantiate(node) if isinstance(node, DictConfig) else node]
+    if SLURMEnvironment.detect():
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+    return plugins
+
+
 def quiet_other_ranks() -> None:
     """Ranks > 0 log warnings only, so the console shows one copy of Lightning's start-up messages."""
     if rank_zero_only.rank != 0:
@@ -75,9 +88,8 @@ def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
     datamodule = PretrainDataModule(configs.data, corpus=configs.corpus)
     module = PretrainModule(configs.model, configs.optim)
     loggers = build_loggers(cfg)
-    callbacks, plugins = build_callbacks(cfg), []
+    callbacks, plugins = build_callbacks(cfg), build_plugins(cfg)
     if SLURMEnvironment.detect():  # one requeue mechanism: ours, not Lightning's signal-handler save
-        plugins.append(SLURMEnvironment(auto_requeue=False))
         callbacks.append(SlurmRequeue())
     trainer: pl.Trainer = instantiate(
         cfg.trainer,

@@ -1,9 +1,10 @@
 """Pretrain a GPT with Lightning, configured by Hydra: `python -m recipes.pretrain [overrides]`.
 
 Run from the repository root. With no arguments it trains the `tiny` model on a few MB of the Python
-standard library's source with 2 CPU processes (`experiment=cpu_demo`); `--cfg job` prints the composed
-config, `ckpt_path=last` resumes the run named `run_name` (its directory `outputs/<run_name>` is stable,
-not timestamped, so the same command with `ckpt_path=last` finds it).
+standard library's source with 2 CPU processes (the groups' defaults are the CPU demo; choosing a group
+takes that group's values, experiments and debug setups are opt-in); `--cfg job` prints the composed
+config, `ckpt_path=last` resumes the run in `run_dir` (Hydra's `hydra.run.dir`, by default
+`outputs/<run_name>`: stable, not timestamped, so the same command with `ckpt_path=last` finds it).
 
 Flow: compose (Hydra, against the schema of `recipes.schema`) -> validate (`recipes.validate`, before
 any process starts; a bad setting prints one message and exits with status 2) -> instantiate
@@ -77,7 +78,7 @@ def report(run: Run, cfg: DictConfig) -> None:
     callback = run.checkpoint_callback
     if callback is not None and callback.last_model_path:
         print(f"checkpoint: {Path(callback.last_model_path).resolve()}")
-        print(f"resume with the same command plus: ckpt_path=last run_name={cfg.run_name}")
+        print("resume with the same command plus: ckpt_path=last")  # same groups: same run_name and run_dir
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="pretrain")

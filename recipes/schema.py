@@ -3,22 +3,73 @@
 `conf/pretrain.yaml` lists `pretrain_schema` first in its defaults, so every YAML file and command-line
 override is merged into these dataclasses: an unknown key (`model.n_layers=4`) or a wrong type
 (`data.batch_size=big`) fails at compose time, naming the full key, before any process or run
-directory content is created. Strategies take different arguments, so each strategy file pulls its own
-schema (`schema/strategy/ddp`, `schema/strategy/zero`) into its package with `@_here_`.
+directory content is created.
 
-Objects are built with `hydra.utils.instantiate` from the `_target_` fields: `recipes.model.GPTConfig`,
-`recipes.data.DataConfig`, `recipes.module.OptimConfig`, the Lightning `Trainer`, strategy, loggers and
-callbacks. The schemas of the three recipe configs mirror those dataclasses field for field (a test
-checks it); their value checks stay in the dataclasses' `__post_init__`.
-"""
+Open where users add things on purpose, checked all the same. The recipe's own nodes (model, data,
+optim, cluster, sample) are hand-written dataclasses that mirror `GPTConfig`, `DataConfig` and
+`OptimConfig` field for field (a test checks it; value checks stay in their `__post_init__`). The
+Lightning side is generated from constructor signatures (`recipes.signatures`), so it offers every
+argument of the installed version: `trainer` is every `Trainer` argument except the three the recipe
+fills from groups (`TRAINER_ARGS_FROM_GROUPS`); each strategy file pulls its class's schema into its
+package with `@_here_`, and the shipped callback and logger files pull theirs into their entries.
+`logger` and `callbacks` are open mappings: `+callbacks.lr_monitor._target_=...` adds any callback, and
+`recipes.validate` checks such additions (and `+key=` additions to generated nodes) against their
+class's signature before any process starts."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+import lightning.pytorch as pl
 from hydra.core.config_store import ConfigStore
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import MISSING
+
+import recipes.compose  # noqa: F401  (registers the recipe.* resolvers the YAML files use)
+from recipes.callbacks import RunCheckpoint
+from recipes.plot import LossPlot
+from recipes.progress import RefreshProgressBar
+from recipes.resume import TrainedSamples
+from recipes.signatures import schema_for
+from recipes.throughput import TokenThroughput
+
+TRAINER_ARGS_FROM_GROUPS = {
+    "strategy": "the strategy group: strategy=zero|zero1|zero2|ddp, strategy.<argument>=...",
+    "logger": "the logger group: logger=csv|tensorboard|wandb|many, ~logger, +logger.<name>._target_=...",
+    "callbacks": "the callbacks group: callbacks.<name>=null, +callbacks.<name>._target_=...",
+}
+"""Trainer arguments the recipe fills from groups of their own (so they are not in `trainer`)."""
+RUN_DIR_DEFAULT = "${recipe.job_dir:}"
+TrainerSchema = schema_for(pl.Trainer, exclude=TRAINER_ARGS_FROM_GROUPS)
+
+
+def _zero_strategy_schema() -> Any:
+    """ZeroStrategy's schema; an open node when `lightning_zero` is not importable (validation says so)."""
+    try:
+        from lightning_zero import ZeroStrategy
+    except ImportError:
+        return {}
+    return schema_for(ZeroStrategy)
+
+
+GROUP_ENTRY_SCHEMAS: dict[str, dict[str, Any]] = {
+    "strategy": {"ddp": schema_for(DDPStrategy), "zero": _zero_strategy_schema()},
+    "callbacks": {
+        "model_checkpoint": schema_for(RunCheckpoint),
+        "progress_bar": schema_for(RefreshProgressBar),
+        "throughput": schema_for(TokenThroughput),
+        "loss_plot": schema_for(LossPlot),
+        "trained_samples": schema_for(TrainedSamples),
+    },
+    "logger": {
+        "csv": schema_for(CSVLogger),
+        "tensorboard": schema_for(TensorBoardLogger),
+        "wandb": schema_for(WandbLogger),
+    },
+}
+"""Schemas the group files pull into their entries (`- /schema/<group>/<name>@<entry>`)."""
 
 
 @dataclass
@@ -58,106 +109,13 @@ class DataSchema:
 @dataclass
 class OptimSchema:
     _target_: str = "recipes.module.OptimConfig"
-    lr: float = 3e-3
+    lr: float = MISSING  # from the model file: it depends on the model's size
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
+    warmup_steps: int = MISSING  # from the model file
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     decay_embeddings: bool = False
-
-
-@dataclass
-class TrainerSchema:
-    _target_: str = "lightning.pytorch.Trainer"
-    accelerator: str = "cpu"
-    devices: Any = 1  # int, list of ids, or "auto"
-    num_nodes: int = 1
-    precision: Any = "32-true"
-    max_steps: int = 100
-    max_epochs: int = -1
-    val_check_interval: Any = 50  # int: every N training batches; float: fraction of an epoch
-    check_val_every_n_epoch: int | None = None
-    limit_val_batches: Any = 10
-    num_sanity_val_steps: int = 0
-    log_every_n_steps: int = 10
-    gradient_clip_val: float | None = 1.0
-    accumulate_grad_batches: int = 1
-    enable_progress_bar: bool = True
-    enable_model_summary: bool = True
-    deterministic: bool = False
-    default_root_dir: str = "${run_dir}"
-
-
-@dataclass
-class DDPStrategySchema:
-    _target_: str = "lightning.pytorch.strategies.DDPStrategy"
-    process_group_backend: str | None = None  # None: gloo on CPU, nccl on GPU
-    find_unused_parameters: bool = False
-
-
-@dataclass
-class ZeroStrategySchema:
-    _target_: str = "lightning_zero.ZeroStrategy"
-    stage: int = 2
-    bucket_cap_mb: float = 25.0
-    overlap_comm: bool = True
-
-
-@dataclass
-class LoggerSchema:
-    _target_: str = MISSING
-    save_dir: str = "${run_dir}"
-    name: str = "logs"
-    version: str | None = None  # None: the next free version_N, so a resumed run keeps older logs
-
-
-@dataclass
-class CheckpointSchema:
-    _target_: str = "lightning.pytorch.callbacks.ModelCheckpoint"
-    dirpath: str = "${run_dir}/checkpoints"
-    filename: str = "step{step:06d}"
-    save_last: bool = True
-    save_top_k: int = 1
-    every_n_train_steps: int | None = None
-    auto_insert_metric_name: bool = False
-
-
-@dataclass
-class ProgressBarSchema:
-    _target_: str = "recipes.progress.RefreshProgressBar"
-    refresh_rate: int = 10
-    show: list[str] = field(default_factory=lambda: ["train/loss", "tokens_per_s"])
-
-
-@dataclass
-class ThroughputSchema:
-    _target_: str = "recipes.throughput.TokenThroughput"
-    window: int = 2
-    peak_flops_per_device: float | None = "${peak_flops_per_device}"  # type: ignore[assignment]
-
-
-@dataclass
-class LossPlotSchema:
-    _target_: str = "recipes.plot.LossPlot"
-    path: str | None = "${run_dir}/loss.png"
-    train_key: str = "train/loss"
-    val_key: str = "val/loss"
-
-
-@dataclass
-class TrainedSamplesSchema:
-    _target_: str = "recipes.resume.TrainedSamples"
-    dirpath: str = "${run_dir}/trained_samples"
-
-
-@dataclass
-class CallbacksSchema:
-    model_checkpoint: CheckpointSchema | None = None
-    progress_bar: ProgressBarSchema | None = None
-    throughput: ThroughputSchema | None = None
-    loss_plot: LossPlotSchema | None = None
-    trained_samples: TrainedSamplesSchema | None = None  # set by callbacks=trained_samples
 
 
 @dataclass
@@ -182,19 +140,19 @@ class SampleSchema:
 
 @dataclass
 class PretrainSchema:
-    run_name: str = "cpu_demo"
+    run_name: str = "${recipe.run_name:}"  # cpu_demo for the demo's groups, else <model>-<data>-<trainer>
     output_root: str = "outputs"
-    run_dir: str = "${output_root}/${run_name}"
+    run_dir: str = RUN_DIR_DEFAULT  # Hydra's job directory (hydra.run.dir); not set directly
     seed: int = 1234
     ckpt_path: str | None = None
     peak_flops_per_device: float | None = None
     model: ModelSchema = MISSING
     data: DataSchema = MISSING
     optim: OptimSchema = field(default_factory=OptimSchema)
-    trainer: TrainerSchema = MISSING
-    strategy: Any = MISSING
-    logger: dict[str, LoggerSchema] = field(default_factory=dict)
-    callbacks: CallbacksSchema = field(default_factory=CallbacksSchema)
+    trainer: TrainerSchema = MISSING  # type: ignore[valid-type]  # generated: every Trainer argument
+    strategy: Any = MISSING  # each strategy file pulls its own schema/strategy/<name>
+    logger: dict[str, Any] = field(default_factory=dict)  # any Logger by _target_
+    callbacks: dict[str, Any] = field(default_factory=dict)  # any Callback by _target_; null: left out
     cluster: ClusterSchema = MISSING
     sample: SampleSchema = field(default_factory=SampleSchema)
 
@@ -203,8 +161,9 @@ def register_schema() -> None:
     """Store the schemas under the names the YAML defaults lists refer to (idempotent)."""
     store = ConfigStore.instance()
     store.store(name="pretrain_schema", node=PretrainSchema)
-    store.store(group="schema/strategy", name="ddp", node=DDPStrategySchema)
-    store.store(group="schema/strategy", name="zero", node=ZeroStrategySchema)
+    for group, schemas in GROUP_ENTRY_SCHEMAS.items():
+        for name, node in schemas.items():
+            store.store(group=f"schema/{group}", name=name, node=node)
 
 
 register_schema()

@@ -1,13 +1,19 @@
 """Checks of a composed config that the schema cannot express, run before any process starts.
 
 The schema (`recipes.schema`) already rejects unknown keys and wrong types at compose time, and Hydra
-rejects unknown group options (`model=huge`) listing the valid ones. This module catches what needs
-the values together or the machine: a data path that matches nothing or holds no text (or a .jsonl /
-.parquet without the text field), a prepared directory that is incomplete or too small, a window
-longer than the model's context, token ids the model's vocabulary cannot cover (from the prepared
-index's `max_token_id`; for a `.bin` by one pass over it), more devices than the machine
-has, a `ckpt_path` with nothing to resume, a strategy whose package is missing, and the value checks
-of the recipe dataclasses. Each failure is a `ConfigError` whose message names the setting and what
+rejects unknown group options (`model=huge`) listing the valid ones. `check_keys` catches what
+composition lets through without looking at data or machine (`recipes.sbatch` runs it too): keys added
+with `+key=` to a recipe node, values left `???`, a hand-set `run_dir`, and every Lightning `_target_`
+node (trainer, strategy, each logger and callback, nested ones) against its class's signature
+(`recipes.signatures`: an argument it does not take, with the closest valid names; a value outside its
+annotation's union or `Literal` choices). `check_objects` builds the strategy, loggers and callbacks
+once, so a constructor's own check or a missing package (`logger=wandb` without wandb) fails here.
+`validate` then catches what needs the values together or the machine: a data path that matches
+nothing or holds no text (or a .jsonl / .parquet without the text field), a prepared directory that is
+incomplete or too small, a window longer than the model's context, token ids the model's vocabulary
+cannot cover (from the prepared index's `max_token_id`; for a `.bin` by one pass over it), more devices
+than the machine has, a `ckpt_path` with nothing to resume, and the value checks of the recipe
+dataclasses. Each failure is a `ConfigError` whose message names the setting and what
 would be valid; the entry point prints it and exits non-zero without touching earlier runs.
 """
 
@@ -23,19 +29,29 @@ from typing import Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.corpus import Corpus, CorpusError, resolve_corpus
 from recipes.data import DataConfig, bin_split, check_token_count, load_pretokenized
 from recipes.model import GPTConfig
 from recipes.module import OptimConfig
+from recipes.schema import RUN_DIR_DEFAULT, TRAINER_ARGS_FROM_GROUPS
 from recipes.shards import ShardError, check_shard_sizes, read_index
+from recipes.signatures import SIGNATURE_SCHEMA, ArgumentError, check_arguments
 from recipes.sources import check_files, file_format
 from recipes.tokenizer import TokenizerError, load_tokenizer_spec, resolve_tokenizer
 
 
 class ConfigError(ValueError):
     """A setting that cannot work; the message says which and what is valid."""
+
+
+EXAMPLE_TARGETS = {
+    "logger": "lightning.pytorch.loggers.MLFlowLogger",
+    "callbacks": "lightning.pytorch.callbacks.LearningRateMonitor",
+}
 
 
 @dataclass(frozen=True)
@@ -209,9 +225,13 @@ def check_strategy(strategy: DictConfig) -> None:
 
 
 def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
-    """Keys added with Hydra's `+key=value` to a schema-typed node (the schema rejects them otherwise)."""
+    """Keys added with Hydra's `+key=value` to a node typed by a recipe dataclass (model, data, optim,
+    cluster, sample, the root). Nodes typed from a signature (`recipes.signatures`) and the open `logger`
+    and `callbacks` entries are checked against their class instead (`check_target_nodes`)."""
     found: list[str] = []
     node_type = OmegaConf.get_type(node)
+    if getattr(node_type, SIGNATURE_SCHEMA, False) or "_target_" in node and node_type is dict:
+        return found
     allowed = {f.name for f in dataclasses.fields(node_type)} if dataclasses.is_dataclass(node_type) else None
     for key in node.keys():
         full_key = f"{prefix}{key}"
@@ -225,11 +245,45 @@ def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
     return found
 
 
-def validate(cfg: DictConfig) -> RecipeConfigs:
-    """Check the composed config; return the recipe dataclasses it describes.
+def check_run_dir(cfg: DictConfig) -> None:
+    """`run_dir` follows Hydra's job directory; setting it directly would leave Hydra's elsewhere."""
+    value = OmegaConf.to_container(cfg, resolve=False)["run_dir"]  # type: ignore[index,call-overload]
+    if value != RUN_DIR_DEFAULT:
+        raise ConfigError(
+            f"run_dir={value}: the run directory is the one Hydra runs the job in; set "
+            f"hydra.run.dir={value} instead (hydra.sweep.dir with -m), or output_root= / run_name="
+        )
+
+
+def check_target_nodes(cfg: DictConfig) -> None:
+    """Every `_target_` node of the Lightning side against its class's signature (`recipes.signatures`)."""
+    for name in TRAINER_ARGS_FROM_GROUPS:
+        if name in cfg.trainer:
+            raise ConfigError(f"trainer.{name} is set by {TRAINER_ARGS_FROM_GROUPS[name]}")
+    nodes = {"trainer": cfg.trainer, "strategy": cfg.strategy}
+    for group in ("logger", "callbacks"):
+        for name, node in cfg[group].items():
+            if node is None:
+                continue
+            if not isinstance(node, DictConfig) or "_target_" not in node:
+                raise ConfigError(
+                    f"{group}.{name} has no _target_: name its class, e.g. "
+                    f"+{group}.{name}._target_={EXAMPLE_TARGETS[group]}"
+                )
+            nodes[f"{group}.{name}"] = node
+    for key, node in nodes.items():
+        try:
+            check_arguments(OmegaConf.to_container(node, resolve=True), key)  # type: ignore[arg-type]
+        except ArgumentError as error:
+            raise ConfigError(str(error)) from error
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """What composition lets through: `+key=` additions, values left `???`, a `run_dir` set by hand,
+    and the arguments of every Lightning object. Needs no data and no machine (`recipes.sbatch` too).
 
     Raises:
-        ConfigError: with a message naming the offending setting.
+        ConfigError: naming the key and what would be valid.
     """
     extra = unknown_keys(cfg)
     if extra:
@@ -239,6 +293,42 @@ def validate(cfg: DictConfig) -> RecipeConfigs:
         raise ConfigError(
             f"missing mandatory value(s): {', '.join(missing)}; set them as key=value overrides"
         )
+    check_run_dir(cfg)
+    check_strategy(cfg.strategy)
+    check_target_nodes(cfg)
+
+
+def _build_named(node: DictConfig, key: str) -> Any:
+    """Instantiate the `_target_` node at `key`; a constructor's error becomes a ConfigError naming it."""
+    try:
+        return instantiate(node)
+    except InstantiationException as error:
+        cause = error.__cause__ or error
+        group = key.split(".")[0]
+        hint = f"; install it, or choose another {group}" if isinstance(cause, ImportError) else ""
+        raise ConfigError(f"{key} ({node._target_}): {cause}{hint}") from error
+
+
+def check_objects(cfg: DictConfig) -> None:
+    """Build the strategy, every logger and every callback once, so a bad value or a package that is
+    missing (`logger=wandb` without wandb) fails here, before any process starts, naming its key.
+    Their constructors only record settings (files and connections come at fit time)."""
+    _build_named(cfg.strategy, "strategy")
+    for group, base in (("logger", Logger), ("callbacks", Callback)):
+        for name, node in cfg[group].items():
+            if node is not None and not isinstance(_build_named(node, f"{group}.{name}"), base):
+                kind = f"a Lightning {base.__name__}"
+                raise ConfigError(f"{group}.{name}._target_={node._target_} is not {kind}")
+
+
+def validate(cfg: DictConfig) -> RecipeConfigs:
+    """Check the composed config; return the recipe dataclasses it describes.
+
+    Raises:
+        ConfigError: with a message naming the offending setting.
+    """
+    check_keys(cfg)
+    check_objects(cfg)
     data: DataConfig = _build(cfg.data)
     try:
         data_vocab = tokenizer_vocab_size(data)
@@ -257,5 +347,4 @@ def validate(cfg: DictConfig) -> RecipeConfigs:
     check_devices(str(cfg.trainer.accelerator), cfg.trainer.devices)
     check_slurm_launch()
     check_ckpt_path(cfg.ckpt_path, Path(cfg.run_dir), cfg.run_name)
-    check_strategy(cfg.strategy)
     return RecipeConfigs(model=model, data=data, optim=optim, corpus=corpus)

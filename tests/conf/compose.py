@@ -1,30 +1,44 @@
-"""Compose `conf/pretrain.yaml` in-process with Hydra's compose API, for tests.
+"""Compose `conf/pretrain.yaml` in-process as `python -m recipes.pretrain` does, for tests.
 
-The schema is registered by importing `recipes.schema`; `GlobalHydra` is cleared around each call so
-tests can compose repeatedly in one process.
+`recipes.compose.compose_recipe` installs Hydra's runtime state like `@hydra.main`, so `run_name` and
+`run_dir` (resolvers over the group choices and Hydra's job directory) resolve; it clears `GlobalHydra`
+around each call, so tests can compose repeatedly in one process.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from omegaconf import DictConfig, OmegaConf
 
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig
+from recipes.compose import CONF_DIR, compose_recipe
 
-import recipes.schema  # noqa: F401  (registers pretrain_schema)
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = REPO_ROOT / "conf"
+REPO_ROOT = CONF_DIR.parent
 
 
-def compose_pretrain(overrides: list[str] | None = None) -> DictConfig:
+def compose_pretrain(overrides: list[str] | None = None, return_hydra_config: bool = False) -> DictConfig:
     """The composed root config with `overrides` applied (as on the command line)."""
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="test"):
-        return compose(config_name="pretrain", overrides=overrides or [])
+    return compose_recipe(overrides or [], return_hydra_config=return_hydra_config)
 
 
 def group_options(group: str) -> list[str]:
     """Names of the YAML files of one config group."""
     return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+
+
+def flatten(node: object, prefix: str = "") -> dict[str, object]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    flat: dict[str, object] = {}
+    for key, child in node.items():
+        flat.update(flatten(child, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def group_file_values(group: str, option: str) -> dict[str, object]:
+    """The values one group file sets, by full key (a `_global_` file's from the root), unresolved."""
+    path = CONF_DIR / group / f"{option}.yaml"
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    assert isinstance(raw, dict)
+    raw.pop("defaults", None)
+    is_global = path.read_text().startswith("# @package _global_")
+    return flatten(raw if is_global else {group: raw})

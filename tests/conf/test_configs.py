@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, ValidationError
 
 from recipes import schema
 from recipes.data import DataConfig
@@ -48,6 +48,7 @@ def test_every_yaml_belongs_to_a_tested_group() -> None:
         "callbacks",
         "cluster",
         "experiment",
+        "debug",
         "launcher",
     }
     groups = {path.parent.name for path in CONF_DIR.rglob("*.yaml") if path.parent != CONF_DIR}
@@ -57,8 +58,6 @@ def test_every_yaml_belongs_to_a_tested_group() -> None:
 
 def test_slurm_launcher_is_sized_from_cluster_and_trainer() -> None:
     """conf/hydra/launcher/slurm.yaml: submitit's sbatch numbers follow the recipe's own settings."""
-    from hydra import compose, initialize_config_dir
-
     overrides = [
         "hydra/launcher=slurm",
         "cluster=slurm",
@@ -67,21 +66,28 @@ def test_slurm_launcher_is_sized_from_cluster_and_trainer() -> None:
         "trainer.devices=4",
         "cluster.cpus_per_task=5",
     ]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose("pretrain", overrides=overrides, return_hydra_config=True)
-    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=False)
-    assert launcher["tasks_per_node"] == "${trainer.devices}" and launcher["nodes"] == "${cluster.nodes}"
+    cfg = compose_pretrain(overrides, return_hydra_config=True)
+    assert cfg.hydra.launcher.tasks_per_node == 4 and cfg.hydra.launcher.nodes == 3  # CPU: trainer.devices
     assert cfg.hydra.launcher.partition == "gpu" and cfg.hydra.launcher.cpus_per_task == 5
     assert cfg.hydra.launcher.max_num_timeout == 0  # one requeue mechanism: the recipe's SIGUSR1 callback
     assert cfg.hydra.launcher.additional_parameters.signal == "USR1@90"
+    gpu = compose_pretrain(["hydra/launcher=slurm", "cluster=slurm", "trainer=gpu"], return_hydra_config=True)
+    assert gpu.hydra.launcher.tasks_per_node == gpu.hydra.launcher.gpus_per_node == 8  # one task per GPU
+    mismatch = compose_pretrain([*overrides, "trainer=gpu"], return_hydra_config=True)
+    with pytest.raises(InterpolationResolutionError, match="trainer.devices=4 but cluster.gpus_per_node=8"):
+        _ = mismatch.hydra.launcher.tasks_per_node
 
 
 def test_default_config_is_the_cpu_demo() -> None:
     cfg = compose_pretrain()
-    assert cfg.run_name == "cpu_demo" and cfg.model.n_layer == 4
+    assert cfg.run_name == "cpu_demo" and cfg.run_dir == "outputs/cpu_demo" and cfg.model.n_layer == 4
     assert cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 2
+    assert cfg.trainer.max_steps == 250 and cfg.trainer.val_check_interval == 125
+    assert cfg.optim.lr == 3e-3 and cfg.optim.warmup_steps == 30
     assert cfg.strategy._target_ == "lightning_zero.ZeroStrategy" and cfg.strategy.stage == 2
     assert cfg.data.path is None and cfg.data.tokenizer == "byte"
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert OmegaConf.to_container(compose_pretrain(["experiment=cpu_demo"]), resolve=True) == resolved
 
 
 @pytest.mark.parametrize("name", group_options("model"))
@@ -130,6 +136,9 @@ def test_trainer_options(name: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", group_options("logger"))
 def test_logger_options(name: str, tmp_path: Path) -> None:
     cfg = compose_pretrain([f"logger={name}", f"output_root={tmp_path}"])
+    if name == "wandb":
+        pytest.importorskip("wandb")  # without it: tests/recipes/test_validate.py checks the message
+        assert cfg.logger.wandb.offline is True  # nothing tries the network unless the user says so
     loggers = [instantiate(node) for node in cfg.logger.values()]
     assert loggers and all(isinstance(logger, Logger) for logger in loggers)
     assert all(Path(logger.save_dir).is_relative_to(tmp_path) for logger in loggers)
@@ -154,6 +163,7 @@ def test_experiments_compose_and_instantiate(name: str) -> None:
     if name == "cpu_demo":
         overrides = ["experiment=cpu_demo"]
     cfg = compose_pretrain(overrides)
+    assert "${" not in str(OmegaConf.to_container(cfg, resolve=False)["run_name"])  # named by the experiment
     OmegaConf.resolve(cfg)
     assert cfg.run_name == name
     model = _model(cfg)
@@ -171,6 +181,11 @@ def test_experiments_compose_and_instantiate(name: str) -> None:
         ("data.batch_size=1.5", "data.batch_size"),
         ("trainer.max_step=5", "max_step"),
         ("strategy.bucket_cap=3", "bucket_cap"),
+        ("trainer.max_steps=ten", "trainer.max_steps"),  # generated from Trainer's signature: typed int
+        ("strategy.async_checkpoint=maybe", "strategy.async_checkpoint"),
+        ("callbacks.model_checkpoint.every_n_train_steps=x", "model_checkpoint.every_n_train_steps"),
+        ("callbacks.model_checkpoint.save_lst=true", "save_lst"),
+        ("logger.csv.flush_logs_every_n_steps=1.5", "logger.csv.flush_logs_every_n_steps"),
     ],
 )
 def test_schema_rejects_bad_keys_and_types_naming_the_key(override: str, key: str) -> None:

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from recipes.module import lr_factor
+from tests.conf.compose import flatten, group_file_values
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 150
@@ -45,11 +47,12 @@ def pretrain(*overrides: str, timeout_s: int = TIMEOUT_S) -> Result:
 
 
 def small_run(output_root: Path, cache_dir: Path, *extra: str) -> list[str]:
-    """Overrides for a few-second 2-process run of a very small model on 0.2 MB of stdlib text."""
+    """Overrides for a few-second 2-process run of a very small model on 0.2 MB of stdlib text, in
+    `<output_root>/e2e` named with Hydra's own `hydra.run.dir` (Lightning re-runs the command for rank 1
+    with the resolved directory, and `ckpt_path=last` must find it again)."""
     return [
-        f"output_root={output_root}",
+        f"hydra.run.dir={output_root / 'e2e'}",
         f"data.cache_dir={cache_dir}",
-        "run_name=e2e",
         "data.max_corpus_mb=0.2",
         "data.seq_len=64",
         "data.batch_size=4",
@@ -151,6 +154,8 @@ def snapshot(directory: Path) -> dict[str, tuple[float, bytes]]:
         ([f"trainer.devices={len(os.sched_getaffinity(0)) + 1}"], "CPU cores"),
         (["model.n_layer=two"], "model.n_layer"),
         (["+optim.momentum=0.9"], "unknown key(s): optim.momentum"),
+        (["+trainer.max_step=5"], "takes no argument 'max_step'; did you mean max_steps"),
+        (["run_dir=ELSEWHERE"], "set hydra.run.dir=ELSEWHERE instead"),
         (["run_name=never_ran", "ckpt_path=last"], "ckpt_path=last: no checkpoint"),
     ],
 )
@@ -160,13 +165,17 @@ def test_bad_input_fails_clearly_and_leaves_earlier_runs(
     run_dir, before = earlier_run
     empty = run_dir.parent.parent / "empty.txt"
     empty.write_text("")
+    elsewhere = run_dir.parent.parent / "elsewhere"
     overrides = [o.replace("EMPTY", str(empty)) for o in overrides]
+    expected = expected.replace("ELSEWHERE", str(elsewhere))
+    overrides = [o.replace("ELSEWHERE", str(elsewhere)) for o in overrides]
     result = pretrain(f"output_root={run_dir.parent}", "run_name=e2e", *overrides, timeout_s=60)
     assert result.returncode != 0
     assert expected in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert snapshot(run_dir) == before
     assert [p.name for p in run_dir.parent.iterdir()] == ["e2e"]  # no stray run directory
+    assert not elsewhere.exists()
 
 
 def test_cfg_job_prints_the_config_without_running(tmp_path: Path) -> None:
@@ -174,3 +183,42 @@ def test_cfg_job_prints_the_config_without_running(tmp_path: Path) -> None:
     assert result.returncode == 0
     assert "n_layer: 3" in result.stdout and "_target_: lightning_zero.ZeroStrategy" in result.stdout
     assert not any(tmp_path.iterdir())
+
+
+def test_cfg_job_of_user_choices_shows_their_values_and_the_groups_defaults(tmp_path: Path) -> None:
+    """`model=llama_1b trainer=gpu data=text`: every value of those group files, nothing of the demo."""
+    choices = {"model": "llama_1b", "trainer": "gpu", "data": "text", "cluster": "slurm"}
+    overrides = [f"{group}={option}" for group, option in choices.items()]
+    result = pretrain(
+        "--cfg", "job", *overrides, "data.path=corpus.txt", "trainer.max_steps=77", timeout_s=60
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    shown = flatten(OmegaConf.to_container(OmegaConf.create(result.stdout), resolve=False))
+    expected: dict[str, object] = {}
+    for group, option in choices.items():
+        expected.update(group_file_values(group, option))
+    expected.update({"data.path": "corpus.txt", "trainer.max_steps": 77})
+    assert {key: shown[key] for key in expected} == expected
+    assert (
+        shown["trainer.devices"] == "auto"
+        and shown["optim.lr"] == 4e-4
+        and shown["optim.warmup_steps"] == 2000
+    )
+    assert shown["run_name"] == "${recipe.run_name:}"  # llama_1b-text-gpu once resolved, not cpu_demo
+
+
+def test_debug_fdr_runs_one_batch_in_one_process_writing_no_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "fdr"
+    result = pretrain(
+        "debug=fdr",
+        f"hydra.run.dir={run_dir}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.max_corpus_mb=0.2",
+        "sample.max_new_tokens=4",
+        timeout_s=90,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Running in `fast_dev_run` mode: will run the requested loop using 1 batch(es)" in result.stderr
+    assert "Starting with 1 processes" in result.stderr  # debug: one process
+    assert "finished at step 1" in result.stdout
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]  # no checkpoints, no logs

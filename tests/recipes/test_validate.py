@@ -86,3 +86,140 @@ def test_prepared_directory_validates_against_the_model_vocabulary(tmp_path: Pat
     (tmp_path / "tok" / "index.json").unlink()
     with pytest.raises(ConfigError, match="data.tokenizer=null needs data.path to be a directory written by"):
         validate(compose_pretrain(tokens))
+
+
+# --- the open but checked schema: what users add on purpose works, typos and wrong types fail ---
+
+
+def test_every_trainer_and_strategy_argument_is_accepted_and_reaches_the_object(tmp_path: Path) -> None:
+    """Trainer and ZeroStrategy arguments the old closed schema refused, set without `+`."""
+    from datetime import timedelta
+
+    from hydra.utils import instantiate
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    cfg = compose_pretrain(
+        [
+            f"hydra.run.dir={tmp_path}",
+            "trainer.fast_dev_run=2",
+            "trainer.limit_train_batches=0.5",
+            "trainer.profiler=simple",
+            "trainer.gradient_clip_algorithm=value",
+            "strategy.async_checkpoint=true",
+            "strategy.reduce_dtype=bf16",
+            "strategy.timeout.seconds=60",
+        ]
+    )
+    validate(cfg)
+    strategy = instantiate(cfg.strategy)
+    assert strategy._async_writer is not None and strategy.zero_config.reduce_dtype == "bf16"
+    assert strategy._timeout == timedelta(seconds=60)
+    trainer = instantiate(cfg.trainer, strategy=strategy, logger=False, enable_checkpointing=False)
+    assert trainer.fast_dev_run == 2 and isinstance(trainer.profiler, SimpleProfiler)
+    assert trainer.limit_train_batches == 2  # fast_dev_run wins over the fraction, as in Lightning
+    assert trainer.gradient_clip_algorithm == "value"
+
+
+def test_ddp_takes_distributed_data_parallel_arguments() -> None:
+    from hydra.utils import instantiate
+
+    cfg = compose_pretrain(["strategy=ddp", "strategy.static_graph=true", "strategy.bucket_cap_mb=5"])
+    validate(cfg)
+    assert instantiate(cfg.strategy)._ddp_kwargs["static_graph"] is True
+
+
+def test_added_callbacks_and_loggers_are_built(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from recipes.build import build_callbacks, build_loggers
+
+    cfg = compose_pretrain(
+        [
+            f"hydra.run.dir={tmp_path}",
+            "callbacks.model_checkpoint.save_last=link",
+            "+callbacks.lr_monitor._target_=lightning.pytorch.callbacks.LearningRateMonitor",
+            "+callbacks.lr_monitor.logging_interval=step",
+            "+logger.tb._target_=lightning.pytorch.loggers.TensorBoardLogger",
+            f"+logger.tb.save_dir={tmp_path}",
+        ]
+    )
+    validate(cfg)
+    callbacks = {type(c).__name__: c for c in build_callbacks(cfg)}
+    assert callbacks["RunCheckpoint"].save_last == "link"
+    assert isinstance(callbacks["LearningRateMonitor"], LearningRateMonitor)
+    assert callbacks["LearningRateMonitor"].logging_interval == "step"
+    assert any(isinstance(logger, TensorBoardLogger) for logger in build_loggers(cfg))
+
+
+def test_wandb_logger_is_offline_or_refused_clearly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`logger=wandb` builds an offline logger (no network); without the package, one clear error."""
+    from lightning.pytorch.loggers import wandb as lightning_wandb
+    from lightning_utilities.core.imports import RequirementCache
+
+    overrides = ["logger=wandb", f"hydra.run.dir={tmp_path}", "+logger.wandb.tags=[demo]"]  # **kwargs
+    if lightning_wandb._WANDB_AVAILABLE:
+        from recipes.build import build_loggers
+
+        validate(compose_pretrain(overrides))
+        (logger,) = build_loggers(compose_pretrain(overrides))
+        assert logger._offline and logger._wandb_init["tags"] == ["demo"]
+    monkeypatch.setattr(lightning_wandb, "_WANDB_AVAILABLE", RequirementCache("wandb>=999"))
+    with pytest.raises(ConfigError, match=r"logger.wandb \(lightning.pytorch.loggers.WandbLogger\): .*wandb"):
+        validate(compose_pretrain(overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["+trainer.max_step=5"],
+            "trainer.max_step: lightning.pytorch.Trainer takes no argument 'max_step'; "
+            "did you mean max_steps",
+        ),
+        (["trainer.precision=bf17"], "trainer.precision='bf17': lightning.pytorch.Trainer wants one of"),
+        (["trainer.limit_train_batches=all"], "trainer.limit_train_batches='all'"),
+        (["+callbacks.model_checkpoint.save_lst=true"], "did you mean save_last"),
+        (["callbacks.model_checkpoint.save_last=links"], "callbacks.model_checkpoint.save_last='links'"),
+        (["+callbacks.lr.logging_interval=step"], "callbacks.lr has no _target_"),
+        (
+            ["+callbacks.x._target_=lightning.pytorch.loggers.CSVLogger", "+callbacks.x.save_dir=y"],
+            "callbacks.x._target_=lightning.pytorch.loggers.CSVLogger is not a Lightning Callback",
+        ),
+        (
+            ["+callbacks.x._target_=lightning.pytorch.callbacks.NoSuchCallback"],
+            "callbacks.x._target_=lightning.pytorch.callbacks.NoSuchCallback cannot be imported",
+        ),
+        (["+trainer.logger=false"], "trainer.logger is set by the logger group"),
+        (
+            ["strategy=ddp", "+strategy.device_ids=[0]"],
+            "strategy.device_ids: lightning.pytorch.strategies.DDP",
+        ),
+        (["strategy.timeout.minutes=5"], "strategy.timeout.minutes"),
+        (["strategy.stage=3"], "stage"),
+        (["run_name=a", "run_dir=/tmp/elsewhere"], "set hydra.run.dir=/tmp/elsewhere instead"),
+    ],
+)
+def test_mistakes_in_lightning_arguments_are_named(overrides: list[str], message: str) -> None:
+    from hydra.errors import ConfigCompositionException
+
+    try:
+        cfg = compose_pretrain(overrides)
+    except ConfigCompositionException as error:  # refused while composing: the key is named there
+        assert message.split(":")[0].split("=")[0] in f"{error} {error.__cause__}"
+        return
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert message in str(info.value)
+
+
+def test_trainer_plugins_are_built_and_kept() -> None:
+    """`trainer.plugins` reaches the Trainer (the recipe adds its SLURM environment next to them)."""
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    from recipes.build import build_plugins
+
+    target = "lightning.pytorch.plugins.environments.LightningEnvironment"
+    cfg = compose_pretrain([f"trainer.plugins=[{{_target_:{target}}}]"])
+    validate(cfg)
+    assert [type(plugin) for plugin in build_plugins(cfg)] == [LightningEnvironment]

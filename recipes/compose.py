@@ -1,0 +1,129 @@
+"""Values the recipe's config takes from Hydra's own state, and composition outside `@hydra.main`.
+
+Three settings are not YAML scalars, because a scalar would be wrong as soon as the user chooses
+something else (a default `cpu_demo` name or a fixed task count silently laid over `model=llama_1b
+trainer=gpu` was issue 11). They are OmegaConf resolvers, registered when this module is imported:
+
+- `${recipe.run_name:}`, the default `run_name`: `cpu_demo` for the demo's groups (`model=tiny data=stdlib
+  trainer=cpu`), otherwise `<model>-<data>-<trainer>` from the groups chosen, so two different setups
+  never share (and resume from) one directory unless the user names them alike. Experiments set
+  their own name.
+- `${recipe.job_dir:}`, `run_dir`: the directory Hydra runs the job in: `hydra.run.dir` (default
+  `<output_root>/<run_name>`, no timestamp, so `ckpt_path=last` finds it again), or
+  `hydra.sweep.dir/hydra.sweep.subdir` in a multirun. `hydra.run.dir=X` therefore places checkpoints,
+  logs and `config.yaml` in X. Lightning's launcher re-runs the command for ranks > 0 with
+  `hydra.run.dir=<the resolved dir>`, so every rank gets the same one.
+- `${recipe.tasks_per_node:accelerator,devices,gpus_per_node}`: SLURM tasks per node, one per device
+  (`tasks_per_node`, shared with `recipes.sbatch`).
+
+`compose_recipe` composes `conf/pretrain.yaml` as the command does and installs Hydra's runtime state
+(`HydraConfig`) the way `@hydra.main` does, so these resolvers work in `recipes.sbatch` and in tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+DEMO_CHOICES = {"model": "tiny", "data": "stdlib", "trainer": "cpu"}
+DEMO_RUN_NAME = "cpu_demo"
+GPU_ACCELERATORS = ("gpu", "cuda")
+
+
+def hydra_node(root: DictConfig) -> DictConfig:
+    """Hydra's own config: the root's `hydra` node where it is still there (a multirun's launching
+    process, which resolves the launcher's settings before any job exists), else Hydra's runtime state
+    (a job, and `compose_recipe`)."""
+    return root.hydra if "hydra" in root else HydraConfig.get()
+
+
+def default_run_name(*, _root_: DictConfig) -> str:
+    """`cpu_demo` for the demo's groups, else `<model>-<data>-<trainer>` of the groups chosen."""
+    choices = hydra_node(_root_).runtime.choices
+    chosen = {group: choices.get(group) for group in DEMO_CHOICES}
+    if chosen == DEMO_CHOICES:
+        return DEMO_RUN_NAME
+    return "-".join(str(choice) for choice in chosen.values())
+
+
+def job_dir(*, _root_: DictConfig) -> str:
+    """The directory Hydra runs this job in (a multirun job: its sweep subdirectory)."""
+    hydra = hydra_node(_root_)
+    if hydra.mode == RunMode.MULTIRUN:
+        return str(Path(str(hydra.sweep.dir)) / str(hydra.sweep.subdir))
+    return str(hydra.run.dir)
+
+
+def device_count(devices: Any) -> int | None:
+    """Devices a `trainer.devices` value asks for; None for `auto` / -1 (whatever the node has)."""
+    if isinstance(devices, list | tuple | ListConfig):
+        return len(devices)
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 0:
+        return devices
+    return None
+
+
+def tasks_per_node(accelerator: str, devices: Any, gpus_per_node: int | None) -> int:
+    """SLURM tasks per node: one per device (Lightning checks `--ntasks-per-node == devices`).
+
+    On GPU trainers with `cluster.gpus_per_node` set, `trainer.devices` must be `auto` (all the node's
+    GPUs) or that same number; on CPU trainers it is `trainer.devices` (`auto`: one process).
+
+    Raises:
+        ValueError: when the two numbers disagree or neither gives a count, naming both settings.
+    """
+    count = device_count(devices)
+    if str(accelerator) in GPU_ACCELERATORS:
+        if gpus_per_node is not None and count not in (None, gpus_per_node):
+            raise ValueError(
+                f"trainer.devices={devices} but cluster.gpus_per_node={gpus_per_node}: SLURM starts one "
+                f"task per GPU; set trainer.devices=auto (or {gpus_per_node}), or "
+                f"cluster.gpus_per_node={count}"
+            )
+        if count is None and gpus_per_node is None:
+            raise ValueError(
+                f"trainer.devices={devices} with cluster.gpus_per_node=null: the number of tasks per node "
+                "is unknown; set cluster.gpus_per_node or trainer.devices to a number"
+            )
+        return gpus_per_node if gpus_per_node is not None else count  # type: ignore[return-value]
+    return 1 if count is None else count
+
+
+def register_resolvers() -> None:
+    """Register the `recipe.*` resolvers (idempotent)."""
+    for name, function in (
+        ("recipe.run_name", default_run_name),
+        ("recipe.job_dir", job_dir),
+        ("recipe.tasks_per_node", tasks_per_node),
+    ):
+        OmegaConf.register_new_resolver(name, function, replace=True)
+
+
+def compose_recipe(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
+    """`conf/pretrain.yaml` with `overrides`, as `python -m recipes.pretrain` composes it.
+
+    Raises Hydra's and OmegaConf's errors for an unknown key, a wrong type or an unknown group option,
+    each naming it.
+    """
+    import recipes.schema  # noqa: F401  (registers `pretrain_schema` and the resolvers)
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="pretrain"):
+        cfg = compose(config_name="pretrain", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    if not return_hydra_config:
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return cfg
+
+
+register_resolvers()
