@@ -22,7 +22,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.callbacks import SlurmRequeue
+from recipes.callbacks import SlurmRequeue, TokenizerCopy, requeued_resume_path
 from recipes.data import PretrainDataModule
 from recipes.module import PretrainModule
 from recipes.validate import RecipeConfigs
@@ -75,10 +75,12 @@ def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
     datamodule = PretrainDataModule(configs.data, corpus=configs.corpus)
     module = PretrainModule(configs.model, configs.optim, peak_flops_per_device=cfg.peak_flops_per_device)
     loggers = build_loggers(cfg)
-    callbacks, plugins = build_callbacks(cfg), []
+    callbacks, plugins = [*build_callbacks(cfg), TokenizerCopy(cfg.run_dir)], []
+    ckpt_path = cfg.ckpt_path
     if SLURMEnvironment.detect():  # one requeue mechanism: ours, not Lightning's signal-handler save
         plugins.append(SLURMEnvironment(auto_requeue=False))
         callbacks.append(SlurmRequeue())
+        ckpt_path = requeued_resume_path(ckpt_path, callbacks)  # a requeued job continues its series
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
         strategy=instantiate(cfg.strategy),
@@ -94,5 +96,5 @@ def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
         for logger in loggers:
             logger.log_hyperparams(resolved)
     return Run(
-        trainer=trainer, module=module, datamodule=datamodule, run_dir=run_dir, ckpt_path=cfg.ckpt_path
+        trainer=trainer, module=module, datamodule=datamodule, run_dir=run_dir, ckpt_path=ckpt_path
     )
