@@ -138,3 +138,37 @@ def test_tokenizer_is_in_the_run_directory_at_setup(rank_zero: bool, tmp_path: P
     byte_level = SimpleNamespace(is_global_zero=True, datamodule=SimpleNamespace(tokenizer=object()))
     TokenizerCopy(tmp_path / "bytes").setup(byte_level, None, "fit")  # type: ignore[arg-type]
     assert not (tmp_path / "bytes").exists()
+
+
+def fit_one_process(dirpath: Path, steps: int, resume: str | None = None) -> list[int]:
+    """A 1-process fit with a `RunCheckpoint` every 4 steps; the step of every checkpoint dump."""
+    import lightning as L
+
+    from tests.distributed.resume_fit import IndexedData, IndexedLit
+    from tests.recipes.requeue_fit import SaveLog
+
+    saves = SaveLog()
+    checkpoint = RunCheckpoint(
+        dirpath,
+        filename="step{step:06d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=4,
+        save_last=True,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="64-true",
+        max_steps=steps,
+        logger=False,
+        callbacks=[saves, checkpoint],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(IndexedLit(), datamodule=IndexedData(batch_size=4), ckpt_path=resume)
+    return saves.steps
+
+
+def test_the_final_step_is_saved_once_and_a_finished_run_resumes_without_a_copy(tmp_path: Path) -> None:
+    assert fit_one_process(tmp_path, steps=6) == [4, 4, 6]  # step 4 and its copy; `last` alone at 6
+    assert fit_one_process(tmp_path, steps=6, resume="last") == []  # step 6 is on disk already
