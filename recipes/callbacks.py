@@ -68,12 +68,6 @@ class RunCheckpoint(ModelCheckpoint):
     """`ModelCheckpoint` as the one checkpoint series of a run (see the module docstring)."""
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        if trainer.ckpt_path is not None:
-            self._last_global_step_saved = trainer.global_step  # that state is on disk: no copy at once
-
-    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # replaces ModelCheckpoint's, which saves `last` only if this run saved nothing at all
         if self._should_skip_saving_checkpoint(trainer) or unscheduled_save_problem(self) is not None:
