@@ -28,6 +28,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
@@ -44,8 +45,8 @@ def unscheduled_save_problem(callback: ModelCheckpoint) -> str | None:
     return (
         f"ModelCheckpoint(monitor={callback.monitor!r}, save_top_k={callback.save_top_k}, "
         f"save_last={callback.save_last!r}) has no place for a checkpoint of an arbitrary step: its top-k "
-        "keeps the best values of the monitored metric and `last` is off or a link to one of them; "
-        "use save_last=True (or monitor=None)"
+        "is off or keeps the best values of a monitored metric, and `last` is off or a link to one of "
+        "those; use save_last=True (or monitor=None with save_top_k != 0)"
     )
 
 
@@ -77,8 +78,8 @@ class RunCheckpoint(ModelCheckpoint):
     @override
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         """What `ckpt_path="last"` chooses from: the newest complete checkpoint of `dirpath`."""
-        if self.dirpath is None:  # resolved from the trainer only at setup, after "last" is resolved
-            return super()._find_last_checkpoints(trainer)
+        if self.dirpath is None or not _is_local_file_protocol(self.dirpath):
+            return super()._find_last_checkpoints(trainer)  # no dirpath yet (set at setup), or remote
         newest = newest_checkpoint(self.dirpath)
         return {os.path.normpath(newest)} if newest is not None else set()
 
@@ -166,21 +167,24 @@ class SlurmRequeue(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._checkpoint = trainer.checkpoint_callback
+        checkpoint = next(
+            (cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)), None
+        )
         problem = (
             "no ModelCheckpoint callback (callbacks.model_checkpoint is null)"
-            if self._checkpoint is None
-            else unscheduled_save_problem(self._checkpoint)
+            if checkpoint is None
+            else unscheduled_save_problem(checkpoint)
         )
-        if problem is not None:
+        if checkpoint is None or problem is not None:
             raise ValueError(
                 f"SlurmRequeue saves through the run's checkpoint callback, but there is {problem}"
             )
+        self._checkpoint = checkpoint
         self._agreement.open()
         if trainer.is_global_zero:
             print(
                 f"SLURM job {os.environ.get('SLURM_JOB_ID')}: world size {trainer.world_size}; on SIGUSR1 "
-                f"the ranks save the step in {self._checkpoint.dirpath} together and the job requeues",
+                f"the ranks save the step in {checkpoint.dirpath} together and the job requeues",
                 flush=True,
             )
 
@@ -250,7 +254,7 @@ def requeued_resume_path(
     newest = next((path for path in map(newest_checkpoint, series) if path is not None), None)
     if newest is None:
         return ckpt_path
-    if rank_zero_only.rank == 0:
+    if getattr(rank_zero_only, "rank", 0) == 0:
         print(f"requeued job (restart {restarts}): resuming from {newest} instead of ckpt_path={ckpt_path}")
     return "last"
 
@@ -270,7 +274,8 @@ class TokenizerCopy(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        source = getattr(getattr(trainer.datamodule, "tokenizer", None), "path", None)
+        datamodule = getattr(trainer, "datamodule", None)
+        source = getattr(getattr(datamodule, "tokenizer", None), "path", None)
         if stage != "fit" or not trainer.is_global_zero or source is None:
             return
         target = self.run_dir / Path(source).name

@@ -104,12 +104,12 @@ def test_a_requeued_job_continues_its_series(tmp_path: Path) -> None:
 def test_requeue_refuses_a_checkpoint_callback_that_cannot_save_any_step(tmp_path: Path) -> None:
     requeue = SlurmRequeue()
     with pytest.raises(ValueError, match="no ModelCheckpoint callback"):
-        requeue.setup(SimpleNamespace(checkpoint_callback=None), None, "fit")  # type: ignore[arg-type]
+        requeue.setup(SimpleNamespace(checkpoint_callbacks=[]), None, "fit")  # type: ignore[arg-type]
     best_only = ModelCheckpoint(dirpath=tmp_path, monitor="val/loss", save_last=False)
     problem = unscheduled_save_problem(best_only)
     assert problem is not None and "monitor='val/loss'" in problem and "save_last=True" in problem
     with pytest.raises(ValueError, match="save_last=True"):
-        requeue.setup(SimpleNamespace(checkpoint_callback=best_only), None, "fit")  # type: ignore[arg-type]
+        requeue.setup(SimpleNamespace(checkpoint_callbacks=[best_only]), None, "fit")  # type: ignore[arg-type]
     for fine in (
         ModelCheckpoint(dirpath=tmp_path),
         ModelCheckpoint(dirpath=tmp_path, monitor="val/loss", save_last=True),
