@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import Callback
 
 import recipes.callbacks
 from recipes.callbacks import RunCheckpoint, SlurmRequeue, StopAgreement
-from tests.distributed.resume_fit import IndexedData, IndexedLit
+from tests.distributed import resume_fit
 
 
 class SignalOneRank(Callback):
@@ -44,10 +44,14 @@ class SignalOneRank(Callback):
 
 
 class SaveLog(Callback):
-    """The global step of every checkpoint dump (one per full save)."""
+    """The global step of every checkpoint dump (one per full save), and the checkpoint resumed from."""
 
     def __init__(self) -> None:
         self.steps: list[int] = []
+        self.ckpt_path: str | None = None
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.ckpt_path = None if trainer.ckpt_path is None else Path(trainer.ckpt_path).name
 
     def on_save_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: Any) -> None:
         self.steps.append(trainer.global_step)
@@ -104,7 +108,7 @@ def fit(
     every_n_steps: int = 4,
     plant: bool = False,
 ) -> dict[str, Any]:
-    """One 2-rank fit (strategy "zero", float64, accumulate 2) with the series in `<root>/<name>`."""
+    """A 2-rank `resume_fit.fit` (strategy "zero", float64, accumulate 2), its series in `<root>/<name>`."""
     dirpath = Path(root) / name
     if plant:
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
@@ -124,31 +128,15 @@ def fit(
     ]
     if signal_at is not None:
         callbacks.insert(1, SignalOneRank(signal_at, signal_rank))
-    trainer = L.Trainer(
-        strategy="zero",
-        devices=2,
-        accelerator="cpu",
-        precision="64-true",
-        max_steps=steps,
-        accumulate_grad_batches=2,
-        logger=False,
-        callbacks=callbacks,
-        default_root_dir=root,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    model = IndexedLit()
     with AgreementCount() as count:
-        trainer.fit(model, datamodule=IndexedData(batch_size=2), ckpt_path=resume)
+        result = resume_fit.fit(
+            devices=2, strategy="zero", accum=2, batch_size=2, steps=steps, resume=resume, callbacks=callbacks
+        )
     return {
-        "rank": trainer.global_rank,
-        "global_step": trainer.global_step,
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "trained": model.trained,
+        **result,
         "saves": saves.steps,
         "agreements": count.launched,
-        "ckpt_path": None if trainer.ckpt_path is None else Path(trainer.ckpt_path).name,
+        "ckpt_path": saves.ckpt_path,
         "files": sorted(p.name for p in dirpath.iterdir()),
     }
 

@@ -142,9 +142,7 @@ def test_tokenizer_is_in_the_run_directory_at_setup(rank_zero: bool, tmp_path: P
 
 def fit_one_process(dirpath: Path, steps: int, resume: str | None = None) -> list[int]:
     """A 1-process fit with a `RunCheckpoint` every 4 steps; the step of every checkpoint dump."""
-    import lightning as L
-
-    from tests.distributed.resume_fit import IndexedData, IndexedLit
+    from tests.distributed.resume_fit import fit
     from tests.recipes.requeue_fit import SaveLog
 
     saves = SaveLog()
@@ -155,17 +153,7 @@ def fit_one_process(dirpath: Path, steps: int, resume: str | None = None) -> lis
         every_n_train_steps=4,
         save_last=True,
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="64-true",
-        max_steps=steps,
-        logger=False,
-        callbacks=[saves, checkpoint],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(IndexedLit(), datamodule=IndexedData(batch_size=4), ckpt_path=resume)
+    fit(steps=steps, resume=resume, callbacks=[saves, checkpoint])
     return saves.steps
 
 
