@@ -95,6 +95,4 @@ def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         for logger in loggers:
             logger.log_hyperparams(resolved)
-    return Run(
-        trainer=trainer, module=module, datamodule=datamodule, run_dir=run_dir, ckpt_path=ckpt_path
-    )
+    return Run(trainer=trainer, module=module, datamodule=datamodule, run_dir=run_dir, ckpt_path=ckpt_path)
