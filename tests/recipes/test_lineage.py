@@ -160,3 +160,30 @@ def fit_one_process(dirpath: Path, steps: int, resume: str | None = None) -> lis
 def test_the_final_step_is_saved_once_and_a_finished_run_resumes_without_a_copy(tmp_path: Path) -> None:
     assert fit_one_process(tmp_path, steps=6) == [4, 4, 6]  # step 4 and its copy; `last` alone at 6
     assert fit_one_process(tmp_path, steps=6, resume="last") == []  # step 6 is on disk already
+
+
+def test_the_recipe_under_slurm_requeues_into_its_series(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`build_run` in a requeued SLURM task (no process started): the requeue callback and the tokenizer
+    copy are there, Lightning's auto-requeue is off, and the run resumes from its series."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    from recipes.build import build_run
+    from recipes.validate import validate
+    from tests.conf.compose import compose_pretrain
+
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "lz"}
+    slurm |= {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    slurm |= {"SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "SLURM_RESTART_COUNT": "1"}
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    cfg = compose_pretrain([f"output_root={tmp_path}", "run_name=requeued"])
+    (tmp_path / "requeued" / "checkpoints").mkdir(parents=True)
+    sharded(tmp_path / "requeued" / "checkpoints" / "last.ckpt", 100)
+    run = build_run(cfg, validate(cfg))
+    assert run.ckpt_path == "last"  # the command's ckpt_path is null
+    kinds = {type(cb) for cb in run.trainer.callbacks}
+    assert {SlurmRequeue, TokenizerCopy, RunCheckpoint} <= kinds
+    environment = run.trainer._accelerator_connector.cluster_environment
+    assert isinstance(environment, SLURMEnvironment) and not environment.auto_requeue
