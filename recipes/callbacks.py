@@ -171,14 +171,12 @@ class SlurmRequeue(Callback):
             (cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)), None
         )
         problem = (
-            "no ModelCheckpoint callback (callbacks.model_checkpoint is null)"
+            "there is no ModelCheckpoint callback (callbacks.model_checkpoint is null)"
             if checkpoint is None
             else unscheduled_save_problem(checkpoint)
         )
         if checkpoint is None or problem is not None:
-            raise ValueError(
-                f"SlurmRequeue saves through the run's checkpoint callback, but there is {problem}"
-            )
+            raise ValueError(f"SlurmRequeue saves through the run's checkpoint callback, but {problem}")
         self._checkpoint = checkpoint
         self._agreement.open()
         if trainer.is_global_zero:
