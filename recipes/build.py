@@ -22,7 +22,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from recipes.callbacks import SlurmRequeue
+from recipes.callbacks import SlurmRequeue, TokenizerCopy, requeued_resume_path
 from recipes.data import PretrainDataModule
 from recipes.module import PretrainModule
 from recipes.validate import RecipeConfigs
@@ -88,9 +88,11 @@ def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
     datamodule = PretrainDataModule(configs.data, corpus=configs.corpus)
     module = PretrainModule(configs.model, configs.optim)
     loggers = build_loggers(cfg)
-    callbacks, plugins = build_callbacks(cfg), build_plugins(cfg)
+    callbacks, plugins = [*build_callbacks(cfg), TokenizerCopy(cfg.run_dir)], build_plugins(cfg)
+    ckpt_path = cfg.ckpt_path
     if SLURMEnvironment.detect():  # one requeue mechanism: ours, not Lightning's signal-handler save
         callbacks.append(SlurmRequeue())
+        ckpt_path = requeued_resume_path(ckpt_path, callbacks)  # a requeued job continues its series
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
         strategy=instantiate(cfg.strategy),
@@ -105,6 +107,4 @@ def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         for logger in loggers:
             logger.log_hyperparams(resolved)
-    return Run(
-        trainer=trainer, module=module, datamodule=datamodule, run_dir=run_dir, ckpt_path=cfg.ckpt_path
-    )
+    return Run(trainer=trainer, module=module, datamodule=datamodule, run_dir=run_dir, ckpt_path=ckpt_path)

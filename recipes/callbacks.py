@@ -1,66 +1,194 @@
-"""Callbacks the recipe adds to Lightning's defaults.
+"""Callbacks the recipe adds to Lightning's defaults: one checkpoint series per run, and SLURM requeue.
 
-`RunCheckpoint` is Lightning's `ModelCheckpoint` plus one guarantee: when training stops at
-`max_steps` between two `every_n_train_steps` saves, it still writes `last.ckpt` for the final step, so
-`ckpt_path=last` always resumes from where the previous command ended. (The stock callback only saves
-`last` at train end when it never saved anything during the run.) Saving runs on every rank, as
-`trainer.save_checkpoint` requires for sharded strategies.
+`RunCheckpoint` is Lightning's `ModelCheckpoint` made the single series of a run (`<run_dir>/checkpoints`):
 
-`SlurmRequeue` is the recipe's one requeue mechanism under SLURM (see its docstring).
+  * training that stops between two `every_n_train_steps` saves (at `max_steps`, or for a requeue)
+    still saves its final step, with one full write (`save_step`), so the next command continues
+    where this one ended;
+  * `ckpt_path=last` resumes from the newest *complete* checkpoint of the directory, whichever
+    callback wrote it (`recipes.lineage`), not only a `last*.ckpt`: a `last` left behind by a crash
+    between the step file and its copy, a dangling `last` link or a half-written file is skipped.
+
+`SlurmRequeue` is the recipe's one requeue mechanism under SLURM: on SIGUSR1 the ranks agree at an
+optimizer-step boundary (`StopAgreement`, off the training path), save through `RunCheckpoint` (the
+same series, pruned by the same `save_top_k`), rank 0 requeues the job and training stops.
+`requeued_resume_path` makes the requeued job resume from that series. `TokenizerCopy` puts the
+run's tokenizer file in the run directory before the first step.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
+
+from recipes.lineage import newest_checkpoint
+
+
+def unscheduled_save_problem(callback: ModelCheckpoint) -> str | None:
+    """Why `callback` cannot save an arbitrary step (`save_step`), or None if it can."""
+    if callback.monitor is None and callback.save_top_k != 0:
+        return None  # a step checkpoint of its top-k series
+    if callback.save_last is True or (callback.save_last == "link" and callback.save_top_k == 0):
+        return None  # `last` written in full
+    return (
+        f"ModelCheckpoint(monitor={callback.monitor!r}, save_top_k={callback.save_top_k}, "
+        f"save_last={callback.save_last!r}) has no place for a checkpoint of an arbitrary step: its top-k "
+        "is off or keeps the best values of a monitored metric, and `last` is off or a link to one of "
+        "those; use save_last=True (or monitor=None with save_top_k != 0)"
+    )
+
+
+def save_step(callback: ModelCheckpoint, trainer: pl.Trainer) -> str:
+    """Save the current step into `callback`'s series with ONE full write; return the path written.
+
+    Must be called on all ranks, at an optimizer-step boundary. With `save_last=True`: `last` in full
+    (a step copy as well would be a second full write of the same state). With top-k by step and
+    `save_last="link"` (or no `last`): a step checkpoint, which prunes older ones as every periodic save
+    does, then `last` linked to it. See `unscheduled_save_problem` for the settings that cannot.
+    """
+    candidates = callback._monitor_candidates(trainer)
+    if callback.monitor is None and callback.save_top_k != 0 and callback.save_last is not True:
+        callback._save_topk_checkpoint(trainer, candidates)
+    callback._save_last_checkpoint(trainer, candidates)
+    return callback._last_checkpoint_saved
 
 
 class RunCheckpoint(ModelCheckpoint):
-    """`ModelCheckpoint` that also saves `last` at the end of training if the final step is unsaved."""
+    """`ModelCheckpoint` as the one checkpoint series of a run (see the module docstring)."""
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.save_last and trainer.global_step > self._last_global_step_saved:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-            self._last_global_step_saved = trainer.global_step
-        super().on_train_end(trainer, pl_module)
+        # replaces ModelCheckpoint's, which saves `last` only if this run saved nothing at all
+        if self._should_skip_saving_checkpoint(trainer) or unscheduled_save_problem(self) is not None:
+            return
+        save_step(self, trainer)
+
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """What `ckpt_path="last"` chooses from: the newest complete checkpoint of `dirpath`."""
+        if self.dirpath is None or not _is_local_file_protocol(self.dirpath):
+            return super()._find_last_checkpoints(trainer)  # no dirpath yet (set at setup), or remote
+        newest = newest_checkpoint(self.dirpath)
+        return {os.path.normpath(newest)} if newest is not None else set()
+
+
+class StopAgreement:
+    """All ranks agree, at the same optimizer-step boundary, that some rank was asked to stop.
+
+    `poll(requested)` is called by every rank at every optimizer-step boundary. It reads the agreement
+    launched at the previous boundary and launches the next one: a one-element MAX all-reduce of this
+    rank's flag, asynchronous, as a CPU tensor on a gloo process group of its own. Hence:
+
+      * the step path never waits for it: no device tensor (no host-device synchronisation on GPU),
+        and nothing enters the order of the training group, whose collectives (NCCL or gloo) the
+        strategy issues from backward hooks; a 4-byte gloo exchange has long finished one step later;
+      * every rank reads the same value at the same boundary, so all stop at the same step: one
+        boundary after the first rank that saw its signal, whichever ranks saw it;
+      * accumulation micro-batches cost nothing (the caller polls at optimizer steps only).
+
+    The side group is created by `open` (on all ranks: `new_group` is collective) and pending work is
+    waited for by `close`. Without a process group (one process) the flag is its own answer.
+    """
+
+    def __init__(self) -> None:
+        self._group: dist.ProcessGroup | None = None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+
+    def open(self) -> None:
+        """Create the side group if running distributed. Call on all ranks."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")
+
+    def poll(self, requested: bool) -> bool:
+        """Whether all ranks stop at this boundary (some rank had `requested` at the previous one)."""
+        if self._group is None:
+            return requested
+        agreed = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            agreed = bool(flag.item())
+        self._pending = None
+        if agreed:
+            return True
+        flag = torch.tensor([1 if requested else 0], dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (work, flag)  # type: ignore[assignment]
+        return False
+
+    def close(self, wait: bool) -> None:
+        """Wait for the agreement in flight (`wait`: all ranks reached the same boundaries) or drop it."""
+        if self._pending is not None and wait:
+            self._pending[0].wait()
+        self._pending = None
 
 
 class SlurmRequeue(Callback):
-    """The one requeue mechanism under SLURM: save together at a step boundary, requeue, stop.
+    """The one requeue mechanism under SLURM: agree at a step boundary, save in the series, requeue, stop.
 
-    SIGUSR1 (``#SBATCH --signal=SIGUSR1@90`` before the time limit, or ``scancel -s USR1 JOB``) only
-    sets a flag. After every optimizer step (the last micro-batch of ``accumulate_grad_batches``: no
-    accumulated gradient is lost and the data position is a whole global batch) the ranks agree on
-    it (a one-element max all-reduce);
-    when set, all ranks save ``hpc_ckpt_N.ckpt`` in the run directory together, rank 0 runs
-    ``scontrol requeue``, and training stops. The requeued job finds that checkpoint itself
-    (Lightning resumes from the newest ``hpc_ckpt_*`` under SLURM when no ``ckpt_path`` is given).
-    It replaces Lightning's own SIGUSR1 handler (``SLURMEnvironment(auto_requeue=False)``), which
-    saves from inside the signal handler, wherever each rank happens to be: with a sharded
-    checkpoint's collectives that could interleave with training's.
+    SIGUSR1 (``#SBATCH --signal=SIGUSR1@90`` before the time limit, sent to every task; or
+    ``scancel --signal=USR1 JOB``) only sets a flag. The handler is installed when the callback is
+    built, so a signal during data preparation is kept too. At optimizer-step boundaries (never
+    inside an accumulation window: its gradient would not be in the checkpoint) the ranks agree on
+    the flag through `StopAgreement`; once agreed, all ranks save the step through the trainer's
+    checkpoint callback (`save_step`: the run's series in ``<run_dir>/checkpoints``, updating `last`,
+    pruned by ``save_top_k`` like any periodic save), wait for the commit of an asynchronous save,
+    rank 0 flushes the loggers and runs ``scontrol requeue``, and training stops. The requeued job
+    resumes from the series (`requeued_resume_path`). Lightning's own SIGUSR1 handler is off
+    (``SLURMEnvironment(auto_requeue=False)``): it saves from inside the signal handler, wherever
+    each rank happens to be, where a sharded checkpoint's collectives could interleave with training's.
     """
 
     reads_parameters_between_steps = False  # a save waits for parameter gathers by itself
 
     def __init__(self) -> None:
         self._signalled = False
+        self._agreement = StopAgreement()
+        self._checkpoint: ModelCheckpoint | None = None
+        self._boundary_step = -1
+        signal.signal(signal.SIGUSR1, self._on_signal)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signalled = True
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        signal.signal(signal.SIGUSR1, self._on_signal)
+        if stage != "fit":
+            return
+        checkpoint = next(
+            (cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)), None
+        )
+        problem = (
+            "there is no ModelCheckpoint callback (callbacks.model_checkpoint is null)"
+            if checkpoint is None
+            else unscheduled_save_problem(checkpoint)
+        )
+        if checkpoint is None or problem is not None:
+            raise ValueError(f"SlurmRequeue saves through the run's checkpoint callback, but {problem}")
+        self._checkpoint = checkpoint
+        self._agreement.open()
         if trainer.is_global_zero:
-            print(f"SLURM job {os.environ.get('SLURM_JOB_ID')}: world size {trainer.world_size}; on SIGUSR1 "
-                  "the ranks save hpc_ckpt_N.ckpt together and the job requeues", flush=True)
+            print(
+                f"SLURM job {os.environ.get('SLURM_JOB_ID')}: world size {trainer.world_size}; on SIGUSR1 "
+                f"the ranks save the step in {checkpoint.dirpath} together and the job requeues",
+                flush=True,
+            )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._boundary_step = trainer.global_step  # restored by now when resuming
 
     @override
     def on_train_batch_end(
@@ -71,17 +199,21 @@ class SlurmRequeue(Callback):
         batch: object,
         batch_idx: int,
     ) -> None:
-        stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
-        if not stepped and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            return  # inside an optimizer step: its accumulated gradient would not be in the checkpoint
-        flag = torch.tensor([1.0 if self._signalled else 0.0], device=pl_module.device)
-        if float(trainer.strategy.reduce(flag, reduce_op="max")) == 0.0:
-            return
-        path = trainer._checkpoint_connector.hpc_save_path(
-            trainer.default_root_dir
-        )  # where Lightning resumes
-        trainer.save_checkpoint(path)
+        if trainer.global_step == self._boundary_step:
+            return  # no optimizer step in this micro-batch: inside an accumulation window
+        self._boundary_step = trainer.global_step
+        if self._agreement.poll(self._signalled):
+            self._save_and_requeue(trainer)
+
+    def _save_and_requeue(self, trainer: pl.Trainer) -> None:
+        assert self._checkpoint is not None, "set in setup()"
+        path = save_step(self._checkpoint, trainer)
+        wait_for_checkpoint = getattr(trainer.strategy, "wait_for_checkpoint", None)
+        if wait_for_checkpoint is not None:
+            wait_for_checkpoint()  # committed before the requeue ends this job
         if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.save()
             job = os.environ.get("SLURM_ARRAY_JOB_ID")
             job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ.get("SLURM_JOB_ID", "")
             print(
@@ -90,3 +222,61 @@ class SlurmRequeue(Callback):
             subprocess.run(["scontrol", "requeue", job], check=False)
         trainer.should_stop = True
         self._signalled = False
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._agreement.close(wait=True)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._agreement.close(wait=False)  # other ranks may never reach the boundary it belongs to
+
+
+def requeued_resume_path(
+    ckpt_path: str | None, callbacks: Sequence[Callback], env: Mapping[str, str] | None = None
+) -> str | None:
+    """The checkpoint a SLURM job resumes from: ``"last"`` if it was requeued and its series holds a
+    complete checkpoint, else `ckpt_path`.
+
+    A requeued job runs the same command again, and the `ckpt_path` of that command (null, or the
+    checkpoint the first attempt started from) would start over. SLURM counts restarts in
+    ``SLURM_RESTART_COUNT``; a requeue before the first save keeps `ckpt_path`.
+    """
+    env = os.environ if env is None else env
+    restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
+    if restarts == 0:
+        return ckpt_path
+    series = [cb.dirpath for cb in callbacks if isinstance(cb, ModelCheckpoint)]
+    newest = next((path for path in map(newest_checkpoint, series) if path is not None), None)
+    if newest is None:
+        return ckpt_path
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        print(f"requeued job (restart {restarts}): resuming from {newest} instead of ckpt_path={ckpt_path}")
+    return "last"
+
+
+class TokenizerCopy(Callback):
+    """Copies the run's tokenizer file into the run directory (rank 0) once the data is set up.
+
+    Before the first step, so every checkpoint of the run - a periodic save, a requeue, one left by a
+    crash - can be exported or sampled from (`recipes.load.find_tokenizer` looks beside `checkpoints/`).
+    Tokenizers without a file (bytes) have nothing to copy.
+    """
+
+    reads_parameters_between_steps = False
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.run_dir = Path(run_dir)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        datamodule = getattr(trainer, "datamodule", None)
+        source = getattr(getattr(datamodule, "tokenizer", None), "path", None)
+        if stage != "fit" or not trainer.is_global_zero or source is None:
+            return
+        target = self.run_dir / Path(source).name
+        if not target.exists() or not target.samefile(source):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, target)

@@ -17,7 +17,6 @@ writes nothing there itself (`output_subdir: null`, `job_logging: none`), rank 0
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -66,9 +65,6 @@ def report(run: Run, cfg: DictConfig) -> None:
     print(f"--- sample ({cfg.sample.max_new_tokens} tokens after {cfg.sample.prompt!r}) ---")
     print(sample_text(run, cfg))
     print("---")
-    tokenizer_file = getattr(run.datamodule.tokenizer, "path", None)  # none for bytes
-    if tokenizer_file is not None:
-        shutil.copy(tokenizer_file, run.run_dir / Path(tokenizer_file).name)
     print(f"run directory: {run.run_dir.resolve()}")
     for logger in run.trainer.loggers:
         print(f"logs ({type(logger).__name__}): {Path(logger.log_dir or logger.save_dir or '.').resolve()}")

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint import read_meta, shard_name
+from recipes.lineage import is_complete
 from recipes.sampling import global_batch
 from recipes.sbatch import ROOT, compose_config, sbatch_script
 
@@ -135,6 +136,15 @@ def test_generated_sbatch_runs_the_recipe_on_two_tasks(slurm: None, tmp_path: Pa
     assert meta["world_size"] == 2 and meta["lightning"]["global_step"] == 6
 
 
+def assert_same_shards(ours: Path, reference: Path) -> None:
+    """Two sharded checkpoints of 2 ranks hold bit-identical parameters and optimizer state."""
+    for rank in (0, 1):
+        mine = torch.load(ours / shard_name(rank, 2), weights_only=True)
+        ref = torch.load(reference / shard_name(rank, 2), weights_only=True)
+        for key, tensors in ref.items():
+            assert all(torch.equal(x, y) for x, y in zip(mine[key], tensors, strict=True)), (rank, key)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -188,11 +198,7 @@ def test_torchrun_two_nodes_matches_one_node(tmp_path: Path) -> None:
     assert all(p.returncode == 0 for p in nodes), outputs[0][-3000:] + outputs[1][-3000:]
     a, b = (tmp_path / name / "checkpoints" / "last.ckpt" for name in ("one_node", "two_nodes"))
     assert read_meta(b)["world_size"] == 2
-    for rank in (0, 1):
-        ours = torch.load(b / shard_name(rank, 2), weights_only=True)
-        ref = torch.load(a / shard_name(rank, 2), weights_only=True)
-        for key, tensors in ref.items():
-            assert all(torch.equal(x, y) for x, y in zip(ours[key], tensors, strict=True)), key
+    assert_same_shards(b, a)
 
 
 def assert_each_sample_trained_once_in_order(run_dir: Path, steps: int, world_size: int) -> None:
@@ -212,48 +218,67 @@ def assert_each_sample_trained_once_in_order(run_dir: Path, steps: int, world_si
 
 
 def test_requeue_resumes_from_its_checkpoint_and_finishes(slurm: None, tmp_path: Path) -> None:
-    """SIGUSR1 part-way (what --signal=SIGUSR1@90 sends before a time limit): the ranks save together,
-    the job requeues itself, resumes from that checkpoint and ends at max_steps, no step trained twice
-    and every sample of the uninterrupted order trained once."""
-    steps = 40
-    overrides = [
-        *SLURM_TWO_TASKS,
-        f"output_root={tmp_path}",
-        "run_name=requeue",
+    """SIGUSR1 part-way (what --signal=SIGUSR1@90 sends every task before a time limit): the ranks
+    agree at a step boundary, save that step in the run's checkpoint series, the job requeues itself,
+    and the requeued job (same command, no ckpt_path) resumes from the series and ends at max_steps:
+    no step trained twice, every sample of the uninterrupted order trained once, the series pruned
+    to its newest step checkpoint plus `last`, and the same parameters and optimizer state as an
+    uninterrupted run of the same command (run locally while SLURM holds the requeued job)."""
+    steps, every = 30, 5
+    common = [
+        "trainer.devices=2",
         f"trainer.max_steps={steps}",
         "trainer.val_check_interval=1000",
         "sample.max_new_tokens=5",
         "callbacks=trained_samples",
+        f"callbacks.model_checkpoint.every_n_train_steps={every}",
+        f"output_root={tmp_path}",
     ]
-    job_id = submit_generated(overrides, tmp_path)
-    log = tmp_path / "requeue" / f"slurm-{job_id}.out"
+    job_id = submit_generated([*SLURM_TWO_TASKS, *common, "run_name=requeue"], tmp_path)
+    run_dir = tmp_path / "requeue"
+    log = run_dir / f"slurm-{job_id}.out"
     deadline = time.monotonic() + 240
-    while True:  # wait until training is part-way
-        done = [int(n) for n in re.findall(rf"\| (\d+)/{steps} \[", log.read_text())] if log.exists() else []
-        if done and max(done) >= 8:
-            break
-        assert time.monotonic() < deadline, "the job never reached step 8"
+    while not is_complete(run_dir / "checkpoints" / f"step{2 * every:06d}.ckpt"):  # part-way
+        assert time.monotonic() < deadline, f"the job never reached step {2 * every}"
         state = _job_info(job_id)
         assert "JobState=RUNNING" in state or "JobState=PENDING" in state, log.read_text()[-3000:]
         time.sleep(1)
-    subprocess.run(["scancel", "--signal=USR1", job_id], check=True)
-    # SLURM holds a requeued job for ~2 minutes before it is eligible; the test does not wait that out
+    subprocess.run(["scancel", "--signal=USR1", job_id], check=True)  # every task of the job's steps
+    # SLURM holds a requeued job for ~2 minutes before it is eligible: the reference runs meanwhile
     deadline = time.monotonic() + 120
     while "Reason=BeginTime" not in (info := _job_info(job_id)) and "JobState=COMPLETED" not in info:
         assert time.monotonic() < deadline, info
         time.sleep(1)
+    reference = subprocess.run(
+        [sys.executable, "-m", "recipes.pretrain", *common, "run_name=reference"],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
     state = wait_for_job(job_id, deadline_s=300)
     text = log.read_text()
     assert state == "COMPLETED", text[-3000:]
     starts = [int(n) for n in re.findall(r"from global step (\d+)", text)]
-    saved = [int(n) for n in re.findall(r"SIGUSR1: saved .* at step (\d+)", text)]
-    assert len(starts) == 2 and starts[0] == 0 and len(saved) == 1 and starts[1] == saved[0] >= 8, (
+    saved = [int(n) for n in re.findall(r"SIGUSR1: saved .*/checkpoints/.* at step (\d+)", text)]
+    assert len(starts) == 2 and starts[0] == 0 and len(saved) == 1 and starts[1] == saved[0] >= 2 * every, (
         starts,
         saved,
     )
-    assert read_meta(tmp_path / "requeue" / "checkpoints" / "last.ckpt")["lightning"]["global_step"] == steps
-    assert_each_sample_trained_once_in_order(tmp_path / "requeue", steps, world_size=2)
+    assert "requeued job (restart 1): resuming from" in text
+    assert not list(run_dir.glob("hpc_ckpt_*")), "one series: no separate requeue checkpoint"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "last.ckpt",
+        f"step{steps:06d}.ckpt",
+    ]
+    assert read_meta(run_dir / "checkpoints" / "last.ckpt")["lightning"]["global_step"] == steps
+    assert_each_sample_trained_once_in_order(run_dir, steps, world_size=2)
+    assert_same_shards(
+        run_dir / "checkpoints" / "last.ckpt", tmp_path / "reference" / "checkpoints" / "last.ckpt"
+    )
 
 
 def test_submitit_launcher_submits_the_recipe(slurm: None, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -142,12 +143,15 @@ def fit(
     save_at_batch: tuple[int, str] | None = None,
     num_workers: int = 0,
     seed: int = 7,
+    callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
     """One fit; `save`: `trainer.save_checkpoint` path at the end; `every_n_steps`/`every_n_epochs`: a
     ModelCheckpoint into `checkpoint_dir` (every checkpoint kept); `requeue_at`: SIGUSR1 after that step
-    with the recipe's `SlurmRequeue` (saves `hpc_ckpt_N.ckpt` in `checkpoint_dir`, then stops);
-    `save_at_batch=(batch_idx, path)`: a checkpoint after that micro-batch (see `SaveAtBatch`)."""
-    callbacks: list[Callback] = []
+    with the recipe's `SlurmRequeue` (saves `last.ckpt` through a `RunCheckpoint` in `checkpoint_dir`,
+    then stops);
+    `save_at_batch=(batch_idx, path)`: a checkpoint after that micro-batch (see `SaveAtBatch`);
+    `callbacks`: more callbacks, first in order."""
+    callbacks = list(callbacks)
     if every_n_steps or every_n_epochs:
         callbacks.append(
             ModelCheckpoint(
@@ -159,9 +163,9 @@ def fit(
             )
         )
     if requeue_at is not None:
-        from recipes.callbacks import SlurmRequeue
+        from recipes.callbacks import RunCheckpoint, SlurmRequeue
 
-        callbacks += [SlurmRequeue(), SignalAt(requeue_at)]
+        callbacks += [SlurmRequeue(), SignalAt(requeue_at), RunCheckpoint(checkpoint_dir, save_last=True)]
     if save_at_batch is not None:
         callbacks.append(SaveAtBatch(*save_at_batch))
     trainer = L.Trainer(
@@ -173,7 +177,7 @@ def fit(
         max_epochs=max_epochs,
         accumulate_grad_batches=accum,
         logger=False,
-        enable_checkpointing=bool(every_n_steps or every_n_epochs),
+        enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in callbacks),
         callbacks=callbacks,
         default_root_dir=checkpoint_dir,
         enable_progress_bar=False,

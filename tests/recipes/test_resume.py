@@ -68,7 +68,7 @@ def test_resume_continues_the_sample_order(how: str, tmp_path: Path, uninterrupt
         ckpt = tmp_path / "step=15.ckpt"
     else:  # the signal arrives after the first micro-batch of step 4; the save waits for the step's end
         first = fit(**common, steps=STEPS, requeue_at=4, checkpoint_dir=str(tmp_path))
-        ckpt = tmp_path / "hpc_ckpt_1.ckpt"
+        ckpt = tmp_path / "last.ckpt"
         assert first["global_step"] == 5
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
