@@ -42,6 +42,7 @@ from tqdm import tqdm
 from recipes.corpus import CorpusError
 from recipes.data import DataConfig, PretrainDataModule
 from recipes.generate import hydra_style
+from recipes.lineage import is_complete
 from recipes.load import LoadError, check_vocabulary, find_tokenizer, load_module
 from recipes.model import GPT
 from recipes.module import PretrainModule
@@ -69,7 +70,8 @@ def resolve_checkpoint(path: Path) -> Path:
         raise LoadError(f"checkpoint not found: {path}")
     if is_checkpoint(path):
         return path
-    candidates = [p for p in [*path.glob("checkpoints/*.ckpt"), *path.glob("*.ckpt")] if is_checkpoint(p)]
+    found = [*path.glob("checkpoints/*.ckpt"), *path.glob("*.ckpt")]
+    candidates = [p for p in found if is_checkpoint(p) and is_complete(p)]  # not one cut off mid-write
     if not candidates:
         raise LoadError(
             f"{path} is neither a checkpoint (a file, or a directory with meta.pt) nor a run directory "

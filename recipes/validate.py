@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipes.corpus import Corpus, CorpusError, resolve_corpus
 from recipes.data import DataConfig, bin_split, check_token_count, load_pretokenized
+from recipes.lineage import newest_checkpoint
 from recipes.model import GPTConfig
 from recipes.module import OptimConfig
 from recipes.schema import RUN_DIR_DEFAULT, TRAINER_ARGS_FROM_GROUPS
@@ -197,14 +198,14 @@ def check_slurm_launch(env: Mapping[str, str] | None = None) -> None:
 
 
 def check_ckpt_path(ckpt_path: str | None, run_dir: Path, run_name: str) -> None:
-    """`last` needs a checkpoint in this run's directory; any other value must be an existing path."""
+    """`last` needs a complete checkpoint in this run's checkpoint series (the newest one is resumed,
+    whichever callback wrote it); any other value must be an existing path."""
     if ckpt_path is None:
         return
     if ckpt_path == "last":
-        found = list((run_dir / "checkpoints").glob("last*.ckpt")) + list(run_dir.glob("hpc_ckpt_*.ckpt"))
-        if not found:
+        if newest_checkpoint(run_dir / "checkpoints") is None:  # what RunCheckpoint resumes from
             raise ConfigError(
-                f"ckpt_path=last: no checkpoint in {run_dir / 'checkpoints'} (run_name={run_name}). "
+                f"ckpt_path=last: no complete checkpoint in {run_dir / 'checkpoints'} (run_name={run_name}). "
                 "Run once without ckpt_path, or set run_name to an earlier run's name."
             )
     elif not Path(ckpt_path).expanduser().exists():

@@ -167,6 +167,7 @@ def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dic
         "all_gather_into_tensor",
         "all_reduce",
         "broadcast",
+        "reduce",
         "gather",
         "all_gather",
         "reduce_scatter",
