@@ -67,7 +67,8 @@ def peak_flops(device: torch.device, precision: str, configured: float | None) -
 def train_flops(config: GPTConfig, batch_shape: tuple[int, int]) -> int:
     """Model FLOPs of one training micro-batch (forward + backward) of `batch_shape` = (B, T).
 
-    Counted on the meta device (no memory, no arithmetic), without activation checkpointing.
+    Counted on the meta device (no memory, no arithmetic), without activation checkpointing, and
+    outside anomaly detection (`debug=*` turns it on; its NaN checks read values meta tensors lack).
     """
     config = dataclasses.replace(config, activation_checkpointing=False)
     with torch.device("meta"):
@@ -77,7 +78,8 @@ def train_flops(config: GPTConfig, batch_shape: tuple[int, int]) -> int:
     def loss(logits: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), inputs.flatten())
 
-    return measure_flops(model, lambda: model(inputs), loss)
+    with torch.autograd.set_detect_anomaly(False):
+        return measure_flops(model, lambda: model(inputs), loss)
 
 
 def ends_optimizer_step(trainer: pl.Trainer, batch_idx: int) -> bool:

@@ -205,7 +205,8 @@ def check_ckpt_path(ckpt_path: str | None, run_dir: Path, run_name: str) -> None
     if ckpt_path == "last":
         if newest_checkpoint(run_dir / "checkpoints") is None:  # what RunCheckpoint resumes from
             raise ConfigError(
-                f"ckpt_path=last: no complete checkpoint in {run_dir / 'checkpoints'} (run_name={run_name}). "
+                f"ckpt_path=last: no checkpoint in {run_dir / 'checkpoints'} (none, or none completely "
+                f"written; run_name={run_name}). "
                 "Run once without ckpt_path, or set run_name to an earlier run's name."
             )
     elif not Path(ckpt_path).expanduser().exists():

@@ -92,18 +92,22 @@ def test_explicit_data_split_and_limit_match_a_hand_computation(
 
 def test_a_run_directory_means_its_newest_complete_checkpoint(tmp_path: Path) -> None:
     """Files and sharded directories alike (a directory counts from its meta.pt, written last); a
-    directory without meta.pt is not a checkpoint."""
+    directory without meta.pt, or a file cut off mid-write, is not a checkpoint."""
+    from lightning_zero.checkpoint import FORMAT_VERSION
+
     (tmp_path / "checkpoints").mkdir()
     step3 = tmp_path / "checkpoints" / "step000003.ckpt"
-    step3.write_bytes(b"x")
+    torch.save({"step": 3}, step3)
     last = tmp_path / "checkpoints" / "last.ckpt"
     last.mkdir()
-    (last / "meta.pt").write_bytes(b"x")
+    torch.save({"format_version": FORMAT_VERSION, "files": {}}, last / "meta.pt")
     unfinished = tmp_path / "checkpoints" / "step000009.ckpt"
     unfinished.mkdir()
+    truncated = tmp_path / "checkpoints" / "step000012.ckpt"
+    truncated.write_bytes(step3.read_bytes()[:50])
     requeue = tmp_path / "hpc_ckpt_1.ckpt"
-    requeue.write_bytes(b"x")
-    for age, path in enumerate([requeue, step3, last / "meta.pt", unfinished]):
+    torch.save({"step": 1}, requeue)
+    for age, path in enumerate([requeue, step3, last / "meta.pt", unfinished, truncated]):
         os.utime(path, (1000 + age, 1000 + age))
     assert resolve_checkpoint(tmp_path) == last
     os.utime(requeue, (2000, 2000))

@@ -112,7 +112,8 @@ def test_tokenizers_round_trip_through_transformers(checkpoints: dict[str, Any],
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")))
 def test_every_shipped_model_config_maps_to_llama(name: str) -> None:
-    fields = dict(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")))  # type: ignore[arg-type]
+    node = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")  # `# @package _global_`: under model
+    fields = dict(OmegaConf.to_container(node.model))  # type: ignore[arg-type]
     fields.pop("_target_")
     config = GPTConfig(**{**fields, "vocab_size": fields["vocab_size"] or 256})
     hf = llama_config(config, bos_id=None, eos_id=None, dtype=torch.float32)
