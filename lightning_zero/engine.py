@@ -141,9 +141,13 @@ class ShardEngine:
         """``module``'s submodules wait in their forward for the buckets holding their parameters."""
         self.gather.install_forward_waits(module, self.params_in_order)
 
-    def wait_for_params(self) -> None:
-        """Complete the parameter all-gathers still in flight (a no-op without overlap)."""
-        self.gather.wait()
+    def wait_for_params(self, root_only: bool = False) -> None:
+        """Complete the parameter all-gathers still in flight (a no-op without overlap); with
+        ``root_only``, those of the parameters the module of the forward waits owns itself."""
+        if root_only:
+            self.gather.wait_root()
+        else:
+            self.gather.wait()
 
     def is_bound(self) -> bool:
         """Whether every planned parameter still is a view of the flat buffers."""

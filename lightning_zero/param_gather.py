@@ -38,6 +38,9 @@ class ParamGather:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.module: torch.nn.Module | None = None
         """The module whose forwards wait (overlap is in effect only when set)."""
+        self.root_buckets: tuple[int, ...] = ()
+        """Buckets holding parameters ``module`` owns itself: Lightning calls ``training_step``, not
+        the root's forward, so its pre-hook does not fire before them (:meth:`wait_root`)."""
 
     @property
     def pending(self) -> bool:
@@ -103,7 +106,15 @@ class ParamGather:
             buckets = tuple(sorted({where[index[p]][0] for p in own}))
             if buckets:
                 self._hooks.append(sub.register_forward_pre_hook(self._waiter(buckets)))
+            if sub is module:
+                self.root_buckets = buckets
         self.module = module
+
+    def wait_root(self) -> None:
+        """Complete the gathers of the buckets holding the root module's own parameters (before a
+        step function of the root that may read them without calling its forward)."""
+        if self._any_pending and self.root_buckets:
+            self.wait(self.root_buckets)
 
     def _waiter(self, buckets: tuple[int, ...]):  # noqa: ANN202 - a closure over the bucket indices
         # never traced: a compiled block would bake "nothing pending" into its graph and skip the wait
@@ -121,6 +132,7 @@ class ParamGather:
             handle.remove()
         self._hooks.clear()
         self.module = None
+        self.root_buckets = ()
 
 
 def _compiled_parts(module: torch.nn.Module) -> list[str]:

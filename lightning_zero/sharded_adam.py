@@ -193,9 +193,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         call :meth:`wait_for_params` first."""
         self.engine.install_forward_waits(module)
 
-    def wait_for_params(self) -> None:
-        """Complete the parameter all-gathers still in flight (a no-op without overlap)."""
-        self.engine.wait_for_params()
+    def wait_for_params(self, root_only: bool = False) -> None:
+        """Complete the parameter all-gathers still in flight (a no-op without overlap); with
+        ``root_only``, only those of the parameters the module given to :meth:`install_forward_waits`
+        owns itself (its submodules wait in their own forward)."""
+        self.engine.wait_for_params(root_only)
 
     def is_bound(self) -> bool:
         """Whether every planned parameter still is a view of the flat buffers (``module.to(...)`` or

@@ -207,6 +207,8 @@ class ZeroStrategy(_ShardedCheckpointing):
         if self._sharded is not None and self._sharded.trainable_changed():
             self._replan()
         self._before_forward()
+        if self._sharded is not None:  # training_step, not the root's forward: its pre-hook won't fire
+            self._sharded.wait_for_params(root_only=True)
         output = super().training_step(*args, **kwargs)
         self._after_forward()
         return output

@@ -83,6 +83,8 @@ class ConformanceModule(L.LightningModule):
             process with ``N`` times the batch sees the same global batch.
         frozen_backbone: the backbone starts frozen and outside the optimizer (fine-tuning).
         log_metrics: ``self.log`` in ``training_step`` (dynamo cannot trace it in a compiled step).
+        root_scale: a parameter of the LightningModule itself (a learned output scale), read by
+            ``_loss`` before any module's forward (``self.net(x * self.scale)``, not ``self(x)``).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class ConformanceModule(L.LightningModule):
         explicit_sampler: bool = False,
         frozen_backbone: bool = False,
         log_metrics: bool = True,
+        root_scale: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -111,12 +114,16 @@ class ConformanceModule(L.LightningModule):
         if frozen_backbone:
             self.net.backbone.requires_grad_(False)
         self.automatic_optimization = manual is None
+        if root_scale:
+            self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.get_default_dtype()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
+        if self.hparams.root_scale:
+            return nn.functional.mse_loss(self.net(x * self.scale), y)
         return nn.functional.mse_loss(self(x), y)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
@@ -204,6 +211,8 @@ class ConformanceModule(L.LightningModule):
             {"params": [p for p in self.net.backbone.parameters() if p.requires_grad], "weight_decay": 0.05},
             {"params": list(self.net.norm.parameters()) + list(self.net.head.parameters()), "lr": 0.02},
         ]
+        if self.hparams.root_scale:
+            groups[1]["params"].append(self.scale)
         groups = [g for g in groups if g["params"]]
         if self.hparams.manual == "gan":
             return (
