@@ -37,7 +37,8 @@ def assert_same_state(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize(
     # 2 -> 2 is test_same_world_size_resume_is_bit_identical's (and the Fabric tests reload 2 -> 2 too)
-    ("saved_on", "loaded_on", "stages"), [(2, 3, (2, 2)), (3, 2, (1, 2)), (2, 1, (2, 1))]
+    ("saved_on", "loaded_on", "stages"),
+    [(2, 3, (2, 2)), (3, 2, (1, 2)), (2, 1, (2, 1))],
 )
 def test_reshard_and_continue_equals_single_process(
     saved_on: int, loaded_on: int, stages: tuple[int, int], tmp_path: Path

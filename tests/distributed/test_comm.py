@@ -54,9 +54,7 @@ def test_elements_sent_per_step(world_size: int, stage: int) -> None:
         assert len(calls) == 2 * result["buckets"], "one gradient and one parameter collective per bucket"
         assert 0 <= padded - trainable < world_size * result["buckets"], "padding below N per bucket"
         launched = _as_collectives(raw[: result["launched_before_last_grad"]], world_size)
-        assert len(launched) >= result["buckets"] - 2, (
-            "buckets must start during backward"
-        )
+        assert len(launched) >= result["buckets"] - 2, "buckets must start during backward"
 
 
 def test_plan_mismatch_is_an_error_on_every_rank() -> None:
