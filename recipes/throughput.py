@@ -54,13 +54,28 @@ def compute_dtype(precision: str) -> torch.dtype:
     return PRECISION_DTYPES.get(str(precision).split("-")[0], torch.float32)
 
 
+DENSE_16BIT_PEAKS = {"h200 nvl": 835.5e12, "h200": 989.4e12}
+"""Dense bf16/fp16 tensor-core FLOP/s of GPUs Lightning 2.6's `get_available_flops` misses or lists
+with structured sparsity, by a substring of the lower-cased device name, most specific first. The
+H200 datasheet's figures "with sparsity" halved: SXM 1,979 -> 989.4 TFLOP/s (the H100 SXM's dense
+figure, same tensor cores), NVL 1,671 -> 835.5. Lightning does not recognise the names "NVIDIA H200"
+and "NVIDIA H200 NVL", and its H200 entries are the sparse figures."""
+
+
 def peak_flops(device: torch.device, precision: str, configured: float | None) -> float | None:
-    """Peak FLOP/s of one device: the configured figure, Lightning's table, the CPU default, or None."""
+    """Peak FLOP/s of one device: the configured figure, the CPU default, :data:`DENSE_16BIT_PEAKS`,
+    Lightning's table, or None."""
     if configured is not None:
         return configured
     if device.type == "cpu":
         return DEFAULT_CPU_PEAK_FLOPS
-    available = get_available_flops(device, compute_dtype(precision))  # warns itself when unknown
+    dtype = compute_dtype(precision)
+    if dtype in (torch.bfloat16, torch.float16):
+        name = torch.cuda.get_device_name(device).lower()
+        for chip, flops in DENSE_16BIT_PEAKS.items():
+            if chip in name:
+                return flops
+    available = get_available_flops(device, dtype)  # warns itself when unknown
     return None if available is None else float(available)
 
 

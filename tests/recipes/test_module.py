@@ -67,6 +67,11 @@ def test_peak_flops_override_cpu_fallback_and_lightning_gpu_table(monkeypatch: p
         assert peak_flops(cuda, "32-true", None) == pytest.approx(
             fp32
         )  # TF32 off: matmul precision "highest"
+    # Lightning 2.6 knows no "NVIDIA H200" (and lists H200 peaks with sparsity): the dense bf16 figure
+    for name, bf16 in (("NVIDIA H200", 989.4e12), ("NVIDIA H200 NVL", 835.5e12)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert peak_flops(cuda, "bf16-mixed", None) == pytest.approx(bf16)
+    assert peak_flops(cuda, "bf16-true", 5e14) == 5e14  # the configured figure still wins
     with pytest.raises(ValueError, match="window must be >= 1 logging interval, got 0"):
         TokenThroughput(window=0)
 
