@@ -143,7 +143,8 @@ class ShardEngine:
 
     def wait_for_params(self, root_only: bool = False) -> None:
         """Complete the parameter all-gathers still in flight (a no-op without overlap); with
-        ``root_only``, those of the parameters the module of the forward waits owns itself."""
+        ``root_only``, only the buckets holding parameters that the module given to
+        :meth:`install_forward_waits` owns itself, not through a submodule."""
         if root_only:
             self.gather.wait_root()
         else:
