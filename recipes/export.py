@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from recipes.load import LoadError, check_vocabulary, find_tokenizer, load_module
+from recipes.load import LoadError, check_vocabulary, find_tokenizer, load_module, require_checkpoint
 from recipes.model import GPTConfig
 from recipes.tokenizer import END_OF_TEXT, BPETokenizer, ByteTokenizer, Tokenizer
 
@@ -264,8 +264,15 @@ def export(
     """
     out_dir = Path(out_dir)
     check_destination(out_dir, force)  # before the (long) load
-    module = load_module(checkpoint)
+    require_checkpoint(checkpoint)
     tokenizer = find_tokenizer(checkpoint, tokenizer_spec)
+    if not isinstance(tokenizer, ByteTokenizer | BPETokenizer):  # SentencePiece, tiktoken
+        raise ExportError(
+            f"no Hugging Face equivalent known for the tokenizer {type(tokenizer).__name__} "
+            f"({getattr(tokenizer, 'path', '')}): export supports the byte tokenizer and tokenizer.json; "
+            "recipes.generate and recipes.evaluate take any"
+        )
+    module = load_module(checkpoint)
     check_vocabulary(module, tokenizer)
     config = module.model_config
     state = llama_state_dict(module.model.state_dict(), config)

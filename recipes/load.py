@@ -6,8 +6,10 @@ loader assembles in memory. Both carry the module's hyper-parameters (plain dict
 path is needed. Everything is read on the CPU with `weights_only=True`: a checkpoint cannot run code.
 
 The tokenizer is not in the checkpoint. `find_tokenizer` looks beside it, as `recipes.pretrain` leaves
-a run: `<run_dir>/tokenizer.json` (a trained BPE) or `<run_dir>/config.yaml` (which says `byte`), with the
-checkpoint in `<run_dir>/checkpoints/`; `--tokenizer byte|PATH` overrides the search.
+a run (checkpoint in `<run_dir>/checkpoints/`): a tokenizer file in `<run_dir>` (`tokenizer.json` of a
+trained BPE, or the `tokenizer.json`/`*.model`/`*.tiktoken` file `TokenizerCopy` copied there), else
+`<run_dir>/config.yaml`'s `data.tokenizer` (`byte`, or a file: its copy in `<run_dir>` under the same
+name, else the original path), with its `data.eos_token`. `--tokenizer byte|PATH` overrides the search.
 """
 
 from __future__ import annotations
@@ -19,11 +21,19 @@ from typing import Any
 import lightning.pytorch.core.saving as saving
 
 from recipes.module import PretrainModule
-from recipes.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+from recipes.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer_spec, resolve_tokenizer
 
 
 class LoadError(RuntimeError):
     """A checkpoint or tokenizer that cannot be used; the message names the path."""
+
+
+def require_checkpoint(path: str | Path) -> Path:
+    """`path`, if something is there (a file or a sharded directory); else `LoadError` naming it."""
+    path = Path(path)
+    if not path.exists():
+        raise LoadError(f"checkpoint not found: {path}")
+    return path
 
 
 def load_module(path: str | Path) -> PretrainModule:
@@ -32,9 +42,7 @@ def load_module(path: str | Path) -> PretrainModule:
     Raises:
         LoadError: if `path` is missing, unreadable, or lacks the saved hyper-parameters or weights.
     """
-    path = Path(path)
-    if not path.exists():
-        raise LoadError(f"checkpoint not found: {path}")
+    path = require_checkpoint(path)
     try:
         checkpoint: dict[str, Any] = saving.pl_load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch.load and lightning-zero raise many kinds for a damaged file
@@ -63,35 +71,57 @@ def find_tokenizer(checkpoint: str | Path, spec: str = "auto") -> Tokenizer:
 
     Args:
         checkpoint: the checkpoint path (its run directory is searched when `spec` is "auto").
-        spec: "byte", a `tokenizer.json` path, or "auto" (see the module docstring).
+        spec: "byte", a tokenizer file (`tokenizer.json`, SentencePiece `.model`, `.tiktoken`) or a
+            directory holding one, or "auto" (see the module docstring).
 
     Raises:
         LoadError: if the tokenizer file is missing or "auto" finds nothing to go by.
     """
-    if spec == "byte":
-        return ByteTokenizer()
+    if spec not in ("auto", "byte") and not Path(spec).exists():
+        raise LoadError(f"tokenizer file not found: {spec}")
     if spec != "auto":
-        if not Path(spec).is_file():
-            raise LoadError(f"tokenizer file not found: {spec}")
-        return BPETokenizer(spec)
+        return _load(spec, None)
     checkpoint = Path(checkpoint).resolve()
     for folder in (checkpoint.parent, checkpoint.parent.parent):
-        if (folder / "tokenizer.json").is_file():
-            return BPETokenizer(folder / "tokenizer.json")
-        if (folder / "config.yaml").is_file():
-            from omegaconf import DictConfig, OmegaConf
-
-            run_config = OmegaConf.load(folder / "config.yaml")
-            data = (run_config.get("data") if isinstance(run_config, DictConfig) else None) or {}
-            if data.get("tokenizer") == "byte":
-                return ByteTokenizer()
-            if data.get("tokenizer_path") and Path(data["tokenizer_path"]).is_file():
-                return BPETokenizer(data["tokenizer_path"])
+        data = _run_data_config(folder)
+        eos = data.get("eos_token")
+        files = [folder / name for name in _FILES if (folder / name).is_file()]
+        files += sorted(folder.glob("*.model")) + sorted(folder.glob("*.tiktoken"))
+        if files:  # the trained BPE, or the copy `TokenizerCopy` left
+            return _load(str(files[0]), eos)
+        named = data.get("tokenizer")
+        if named == "byte":
+            return ByteTokenizer()
+        if named and named != "bpe":  # a file: the run's copy of it, else the original
+            copy = folder / Path(named).name
+            return _load(str(copy if copy.is_file() else named), eos)
     raise LoadError(
-        f"cannot tell which tokenizer {checkpoint} was trained with (no tokenizer.json or config.yaml "
-        "saying data.tokenizer=byte beside it or in its run directory): pass --tokenizer byte or "
-        "--tokenizer PATH/tokenizer.json"
+        f"cannot tell which tokenizer {checkpoint} was trained with (no tokenizer file or config.yaml "
+        "naming data.tokenizer beside it or in its run directory): pass --tokenizer byte or "
+        "--tokenizer PATH (tokenizer.json, .model or .tiktoken)"
     )
+
+
+_FILES = ("tokenizer.json", "tokenizer.model")
+"""Tokenizer files `find_tokenizer` takes first in a run directory (then any `*.model`, `*.tiktoken`)."""
+
+
+def _run_data_config(folder: Path) -> dict[str, Any]:
+    """`data` of the run's `config.yaml` in `folder` (empty without one)."""
+    if not (folder / "config.yaml").is_file():
+        return {}
+    from omegaconf import DictConfig, OmegaConf
+
+    run_config = OmegaConf.load(folder / "config.yaml")
+    data = run_config.get("data") if isinstance(run_config, DictConfig) else None
+    return dict(OmegaConf.to_container(data)) if isinstance(data, DictConfig) else {}  # type: ignore[arg-type]
+
+
+def _load(name: str, eos_token: str | None) -> Tokenizer:
+    try:
+        return load_tokenizer_spec(resolve_tokenizer(name, eos_token))
+    except TokenizerError as err:
+        raise LoadError(str(err)) from None
 
 
 def check_vocabulary(module: PretrainModule, tokenizer: Tokenizer) -> None:

@@ -23,7 +23,7 @@ from recipes.export import ExportError, export, hf_tokenizer, llama_config, main
 from recipes.load import LoadError, find_tokenizer, load_module
 from recipes.model import GPTConfig
 from recipes.module import PretrainModule
-from recipes.tokenizer import ByteTokenizer, train_bpe
+from recipes.tokenizer import ByteTokenizer, SentencePieceTokenizer, TiktokenTokenizer, train_bpe
 from tests.recipes.tiny_fit import TINY, fit_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,6 +171,48 @@ def test_tokenizer_is_found_in_the_run_directory(tmp_path: Path) -> None:
     assert isinstance(find_tokenizer(checkpoint), ByteTokenizer)
     bpe = train_bpe([t.encode() for t in TEXTS], vocab_size=270, path=tmp_path / "run" / "tokenizer.json")
     assert find_tokenizer(checkpoint).identity == bpe.identity
+
+
+def test_every_tokenizer_kind_is_found_for_a_run(
+    hf_tokenizer_file: Path, sp_model_file: Path, tiktoken_file: Path, tmp_path: Path
+) -> None:
+    """A run with data.tokenizer=FILE (any kind) is found as training left it: the run's
+    copy of the file (`TokenizerCopy`), else the configured path; a tokens run (data.tokenizer null)
+    by the copied file alone; an explicit path of any kind; a missing one is named."""
+    checkpoint = tmp_path / "sp" / "checkpoints" / "last.ckpt"
+    checkpoint.parent.mkdir(parents=True)
+    (tmp_path / "sp" / "config.yaml").write_text(f"data:\n  tokenizer: {sp_model_file}\n  eos_token: null\n")
+    assert isinstance(find_tokenizer(checkpoint), SentencePieceTokenizer)
+    assert find_tokenizer(checkpoint).path == sp_model_file  # no copy yet: the configured file
+    copy = tmp_path / "sp" / sp_model_file.name
+    copy.write_bytes(sp_model_file.read_bytes())
+    assert find_tokenizer(checkpoint).path == copy  # the run's own copy first
+    original = tmp_path / "elsewhere" / "custom.json"  # a tokenizer.json under another name
+    original.parent.mkdir()
+    original.write_bytes(hf_tokenizer_file.read_bytes())
+    hf_checkpoint = tmp_path / "hf" / "checkpoints" / "last.ckpt"
+    hf_checkpoint.parent.mkdir(parents=True)
+    (tmp_path / "hf" / "config.yaml").write_text(f"data:\n  tokenizer: {original}\n")
+    assert find_tokenizer(hf_checkpoint).path == original
+    (tmp_path / "hf" / "custom.json").write_bytes(original.read_bytes())
+    assert find_tokenizer(hf_checkpoint).path == tmp_path / "hf" / "custom.json"
+    tokens_checkpoint = tmp_path / "tokens" / "checkpoints" / "step000010.ckpt"
+    tokens_checkpoint.parent.mkdir(parents=True)
+    (tmp_path / "tokens" / "config.yaml").write_text("data:\n  tokenizer: null\n")
+    with pytest.raises(LoadError, match="--tokenizer byte"):
+        find_tokenizer(tokens_checkpoint)
+    (tmp_path / "tokens" / tiktoken_file.name).write_bytes(tiktoken_file.read_bytes())
+    found = find_tokenizer(tokens_checkpoint)
+    assert isinstance(found, TiktokenTokenizer) and found.vocab_size == 265
+    assert isinstance(find_tokenizer(checkpoint, str(tiktoken_file)), TiktokenTokenizer)
+    assert isinstance(find_tokenizer(checkpoint, str(sp_model_file)), SentencePieceTokenizer)
+    with pytest.raises(LoadError, match="tokenizer file not found: .*nothing.model"):
+        find_tokenizer(checkpoint, str(tmp_path / "nothing.model"))
+    # export has no Hugging Face form for it: refused before the checkpoint (not one here) is read
+    checkpoint.write_bytes(b"not read")
+    with pytest.raises(ExportError, match="no Hugging Face equivalent known for the tokenizer Sentence"):
+        export(checkpoint, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_dtype_casts_the_weights_and_the_config(checkpoints: dict[str, Any], tmp_path: Path) -> None:
