@@ -4,6 +4,9 @@
 group through a file rendezvous, call ``fn(rank, world_size, *args)`` and send back its (picklable)
 return value. Any rank failing, or the deadline passing, kills all ranks and raises with every
 rank's traceback, so a distributed bug fails the test instead of hanging CI.
+
+``run_ranks_each(calls, world_size)`` makes several such calls in turn in one launch (a launch costs
+seconds of imports per rank); a call that raises is reported as its own error and the next one runs.
 """
 
 from __future__ import annotations
@@ -73,3 +76,39 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     if errors:
         raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _each(
+    rank: int, world_size: int, calls: list[tuple[Callable[..., Any], tuple]]
+) -> list[tuple[bool, Any]]:
+    out: list[tuple[bool, Any]] = []
+    for fn, args in calls:
+        try:
+            out.append((True, fn(rank, world_size, *args)))
+        except Exception:  # noqa: BLE001 - reported as this call's error; the next call runs
+            out.append((False, traceback.format_exc()))
+    return out
+
+
+def run_ranks_each(
+    calls: list[tuple[Callable[..., Any], tuple]], world_size: int, timeout_s: float = 600.0
+) -> list[list[Any] | RuntimeError]:
+    """For each ``(fn, args)``, in order in one launch: ``run_ranks(fn, world_size, *args)``'s list, or
+    the RuntimeError it would have raised when a rank raised (returned, for the caller to raise)."""
+    per_rank = run_ranks(_each, world_size, calls, timeout_s=timeout_s)
+    results: list[list[Any] | RuntimeError] = []
+    for i in range(len(calls)):
+        errors = [f"rank {r}:\n{per_rank[r][i][1]}" for r in range(world_size) if not per_rank[r][i][0]]
+        if errors:
+            results.append(RuntimeError("distributed run failed:\n" + "\n".join(errors)))
+        else:
+            results.append([per_rank[r][i][1] for r in range(world_size)])
+    return results
+
+
+def ranks(runs: dict[str, list[Any] | RuntimeError], name: str) -> list[Any]:
+    """The per-rank results of ``runs[name]`` (what ``run_ranks`` returns); its error if a rank raised."""
+    result = runs[name]
+    if isinstance(result, RuntimeError):
+        raise result
+    return result

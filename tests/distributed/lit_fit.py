@@ -1,8 +1,8 @@
 """A LightningModule and a fit driver shared by the Lightning tests.
 
-Run as a script it performs several fits in one launch (Lightning's launcher re-runs this file for
-the other ranks, which then run the same fits in the same order) and rank 0 saves every fit's
-final parameters to ``--out``::
+Run as a script it performs several fits (or validations) in one launch (Lightning's launcher re-runs
+this file for the other ranks, which then run the same fits in the same order) and rank 0 saves every
+fit's final parameters to ``--out``::
 
     python -m tests.distributed.lit_fit --out result.pt --cases '[{"strategy": "zero2", "devices": 2}]'
 """
@@ -180,6 +180,24 @@ def fit(
     return trainer.global_rank, result
 
 
+def validate(validate_ckpt: str) -> tuple[int, dict[str, torch.Tensor]]:
+    """``trainer.validate(ckpt_path=validate_ckpt)`` of a fresh TinyLit under "zero" on one device (no
+    optimizer: whole parameters read from the shards). Returns (global rank, the loaded parameters)."""
+    import lightning_zero
+
+    model = TinyLit()
+    trainer = L.Trainer(
+        strategy=lightning_zero.ZeroStrategy(),
+        devices=1,
+        accelerator="cpu",
+        precision="64-true",
+        logger=False,
+        enable_progress_bar=False,
+    )
+    trainer.validate(model, DataLoader(dataset(24), batch_size=12), ckpt_path=validate_ckpt)
+    return trainer.global_rank, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def _kill_rank1_while_writing(save_number: int) -> None:
     """Fault injection: rank 1 dies half-way through writing its shard file in save ``save_number``."""
     import lightning_zero.checkpoint as checkpoint_module
@@ -203,12 +221,16 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", required=True, help="JSON list of keyword-argument dicts for fit()")
+    parser.add_argument(
+        "--cases",
+        required=True,
+        help='JSON list of keyword-argument dicts for fit(), or for validate() (those with "validate_ckpt")',
+    )
     args = parser.parse_args()
     results = []
     rank = 0
     for case in json.loads(args.cases):
-        rank, params = fit(**case)
+        rank, params = validate(**case) if "validate_ckpt" in case else fit(**case)
         results.append(params)
     if rank == 0:
         torch.save(results, args.out)

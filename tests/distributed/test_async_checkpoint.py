@@ -4,6 +4,8 @@ Training goes on while a save is written (the writer is slowed down by fault inj
 script); what is finally committed equals what a blocking save of the same run commits; a failure in
 the background is raised on every rank at the next save or at the end of fit, and the checkpoint it
 was to replace is kept.
+
+The fits of both tests run in one 2-rank launch (a module fixture), each test's in its own directories.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from lightning_zero.checkpoint import EXTRA, META
@@ -69,21 +72,36 @@ def assert_same_checkpoint(ours: Path, reference: Path, renamed: tuple[str, str]
     assert {EXTRA, META} < set(names) and len(names) == 4  # two shards
 
 
+PROBES = [3, 5, 7]
+FAILURES = {
+    "next_save": {"steps": 6, "fail_save": 2},
+    "end_of_fit": {"steps": 5, "fail_save": 2},
+    "link": {"steps": 6, "fail_save": 2, "save_last": "link"},
+    "removal": {"steps": 6, "fail_remove": True},
+}
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[dict]]]:
+    """The in-background and blocking fits, then the failure cases, in one launch: per rank, per fit,
+    its report."""
+    tmp = tmp_path_factory.mktemp("async_checkpoint")
+    cases = [
+        {"checkpoint_dir": str(tmp / "async"), "slow_write_s": 1.0, "probe_steps": PROBES},
+        {"checkpoint_dir": str(tmp / "sync"), "async_checkpoint": False, "probe_steps": PROBES},
+    ]
+    cases += [{"checkpoint_dir": str(tmp / n), "save_top_k": 1, **case} for n, case in FAILURES.items()]
+    return tmp, run_fits(cases, tmp, timeout_s=300)
+
+
 def test_training_goes_on_while_a_save_is_written_and_the_commit_equals_a_blocking_save(
-    tmp_path: Path,
+    fits: tuple[Path, list[list[dict]]],
 ) -> None:
     """Saves at steps 2, 4, 6 (top 2), each shard write slowed by 1 s: after steps 3, 5 and 7 the save
     just issued is still in flight and its directory absent; the checkpoint top-k drops stays until the
     save replacing it is committed; the committed checkpoints equal a blocking run's."""
-    async_dir, sync_dir = tmp_path / "async", tmp_path / "sync"
-    probes = [3, 5, 7]
-    reports = run_fits(
-        [
-            {"checkpoint_dir": str(async_dir), "slow_write_s": 1.0, "probe_steps": probes},
-            {"checkpoint_dir": str(sync_dir), "async_checkpoint": False, "probe_steps": probes},
-        ],
-        tmp_path,
-    )
+    async_dir, sync_dir = fits[0] / "async", fits[0] / "sync"
+    reports = [rank_reports[:2] for rank_reports in fits[1]]
     for rank, (in_background, blocking) in enumerate(reports):
         assert in_background["error"] is None and blocking["error"] is None, rank
         seen = {p["step"]: p for p in in_background["probes"]}
@@ -103,22 +121,15 @@ def test_training_goes_on_while_a_save_is_written_and_the_commit_equals_a_blocki
 
 
 def test_a_background_failure_is_raised_on_every_rank_and_the_previous_checkpoint_is_kept(
-    tmp_path: Path,
+    fits: tuple[Path, list[list[dict]]],
 ) -> None:
     """Top-1 saves at steps 2, 4 (, 6). Rank 1 fails to write the step-4 shard: raised on both ranks at
     the step-6 save, or at the end of a fit that stops at step 5, or at once when a save_last="link"
     would point at it; the step-2 checkpoint stays (top-k's removal of it is dropped), valid. Rank 0
     fails to remove step 2 after step 4 committed: raised on both ranks at the step-6 save."""
-    cases = {
-        "next_save": {"steps": 6, "fail_save": 2},
-        "end_of_fit": {"steps": 5, "fail_save": 2},
-        "link": {"steps": 6, "fail_save": 2, "save_last": "link"},
-        "removal": {"steps": 6, "fail_remove": True},
-    }
-    dirs = {name: tmp_path / name for name in cases}
-    reports = run_fits(
-        [{"checkpoint_dir": str(dirs[n]), "save_top_k": 1, **case} for n, case in cases.items()], tmp_path
-    )
+    cases = FAILURES
+    dirs = {name: fits[0] / name for name in cases}
+    reports = [rank_reports[2:] for rank_reports in fits[1]]
     expected = {  # where it is raised, at which step, what it names, what the directory then holds
         "next_save": ("save_checkpoint", 6, "rank 1: OSError: injected", ["epoch=0-step=2.ckpt"]),
         "end_of_fit": ("teardown", 5, "rank 1: OSError: injected", ["epoch=0-step=2.ckpt"]),

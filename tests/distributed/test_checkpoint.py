@@ -1,15 +1,21 @@
-"""Sharded checkpoints: save on N ranks, load on M, continue exactly as one process would."""
+"""Sharded checkpoints: save on N ranks, load on M, continue exactly as one process would.
+
+Every distributed run goes in a module fixture of two rounds, one launch per world size each: the saves,
+then (after the damaged copies are made) the resumes and the refused loads. Each test reads its own
+runs by name."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lightning_zero.checkpoint import META, read_meta, shard_name
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import ranks, run_ranks_each
 from tests.distributed.models import TinyNet, param_groups
 from tests.distributed.workers_ckpt import global_batch, load_error, resume_phase, save_phase
 
@@ -35,34 +41,8 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert [g["lr"] for g in a["param_groups"]] == [g["lr"] for g in b["param_groups"]]
 
 
-@pytest.mark.parametrize(
-    # 2 -> 2 is test_same_world_size_resume_is_bit_identical's (and the Fabric tests reload 2 -> 2 too)
-    ("saved_on", "loaded_on", "stages"),
-    [(2, 3, (2, 2)), (3, 2, (1, 2)), (2, 1, (2, 1))],
-)
-def test_reshard_and_continue_equals_single_process(
-    saved_on: int, loaded_on: int, stages: tuple[int, int], tmp_path: Path
-) -> None:
-    path = str(tmp_path / "ckpt")
-    saved_state = run_ranks(save_phase, saved_on, path, stages[0], 5)[0]
-    assert sorted(p.name for p in Path(path).iterdir()) == sorted(
-        [META, "model_extra.pt"] + [shard_name(r, saved_on) for r in range(saved_on)]
-    )
-    results = run_ranks(resume_phase, loaded_on, path, stages[1], 5, 5)
-    assert_same_state(results[0]["loaded"], saved_state)  # bit-identical state after resharding
-    expected = reference_params(10)
-    for rank_result in results:
-        for name, value in rank_result["final"].items():
-            torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-10)
-
-
-def test_same_world_size_resume_is_bit_identical(tmp_path: Path) -> None:
-    path = str(tmp_path / "ckpt")
-    run_ranks(save_phase, 2, path, 2, 5)
-    resumed = run_ranks(resume_phase, 2, path, 2, 5, 5)[0]["final"]
-    uninterrupted = run_ranks(save_phase_then_more, 2, str(tmp_path / "other"))[0]
-    for name in resumed:
-        assert torch.equal(resumed[name], uninterrupted[name]), name
+RESHARD = [(2, 3, (2, 2)), (3, 2, (1, 2)), (2, 1, (2, 1))]  # (saved on, loaded on, (stage saved, loaded))
+DAMAGES = ["missing", "truncated", "altered"]
 
 
 def save_phase_then_more(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
@@ -73,24 +53,12 @@ def save_phase_then_more(rank: int, world_size: int, path: str) -> dict[str, tor
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("saved") / "ckpt"
-    run_ranks(save_phase, 2, str(path), 2, 3)
-    return path
-
-
-def corrupt_copy(saved: Path, tmp_path: Path) -> Path:
-    target = tmp_path / "ckpt"
+def corrupt_copy(saved: Path, target: Path) -> Path:
     shutil.copytree(saved, target)
     return target
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated", "altered"])
-def test_damaged_shard_is_named_on_every_rank_and_nothing_changes(
-    damage: str, saved: Path, tmp_path: Path
-) -> None:
-    path = corrupt_copy(saved, tmp_path)
+def damage_shard(path: Path, damage: str) -> None:
     victim = path / shard_name(1, 2)
     if damage == "missing":
         victim.unlink()
@@ -100,7 +68,90 @@ def test_damaged_shard_is_named_on_every_rank_and_nothing_changes(
         data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0xFF
         victim.write_bytes(bytes(data))
-    messages = run_ranks(load_error, 2, str(path), timeout_s=60)
+
+
+def run_round(named: dict[str, tuple[int, Callable[..., Any], tuple]]) -> dict[str, list[Any] | RuntimeError]:
+    """The named ``(world size, worker, arguments)`` runs, one launch per world size, in the given order."""
+    results: dict[str, list[Any] | RuntimeError] = {}
+    for world_size in sorted({size for size, _, _ in named.values()}):
+        names = [name for name, (size, _, _) in named.items() if size == world_size]
+        out = run_ranks_each([named[name][1:] for name in names], world_size, timeout_s=300)
+        results.update(zip(names, out, strict=True))
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[Any] | RuntimeError]]:
+    """Round 1 saves (``saved``: 3 steps on 2 ranks, stage 2, the source of the damaged copies); round 2
+    resumes and loads what round 1 wrote."""
+    tmp = tmp_path_factory.mktemp("checkpoint")
+    saves: dict[str, tuple[int, Callable[..., Any], tuple]] = {
+        f"save_{a}_{b}": (a, save_phase, (str(tmp / f"reshard_{a}_{b}"), stages[0], 5))
+        for a, b, stages in RESHARD
+    }
+    saves["same_save"] = (2, save_phase, (str(tmp / "same"), 2, 5))
+    saves["same_uninterrupted"] = (2, save_phase_then_more, (str(tmp / "other"),))
+    saves["saved"] = (2, save_phase, (str(tmp / "saved"), 2, 3))
+    results = run_round(saves)
+    ranks(results, "saved")
+    for damage in DAMAGES:
+        damage_shard(corrupt_copy(tmp / "saved", tmp / f"damaged_{damage}"), damage)
+    future = corrupt_copy(tmp / "saved", tmp / "future")
+    meta = torch.load(future / META, weights_only=True)
+    torch.save(dict(meta, format_version=99), future / META)
+    loads: dict[str, tuple[int, Callable[..., Any], tuple]] = {
+        f"resume_{a}_{b}": (b, resume_phase, (str(tmp / f"reshard_{a}_{b}"), stages[1], 5, 5))
+        for a, b, stages in RESHARD
+    }
+    loads["same_resumed"] = (2, resume_phase, (str(tmp / "same"), 2, 5, 5))
+    for damage in DAMAGES:
+        loads[f"damaged_{damage}"] = (2, load_error, (str(tmp / f"damaged_{damage}"),))
+    loads["mismatch"] = (2, load_error, (str(tmp / "saved"), 14))
+    loads["future"] = (2, load_error, (str(future),))
+    results.update(run_round(loads))
+    return tmp, results
+
+
+@pytest.mark.parametrize(
+    # 2 -> 2 is test_same_world_size_resume_is_bit_identical's (and the Fabric tests reload 2 -> 2 too)
+    ("saved_on", "loaded_on", "stages"),
+    RESHARD,
+)
+def test_reshard_and_continue_equals_single_process(
+    saved_on: int, loaded_on: int, stages: tuple[int, int], runs: tuple[Path, dict]
+) -> None:
+    path = runs[0] / f"reshard_{saved_on}_{loaded_on}"
+    saved_state = ranks(runs[1], f"save_{saved_on}_{loaded_on}")[0]
+    assert sorted(p.name for p in Path(path).iterdir()) == sorted(
+        [META, "model_extra.pt"] + [shard_name(r, saved_on) for r in range(saved_on)]
+    )
+    results = ranks(runs[1], f"resume_{saved_on}_{loaded_on}")
+    assert_same_state(results[0]["loaded"], saved_state)  # bit-identical state after resharding
+    expected = reference_params(10)
+    for rank_result in results:
+        for name, value in rank_result["final"].items():
+            torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-10)
+
+
+def test_same_world_size_resume_is_bit_identical(runs: tuple[Path, dict]) -> None:
+    ranks(runs[1], "same_save")
+    resumed = ranks(runs[1], "same_resumed")[0]["final"]
+    uninterrupted = ranks(runs[1], "same_uninterrupted")[0]
+    for name in resumed:
+        assert torch.equal(resumed[name], uninterrupted[name]), name
+
+
+@pytest.fixture(scope="module")
+def saved(runs: tuple[Path, dict]) -> Path:
+    ranks(runs[1], "saved")
+    return runs[0] / "saved"
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damaged_shard_is_named_on_every_rank_and_nothing_changes(
+    damage: str, runs: tuple[Path, dict]
+) -> None:
+    messages = ranks(runs[1], f"damaged_{damage}")
     for message in messages:
         assert (
             shard_name(1, 2) in message
@@ -109,17 +160,15 @@ def test_damaged_shard_is_named_on_every_rank_and_nothing_changes(
         assert message.endswith("unchanged=True")
 
 
-def test_model_mismatch_lists_the_parameters(saved: Path) -> None:
-    for message in run_ranks(load_error, 2, str(saved), 14, timeout_s=60):
+def test_model_mismatch_lists_the_parameters(runs: tuple[Path, dict]) -> None:
+    for message in ranks(runs[1], "mismatch"):
         assert "shape mismatch" in message and "inp.weight: checkpoint [13, 7] vs model [14, 7]" in message
         assert message.endswith("unchanged=True")
 
 
-def test_future_format_version_is_refused(saved: Path, tmp_path: Path) -> None:
-    path = corrupt_copy(saved, tmp_path)
-    meta = torch.load(path / META, weights_only=True)
-    torch.save(dict(meta, format_version=99), path / META)
-    for message in run_ranks(load_error, 2, str(path), timeout_s=60):
+def test_future_format_version_is_refused(runs: tuple[Path, dict]) -> None:
+    path = runs[0] / "future"
+    for message in ranks(runs[1], "future"):
         assert "format version 99" in message and str(path / META) in message
 
 
@@ -137,7 +186,7 @@ def test_verify_cli_reports_and_exits(
     assert main(["verify", str(saved)]) == 0
     report = capsys.readouterr().out
     assert "world size 2" in report and report.rstrip().endswith("OK")
-    path = corrupt_copy(saved, tmp_path)
+    path = corrupt_copy(saved, tmp_path / "ckpt")
     (path / shard_name(0, 2)).write_bytes(b"garbage")
     (path / "stray.pt").write_bytes(b"")
     assert main(["verify", str(path)]) == 1

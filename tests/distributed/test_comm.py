@@ -1,10 +1,14 @@
-"""What goes over the wire, counted at the torch.distributed calls themselves."""
+"""What goes over the wire, counted at the torch.distributed calls themselves.
+
+The runs go in one launch per world size (a module fixture); each test reads its own by name."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import ranks, run_ranks_each
 from tests.distributed.workers import count_collectives, mismatched_models
 
 RING = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2}  # times P·(N−1)/N per rank
@@ -35,10 +39,20 @@ def _sent(calls: list[tuple[str, int]], world_size: int) -> int:
     return total
 
 
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[Any] | RuntimeError]:
+    """``count_collectives`` for both stages on 2 and 3 ranks, then (2 ranks) ``mismatched_models``."""
+    counts = [(count_collectives, (1, 4)), (count_collectives, (2, 4))]
+    two = run_ranks_each([*counts, (mismatched_models, ())], 2, timeout_s=120)  # a hang fails
+    three = run_ranks_each(counts, 3, timeout_s=120)
+    names = ["count_2_1", "count_2_2", "mismatched", "count_3_1", "count_3_2"]
+    return dict(zip(names, two + three, strict=True))
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_elements_sent_per_step(world_size: int, stage: int) -> None:
-    for result in run_ranks(count_collectives, world_size, stage, 4):
+def test_elements_sent_per_step(world_size: int, stage: int, runs: dict) -> None:
+    for result in ranks(runs, f"count_{world_size}_{stage}"):
         raw, padded, trainable = result["calls"], result["padded"], result["trainable"]
         calls = _as_collectives(raw, world_size)
         assert result["per_micro"][:3] == [0, 0, 0], "non-stepping micro-batches must send nothing"
@@ -57,8 +71,8 @@ def test_elements_sent_per_step(world_size: int, stage: int) -> None:
         assert len(launched) >= result["buckets"] - 2, "buckets must start during backward"
 
 
-def test_plan_mismatch_is_an_error_on_every_rank() -> None:
-    messages = run_ranks(mismatched_models, 2, timeout_s=60)
+def test_plan_mismatch_is_an_error_on_every_rank(runs: dict) -> None:
+    messages = ranks(runs, "mismatched")
     for message in messages:
         assert "different gradient bucket plans" in message
         assert "rank 1 differs from rank 0" in message and "[14, 7]" in message

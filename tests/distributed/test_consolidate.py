@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_zero.cli import main
 from tests.distributed.test_lightning_parity import ROOT, launch, max_diff
 
 # 32-true: Lightning's single-device and "ddp" strategies load a checkpoint *before* converting a
@@ -40,6 +41,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command as a user runs it (one fresh interpreter: ~8 s of imports on a small machine)."""
     return subprocess.run(
         [sys.executable, "-m", "lightning_zero.cli", *args],
         cwd=ROOT,
@@ -47,6 +49,13 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
     )
+
+
+def cli_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """The same command's ``main`` in this process: (exit status, stdout)."""
+    capsys.readouterr()
+    status = main(list(args))
+    return status, capsys.readouterr().out
 
 
 def test_consolidated_equals_gathered_single_file(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
@@ -69,39 +78,48 @@ def test_consolidated_equals_gathered_single_file(checkpoints: tuple[Path, Path]
     assert ours["global_step"] == ref["global_step"] == 5 and ours["lr_schedulers"] == ref["lr_schedulers"]
 
 
-def test_consolidated_file_resumes_under_ddp(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
+def test_consolidated_file_resumes_under_ddp(
+    checkpoints: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     directory, _ = checkpoints
     out = tmp_path / "for_ddp.ckpt"
-    assert cli("consolidate", str(directory), str(out)).returncode == 0
-    ddp = launch([dict(CASE, strategy="ddp", devices=2, batch_size=6, steps=8, resume=str(out))], tmp_path)[0]
-    zero = launch([dict(CASE, devices=2, batch_size=6, steps=8, resume=str(directory))], tmp_path)[0]
+    assert cli_here(capsys, "consolidate", str(directory), str(out))[0] == 0
+    ddp, zero = launch(  # one launch, the two fits in turn
+        [
+            dict(CASE, strategy="ddp", devices=2, batch_size=6, steps=8, resume=str(out)),
+            dict(CASE, devices=2, batch_size=6, steps=8, resume=str(directory)),
+        ],
+        tmp_path,
+    )
     assert max_diff(ddp, zero) <= 1e-5  # fp32 summation order only
 
 
-def test_weights_only_and_refusals(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
+def test_weights_only_and_refusals(
+    checkpoints: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     directory, gathered = checkpoints
     out = tmp_path / "weights.ckpt"
-    assert cli("consolidate", str(directory), str(out), "--weights-only").returncode == 0
+    assert cli_here(capsys, "consolidate", str(directory), str(out), "--weights-only")[0] == 0
     weights = torch.load(out, weights_only=True)
     assert (
         "optimizer_states" not in weights
         and weights["state_dict"].keys() == torch.load(gathered, weights_only=True)["state_dict"].keys()
     )
-    again = cli("consolidate", str(directory), str(out))
-    assert again.returncode == 1 and "exists; pass --force" in again.stdout
+    status, stdout = cli_here(capsys, "consolidate", str(directory), str(out))
+    assert status == 1 and "exists; pass --force" in stdout
     broken = tmp_path / "broken.ckpt"
     broken.mkdir()
-    result = cli("consolidate", str(broken), str(tmp_path / "never.ckpt"))
-    assert result.returncode == 1 and "meta.pt does not exist" in result.stdout
+    status, stdout = cli_here(capsys, "consolidate", str(broken), str(tmp_path / "never.ckpt"))
+    assert status == 1 and "meta.pt does not exist" in stdout
     assert not (tmp_path / "never.ckpt").exists()
 
 
 def test_consolidated_file_loads_without_lightning_zero(
-    checkpoints: tuple[Path, Path], tmp_path: Path
+    checkpoints: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     directory, _ = checkpoints
     out = tmp_path / "plain.ckpt"
-    assert cli("consolidate", str(directory), str(out)).returncode == 0
+    assert cli_here(capsys, "consolidate", str(directory), str(out))[0] == 0
     code = (
         "import sys; sys.modules['lightning_zero'] = None\n"  # any import of it now fails
         "from tests.distributed.lit_fit import TinyLit\n"

@@ -1,12 +1,17 @@
 """Trainer checkpoints with strategy "zero": directories of shards that resume on any world size.
 
-The fits run in four shared launches (a module fixture): 2 ranks, then 3, then 2 again, then 1. A case
-can resume a checkpoint that an earlier case of the same or an earlier launch wrote. Each test reads
-its own cases' results by name.
+The fits run in four shared launches (a module fixture): 2 ranks, then 3, then 2 again, then 1, after
+one fit whose rank 1 is killed mid-save. A case can resume a checkpoint that an earlier case of the same
+or an earlier launch, or the killed fit, wrote. Each test reads its own cases' results by name.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +21,7 @@ import torch
 from lightning_zero.checkpoint import META, shard_name
 from tests.distributed.lit_fit import fit
 from tests.distributed.test_async_checkpoint import assert_same_checkpoint
-from tests.distributed.test_lightning_parity import launch, max_diff
+from tests.distributed.test_lightning_parity import ROOT, launch, max_diff
 
 GLOBAL = 12  # rows of the repeated dataset: the global batch at every step
 
@@ -66,16 +71,40 @@ def launches(root: Path) -> list[list[tuple[str, dict[str, Any]]]]:
         ("stale_three", case(3, steps=2, save=p["stale"] + "/same.ckpt")),
         ("validated_source", case(3, steps=3, save=p["v"] + ".ckpt")),
     ]
-    two_again = [("stale_two", case(2, steps=3, save=p["stale"] + "/same.ckpt"))]
-    one = [("stage2_final", case(1, steps=15, stage=2, resume=p["b"] + ".ckpt"))]
+    two_again = [
+        ("stale_two", case(2, steps=3, save=p["stale"] + "/same.ckpt")),
+        ("killed_resumed", case(2, steps=4, resume=str(root / "killed" / "last.ckpt"))),
+        ("killed_uninterrupted", case(2, steps=4)),
+    ]
+    one = [
+        ("validated", {"validate_ckpt": p["v"] + ".ckpt"}),  # first: a fresh process, as a user's
+        ("stage2_final", case(1, steps=15, stage=2, resume=p["b"] + ".ckpt")),
+    ]
     return [two, three, two_again, one]
 
 
+def kill_rank_mid_save(ck: Path, out: Path) -> tuple[int, float]:
+    """A 2-rank fit saving to ``ck`` every 2 steps whose rank 1 dies in its third save (step 4):
+    (exit status, seconds until every rank has ended)."""
+    cases = [case(2, steps=7, checkpoint_dir=str(ck), die_at_save=3)]  # saves: step2, last, step4 (dies)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.distributed.lit_fit", "--out", str(out), "--cases", json.dumps(cases)],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    return proc.returncode, time.monotonic() - start
+
+
 @pytest.fixture(scope="module")
-def fits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+def fits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The killed fit first (its resume runs in a later launch), then the launches."""
     root = tmp_path_factory.mktemp("lightning_checkpoint")
     (root / "stale").mkdir()
-    results: dict[str, dict[str, torch.Tensor]] = {}
+    results: dict[str, Any] = {"killed": kill_rank_mid_save(root / "killed", root / "killed.pt")}
     for named in launches(root):
         out = launch([c for _, c in named], root)
         results.update(zip([name for name, _ in named], out, strict=True))
@@ -128,70 +157,24 @@ def test_save_last_link(fits: tuple[Path, dict]) -> None:
     assert last.is_symlink() and (last / META).is_file()
 
 
-def test_rank_killed_mid_save_ends_every_rank_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
-    import json
-    import os
-    import subprocess
-    import sys
-    import time
-
+def test_rank_killed_mid_save_ends_every_rank_and_keeps_the_previous_checkpoint(
+    fits: tuple[Path, dict],
+) -> None:
     from lightning_zero.cli import main as cli
-    from tests.distributed.test_lightning_parity import ROOT
 
-    ck = tmp_path / "ck"
-    cases = [case(2, steps=7, checkpoint_dir=str(ck), die_at_save=3)]  # saves: step2, last, step4 (dies)
-    start = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.distributed.lit_fit",
-            "--out",
-            str(tmp_path / "r.pt"),
-            "--cases",
-            json.dumps(cases),
-        ],
-        cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    elapsed = time.monotonic() - start
-    assert proc.returncode != 0 and elapsed < 60, (proc.returncode, elapsed)
+    root, results = fits
+    ck = root / "killed"
+    returncode, elapsed = results["killed"]
+    assert returncode != 0 and elapsed < 60, (returncode, elapsed)
     complete = sorted(p.name for p in ck.iterdir() if p.name.endswith(".ckpt"))
     assert complete == ["epoch=0-step=2.ckpt", "last.ckpt"], complete  # the step-4 save never committed
     for name in complete:
         assert cli(["verify", str(ck / name)]) == 0
-    resumed, uninterrupted = launch(
-        [case(2, steps=4, resume=str(ck / "last.ckpt")), case(2, steps=4)], tmp_path
-    )
-    assert max_diff(resumed, uninterrupted) == 0.0
+    # resumed from last.ckpt in the fixture's third launch
+    assert max_diff(results["killed_resumed"], results["killed_uninterrupted"]) == 0.0
 
 
-def test_validate_loads_a_sharded_checkpoint_without_an_optimizer(
-    fits: tuple[Path, dict], tmp_path: Path
-) -> None:
-    """trainer.validate(ckpt_path=dir) under "zero": no optimizer, whole parameters read from the shards."""
-    import subprocess
-    import sys
-
-    from tests.distributed.test_lightning_parity import ROOT
-
-    ckpt, trained = fits[0] / "v.ckpt", fits[1]["validated_source"]
-    out = tmp_path / "validated.pt"
-    code = (
-        "import torch, lightning as L, lightning_zero\n"
-        "from torch.utils.data import DataLoader\n"
-        "from tests.distributed.lit_fit import TinyLit, dataset\n"
-        "model = TinyLit()\n"
-        "trainer = L.Trainer(strategy=lightning_zero.ZeroStrategy(), devices=1, accelerator='cpu',\n"
-        "                    precision='64-true', logger=False, enable_progress_bar=False)\n"
-        f"trainer.validate(model, DataLoader(dataset(24), batch_size=12), ckpt_path={str(ckpt)!r})\n"
-        f"torch.save({{n: p.detach() for n, p in model.named_parameters()}}, {str(out)!r})\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert max_diff(torch.load(out, weights_only=True), trained) == 0.0
+def test_validate_loads_a_sharded_checkpoint_without_an_optimizer(fits: tuple[Path, dict]) -> None:
+    """trainer.validate(ckpt_path=dir) under "zero": no optimizer, whole parameters read from the shards
+    (the fixture's last launch: a fresh TinyLit, one device, validated first)."""
+    assert max_diff(fits[1]["validated"], fits[1]["validated_source"]) == 0.0

@@ -1,5 +1,7 @@
 """Trainer(strategy=zero...) on 1-3 CPU ranks equals a single-process Lightning fit with torch AdamW on
-the same global batch (rank r's batch i is the single process's batch i, sliced by the sampler)."""
+the same global batch (rank r's batch i is the single process's batch i, sliced by the sampler).
+
+The launched fits run in one launch per world size (a module fixture); each test reads its own by name."""
 
 from __future__ import annotations
 
@@ -60,61 +62,82 @@ CASES_64 = [
 ]
 
 
+REGISTERED = [
+    {
+        "strategy": name,
+        "devices": 2,
+        "precision": "32-true",
+        "accum": 2,
+        "clip": 0.05,
+        "steps": 12,
+        "unused_every": 0,
+    }
+    for name in ("zero", "zero1", "zero2")
+]
+FP16 = {"devices": 2, "precision": "16-mixed-cpu", "steps": 8, "unused_every": 0, "inf_at_step": 3}
+OPTIMIZER_STATE = {"devices": 3, "stage": 2, "accum": 2, "clip": 0.05, "sharded_checkpoint": False}
+
+
+def named_cases(tmp: Path) -> dict[str, dict[str, Any]]:
+    """Every launched fit of this module by name (each test reads its own)."""
+    named: dict[str, dict[str, Any]] = {f"f64_{i}": c for i, c in enumerate(CASES_64)}
+    named.update({f"registered_{c['strategy']}": c for c in REGISTERED})
+    for precision in ("bf16-mixed", "bf16-true"):
+        base = {"devices": 2, "precision": precision, "steps": 8, "unused_every": 0}
+        named[f"{precision}_zero2"] = dict(base, strategy="zero2")
+        named[f"{precision}_ddp"] = dict(base, strategy="ddp")
+    named["comm_stats"] = {"devices": 2, "stage": 2, "steps": 3, "unused_every": 0, "csv_dir": str(tmp)}
+    named["fp16_zero2"] = dict(FP16, strategy="zero2")
+    named["fp16_ddp"] = dict(FP16, strategy="ddp")
+    named["fp16_clean"] = dict(FP16, strategy="zero2", inf_at_step=None)
+    named["optimizer_state"] = dict(OPTIMIZER_STATE, save=str(tmp / "zero.ckpt"))
+    return named
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+    """One launch per world size (1, 2, 3), the cases of that size in the order of ``named_cases``."""
+    tmp = tmp_path_factory.mktemp("lightning_parity")
+    named = named_cases(tmp)
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    for devices in (1, 2, 3):
+        names = [name for name, c in named.items() if c["devices"] == devices]
+        out = launch([named[name] for name in names], tmp, timeout_s=600)
+        results.update(zip(names, out, strict=True))
+    return tmp, results
+
+
 @pytest.mark.parametrize("devices", [1, 2, 3])
-def test_float64_parity_with_single_process_adamw(devices: int, tmp_path: Path) -> None:
-    cases = [c for c in CASES_64 if c["devices"] == devices]
-    results = launch(cases, tmp_path)
+def test_float64_parity_with_single_process_adamw(devices: int, launched: tuple[Path, dict]) -> None:
+    named = [(f"f64_{i}", c) for i, c in enumerate(CASES_64) if c["devices"] == devices]
     start = fit(strategy="auto", devices=1, steps=0)[1]
-    for case, result in zip(cases, results, strict=True):
-        expected = reference(case)
+    for name, case in named:
+        result, expected = launched[1][name], reference(case)
         assert max_diff(result, start) > 1e-2, "parameters did not move: the comparison would be vacuous"
         assert max_diff(result, expected) <= 1e-10, (case, max_diff(result, expected))
         assert torch.equal(result["net.frozen.weight"], start["net.frozen.weight"])
 
 
-def test_registered_names_fp32_parity(tmp_path: Path) -> None:
+def test_registered_names_fp32_parity(launched: tuple[Path, dict]) -> None:
     """ "zero", "zero1", "zero2" by name, default buckets, 32-true: within 1e-4 of one process."""
-    cases = [
-        {
-            "strategy": name,
-            "devices": 2,
-            "precision": "32-true",
-            "accum": 2,
-            "clip": 0.05,
-            "steps": 12,
-            "unused_every": 0,
-        }
-        for name in ("zero", "zero1", "zero2")
-    ]
-    results = launch(cases, tmp_path)
-    for case, result in zip(cases, results, strict=True):
-        assert max_diff(result, reference(case)) <= 1e-4, case
+    for case in REGISTERED:
+        assert max_diff(launched[1][f"registered_{case['strategy']}"], reference(case)) <= 1e-4, case
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_bf16_close_to_ddp_under_same_precision(precision: str, tmp_path: Path) -> None:
+def test_bf16_close_to_ddp_under_same_precision(precision: str, launched: tuple[Path, dict]) -> None:
     """bf16 rounding differs by summation order; the stated tolerance is 2e-2 on weights of O(1)."""
-    base = {"devices": 2, "precision": precision, "steps": 8, "unused_every": 0}
-    results = launch([dict(base, strategy="zero2"), dict(base, strategy="ddp")], tmp_path)
+    zero, ddp = launched[1][f"{precision}_zero2"], launched[1][f"{precision}_ddp"]
     start = fit(strategy="auto", devices=1, steps=0)[1]
-    assert max_diff(results[1], start) > 5e-2
-    assert max_diff(results[0], results[1]) <= 2e-2
+    assert max_diff(ddp, start) > 5e-2
+    assert max_diff(zero, ddp) <= 2e-2
 
 
-def test_checkpoint_optimizer_state_is_torch_adamw_state(tmp_path: Path) -> None:
+def test_checkpoint_optimizer_state_is_torch_adamw_state(launched: tuple[Path, dict], tmp_path: Path) -> None:
     """With sharded_checkpoint=False, the single file of a 3-rank zero2 fit holds the state that
     single-process AdamW would."""
-    case = {
-        "devices": 3,
-        "stage": 2,
-        "accum": 2,
-        "clip": 0.05,
-        "save": str(tmp_path / "zero.ckpt"),
-        "sharded_checkpoint": False,
-    }
-    launch([case], tmp_path)
-    reference(dict(case, save=str(tmp_path / "ref.ckpt")))
-    ours = torch.load(tmp_path / "zero.ckpt", weights_only=True)["optimizer_states"][0]
+    reference(dict(OPTIMIZER_STATE, save=str(tmp_path / "ref.ckpt")))
+    ours = torch.load(launched[0] / "zero.ckpt", weights_only=True)["optimizer_states"][0]
     ref = torch.load(tmp_path / "ref.ckpt", weights_only=True)["optimizer_states"][0]
     assert ours["state"].keys() == ref["state"].keys() and len(ref["state"]) == 7  # frozen layer: no state
     for i, entry in ref["state"].items():
@@ -126,9 +149,8 @@ def test_checkpoint_optimizer_state_is_torch_adamw_state(tmp_path: Path) -> None
     assert [g["lr"] for g in ours["param_groups"]] == [g["lr"] for g in ref["param_groups"]]
 
 
-def test_comm_stats_are_logged(tmp_path: Path) -> None:
-    launch([{"devices": 2, "stage": 2, "steps": 3, "unused_every": 0, "csv_dir": str(tmp_path)}], tmp_path)
-    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+def test_comm_stats_are_logged(launched: tuple[Path, dict]) -> None:
+    rows = (launched[0] / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
     ratio = [r.split(",")[header.index("zero/elements_sent_vs_min")] for r in rows[1:]]
     assert [float(v) for v in ratio if v] == [1.0, 1.0, 1.0]
@@ -136,12 +158,10 @@ def test_comm_stats_are_logged(tmp_path: Path) -> None:
     assert all(0.0 <= w < 1.0 for w in waits)
 
 
-def test_fp16_loss_scaling_overflow_on_one_rank_skips_everywhere(tmp_path: Path) -> None:
+def test_fp16_loss_scaling_overflow_on_one_rank_skips_everywhere(launched: tuple[Path, dict]) -> None:
     """16-mixed with a GradScaler (on CPU through an explicit plugin): an inf on rank 1 alone at step 3
     must skip that step on both ranks and back the scale off, exactly as "ddp" does."""
-    base = {"devices": 2, "precision": "16-mixed-cpu", "steps": 8, "unused_every": 0, "inf_at_step": 3}
-    zero, ddp = launch([dict(base, strategy="zero2"), dict(base, strategy="ddp")], tmp_path)
-    clean = launch([dict(base, strategy="zero2", inf_at_step=None)], tmp_path)[0]
+    zero, ddp, clean = (launched[1][f"fp16_{name}"] for name in ("zero2", "ddp", "clean"))
     assert float(zero["loss_scale"]) == float(ddp["loss_scale"]) < float(clean["loss_scale"])
     assert max_diff(zero, ddp) <= 2e-2
     assert max_diff(zero, clean) > 1e-3, "the skipped step must show"
