@@ -43,7 +43,7 @@ from recipes.corpus import CorpusError
 from recipes.data import DataConfig, PretrainDataModule
 from recipes.generate import hydra_style
 from recipes.lineage import is_complete
-from recipes.load import LoadError, check_vocabulary, find_tokenizer, load_module
+from recipes.load import LoadError, check_vocabulary, find_tokenizer, load_module, require_checkpoint
 from recipes.model import GPT
 from recipes.module import PretrainModule
 from recipes.prepare import tokenizer_from_dir
@@ -66,8 +66,7 @@ def resolve_checkpoint(path: Path) -> Path:
     Raises:
         LoadError: if `path` does not exist, or is a directory holding no checkpoint.
     """
-    if not path.exists():
-        raise LoadError(f"checkpoint not found: {path}")
+    require_checkpoint(path)
     if is_checkpoint(path):
         return path
     found = [*path.glob("checkpoints/*.ckpt"), *path.glob("*.ckpt")]

@@ -70,7 +70,7 @@ def peak_flops(device: torch.device, precision: str, configured: float | None) -
     if device.type == "cpu":
         return DEFAULT_CPU_PEAK_FLOPS
     dtype = compute_dtype(precision)
-    if dtype in (torch.bfloat16, torch.float16):
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         name = torch.cuda.get_device_name(device).lower()
         for chip, flops in DENSE_16BIT_PEAKS.items():
             if chip in name:

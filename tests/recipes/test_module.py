@@ -72,6 +72,9 @@ def test_peak_flops_override_cpu_fallback_and_lightning_gpu_table(monkeypatch: p
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         assert peak_flops(cuda, "bf16-mixed", None) == pytest.approx(bf16)
     assert peak_flops(cuda, "bf16-true", 5e14) == 5e14  # the configured figure still wins
+    # not a CUDA device: no CUDA name lookup (it would raise there), Lightning's answer (none for MPS)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: pytest.fail("CUDA name read"))
+    assert peak_flops(torch.device("mps"), "bf16-mixed", None) is None
     with pytest.raises(ValueError, match="window must be >= 1 logging interval, got 0"):
         TokenThroughput(window=0)
 
