@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_zero.checkpoint import META, CheckpointError, read_meta, shard_name, verify_files
+from lightning_zero.checkpoint.format import META, CheckpointError, read_meta, shard_name, verify_files
 
 _PRECISION_BYTES = {  # (parameter, gradient on the wire, optimizer arithmetic / master) bytes per element
     "32-true": (4, 4, 4),
@@ -67,7 +67,7 @@ def verify(src: Path) -> int:
 
 
 def _consolidate(src: Path, dst: Path, weights_only: bool, force: bool) -> int:
-    from lightning_zero.consolidate import consolidate
+    from lightning_zero.checkpoint.consolidate import consolidate
 
     if dst.exists() and not force:
         print(f"FAIL {dst} exists; pass --force to replace it")

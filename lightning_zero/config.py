@@ -25,7 +25,7 @@ class ZeroConfig:
     launches all of them after backward (useful to measure what overlap buys)."""
     overlap_param_gather: bool = False
     """Leave the parameter all-gathers of ``step()`` in flight: each module's forward waits for the
-    buckets holding its parameters (:mod:`lightning_zero.param_gather`). Everything else that reads
+    buckets holding its parameters (:mod:`lightning_zero.engine.param_gather`). Everything else that reads
     parameters must wait first; ``ZeroStrategy`` does it for Lightning's phases and callbacks. A
     standalone :class:`~lightning_zero.ShardedAdamW` needs ``install_forward_waits(model)``; until
     then ``step()`` waits for its gathers as without this option."""

@@ -174,7 +174,7 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
         if case.get("save_at") == step + 1:
             fabric.save(case["save"], state)
     if case.get("consolidate") and fabric.global_rank == 0:
-        from lightning_zero.consolidate import consolidate
+        from lightning_zero.checkpoint.consolidate import consolidate
 
         consolidate(case["save"], case["consolidate"])
     fabric.barrier()

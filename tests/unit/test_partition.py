@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from lightning_zero.buckets import MB, ParamSpec, plan_buckets
-from lightning_zero.partition import Slot, padded_numel, shard_range, shard_segments
+from lightning_zero.layout.buckets import MB, ParamSpec, plan_buckets
+from lightning_zero.layout.partition import Slot, padded_numel, shard_range, shard_segments
 
 
 @pytest.mark.parametrize("world_size", range(1, 9))
