@@ -71,10 +71,10 @@ def plan_meta(engine: ShardEngine) -> dict[str, Any]:
     plan = engine.plan
     return {
         "world_size": plan.world_size,
-        "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in plan.params],
+        "params": [{"name": p.name, "shape": list(p.shape), "dtype": str(p.dtype)} for p in plan.params],
         "buckets": [
             {
-                "dtype": b.dtype,
+                "dtype": str(b.dtype),
                 "numel": b.numel,
                 "padded_numel": b.padded_numel,
                 "slots": [[s.param_index, s.bucket_offset, s.numel] for s in b.slots],

@@ -85,8 +85,7 @@ class ShardEngine:
         if not order:
             raise ValueError("the optimizer has no parameter with requires_grad=True")
         specs = [
-            ParamSpec(self._names.get(p, f"param{i}"), tuple(p.shape), str(p.dtype), p.element_size())
-            for i, p in enumerate(order)
+            ParamSpec(self._names.get(p, f"param{i}"), tuple(p.shape), p.dtype) for i, p in enumerate(order)
         ]
         config = self.config
         self.plan = plan_buckets(

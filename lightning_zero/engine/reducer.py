@@ -50,7 +50,7 @@ from lightning_zero.comm.communicator import Comm
 from lightning_zero.config import ZeroConfig, master_dtype
 from lightning_zero.engine.wire_pool import WirePool, adoptable_params
 from lightning_zero.layout.buckets import Bucket, BucketPlan
-from lightning_zero.layout.flat import FlatParams, dtype_from_str
+from lightning_zero.layout.flat import FlatParams
 from lightning_zero.layout.partition import shard_range
 
 _MAX_IN_FLIGHT = 2
@@ -102,7 +102,7 @@ class GradReducer:
         self.config = config
         self._where = plan.locate()
         self.grad_shards: list[Tensor] = [
-            torch.zeros(plan.shard_numel(b), dtype=master_dtype(dtype_from_str(b.dtype)), device=flat.device)
+            torch.zeros(plan.shard_numel(b), dtype=master_dtype(b.dtype), device=flat.device)
             for b in plan.buckets
         ]
         self._buckets = [_BucketState(b, waiting=len(b.slots)) for b in plan.buckets]
@@ -219,7 +219,7 @@ class GradReducer:
         state = self._buckets[bucket_index]
         if state.accum is None:
             bucket = state.bucket
-            dtype = master_dtype(dtype_from_str(bucket.dtype))
+            dtype = master_dtype(bucket.dtype)
             taken = self.pool.take(dtype, bucket.padded_numel)
             while (
                 taken is None and self.pool.serves(dtype, bucket.padded_numel) and self._collect_oldest()
@@ -258,7 +258,7 @@ class GradReducer:
     def _launch(self, bucket_index: int) -> None:
         state = self._buckets[bucket_index]
         accum = self._accum(bucket_index)
-        wire_dtype = self.config.wire_dtype(dtype_from_str(state.bucket.dtype))
+        wire_dtype = self.config.wire_dtype(state.bucket.dtype)
         # average before the cast: a 16-bit wire then carries the mean, not a sum that may overflow
         if wire_dtype == accum.dtype:
             state.wire = accum.div_(self.comm.world_size)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_zero.config import master_dtype
 from lightning_zero.layout.buckets import BucketPlan
-from lightning_zero.layout.flat import FlatParams, dtype_from_str
+from lightning_zero.layout.flat import FlatParams
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class ShardState:
         self.separate_master: list[bool] = []
         for bucket in plan.buckets:
             shard = flat.shard(bucket)
-            dtype = master_dtype(dtype_from_str(bucket.dtype))
+            dtype = master_dtype(bucket.dtype)
             separate = dtype != shard.dtype
             self.separate_master.append(separate)
             self.master.append(shard.to(dtype, copy=True) if separate else shard)

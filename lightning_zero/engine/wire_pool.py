@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.config import master_dtype
-from lightning_zero.layout.buckets import Bucket, BucketPlan
-from lightning_zero.layout.flat import dtype_from_str
+from lightning_zero.layout.buckets import BucketPlan
 
 
 class WirePool:
@@ -40,8 +39,8 @@ class WirePool:
         for bucket in plan.buckets:
             if bucket.index in skip:
                 continue
-            dtype = master_dtype(dtype_from_str(bucket.dtype))
-            large = bucket.numel * _element_size(bucket) > cap_bytes
+            dtype = master_dtype(bucket.dtype)
+            large = bucket.numel * bucket.dtype.itemsize > cap_bytes
             self._length[dtype, large] = max(self._length.get((dtype, large), 0), bucket.padded_numel)
         self._slots = {key: 1 if key[1] else slots for key in self._length}
         self._buffers: dict[tuple[torch.dtype, bool], list[Tensor]] = {k: [] for k in self._length}
@@ -78,16 +77,12 @@ class WirePool:
         return sum(b.numel() * b.element_size() for buffers in self._buffers.values() for b in buffers)
 
 
-def _element_size(bucket: Bucket) -> int:
-    return torch.empty((), dtype=dtype_from_str(bucket.dtype)).element_size()
-
-
 def adoptable_params(plan: BucketPlan) -> set[int]:
     """Parameters whose gradient can *be* their bucket's accumulation buffer: alone in a bucket
     without padding, in the master dtype (e.g. an fp32 embedding or output layer)."""
     adoptable = set()
     for bucket in plan.buckets:
-        dtype = dtype_from_str(bucket.dtype)
+        dtype = bucket.dtype
         if len(bucket.slots) == 1 and bucket.padding == 0 and master_dtype(dtype) == dtype:
             adoptable.add(bucket.slots[0].param_index)
     return adoptable

@@ -5,7 +5,10 @@
 pay Lightning's import (about 4 s here). Lightning has no plugin entry point for strategies, so the
 registration runs right after Lightning's own package has finished importing:
 
-  * if ``lightning.pytorch`` / ``lightning.fabric`` is already imported, at once;
+  * each strategy module registers itself at the end of its own import (Trainer: ``"zero"``,
+    ``"zero1"``, ``"zero2"`` and the ``load_from_checkpoint`` loader; Fabric: the same names);
+  * if ``lightning.pytorch`` / ``lightning.fabric`` is already imported, that strategy module is
+    imported at once;
   * otherwise a finder on ``sys.meta_path`` wraps the loader of that package, and the registration
     runs when the package's ``__init__`` has run to its end (the registry and everything our
     strategy imports then exist). The finder removes itself once every action has run.
@@ -26,27 +29,20 @@ from types import ModuleType
 from typing import Any
 
 
-def _register_trainer() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
+def _import(module: str) -> Callable[[], None]:
+    """Importing the strategy module registers it (its last lines). A module already in
+    ``sys.modules`` is not run again: complete, it registered; partially initialised (it imported
+    Lightning, which brought us here), it registers when its own import reaches its end."""
 
-    from lightning_zero.integrations.trainer.load import install
-    from lightning_zero.integrations.trainer.strategy import ZeroStrategy
+    def run() -> None:
+        importlib.import_module(module)
 
-    ZeroStrategy.register_strategies(StrategyRegistry)
-    install()  # Model.load_from_checkpoint(DIR) reads sharded checkpoint directories
-
-
-def _register_fabric() -> None:
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-
-    from lightning_zero.integrations.fabric.strategy import ZeroFabricStrategy
-
-    ZeroFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    return run
 
 
 ACTIONS: dict[str, Callable[[], None]] = {
-    "lightning.pytorch": _register_trainer,
-    "lightning.fabric": _register_fabric,
+    "lightning.pytorch": _import("lightning_zero.integrations.trainer.strategy"),
+    "lightning.fabric": _import("lightning_zero.integrations.fabric.strategy"),
 }
 """Package -> what to run once it is imported."""
 

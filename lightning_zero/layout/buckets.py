@@ -18,6 +18,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from lightning_zero.layout.partition import Segment, Slot, padded_numel, shard_segments
 
 MB = 1024 * 1024
@@ -29,14 +31,16 @@ class ParamSpec:
 
     name: str
     shape: tuple[int, ...]
-    dtype: str
-    """dtype as a string, e.g. ``"torch.float32"``."""
-    element_size: int
-    """bytes per element."""
+    dtype: torch.dtype
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per element."""
+        return self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class Bucket:
     """A contiguous range of one dtype's flat buffer, split into ``world_size`` equal shards."""
 
     index: int
-    dtype: str
+    dtype: torch.dtype
     slots: tuple[Slot, ...]
     numel: int
     """Elements holding parameters."""
@@ -65,7 +69,7 @@ class BucketPlan:
     params: tuple[ParamSpec, ...]
     buckets: tuple[Bucket, ...]
     world_size: int
-    buffer_numel: dict[str, int] = field(hash=False)
+    buffer_numel: dict[torch.dtype, int] = field(hash=False)
     """Total padded length of the flat buffer for each dtype."""
 
     def segments(self, bucket: Bucket, rank: int) -> list[Segment]:
@@ -146,7 +150,7 @@ def _layout(
     params: Sequence[ParamSpec], groups: list[list[int]], world_size: int, align_numel: int
 ) -> BucketPlan:
     buckets = []
-    buffer_numel: dict[str, int] = {}
+    buffer_numel: dict[torch.dtype, int] = {}
     for bucket_index, indices in enumerate(groups):
         dtype = params[indices[0]].dtype
         slots, offset = [], 0

@@ -20,14 +20,6 @@ from lightning_zero.layout.buckets import Bucket, BucketPlan
 from lightning_zero.layout.partition import shard_range
 
 
-def dtype_from_str(name: str) -> torch.dtype:
-    """``"torch.float32"`` -> ``torch.float32``."""
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
 class FlatParams:
     """Flat buffers holding the parameters of a plan, one per dtype."""
 
@@ -40,8 +32,8 @@ class FlatParams:
         self.device = devices.pop()
         self.plan = plan
         self.rank = rank
-        self.buffers: dict[str, Tensor] = {
-            dtype: torch.zeros(numel, dtype=dtype_from_str(dtype), device=self.device)
+        self.buffers: dict[torch.dtype, Tensor] = {
+            dtype: torch.zeros(numel, dtype=dtype, device=self.device)
             for dtype, numel in plan.buffer_numel.items()
         }
         with torch.no_grad():

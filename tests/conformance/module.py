@@ -174,7 +174,7 @@ class ConformanceModule(L.LightningModule):
         elif self.hparams.log_grad_norm == "zero":
             import lightning_zero
 
-            self.log_dict(lightning_zero.integrations.trainer.grad_norm(self, norm_type=2))
+            self.log_dict(lightning_zero.grad_norm(self, norm_type=2))
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), sync_dist=True)

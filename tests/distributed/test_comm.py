@@ -17,7 +17,7 @@ RING = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2}  # times P·(N−
 def _as_collectives(calls: list[tuple[str, int]], world_size: int) -> list[tuple[str, int]]:
     """Read gloo's split collectives back as the ones they stand for: ``N`` consecutive ``reduce``
     calls of one chunk size are a reduce-scatter of ``N`` chunks, ``N`` ``broadcast`` calls an
-    all-gather (lightning_zero.comm.communicator runs them so on gloo: no full-size temporaries)."""
+    all-gather (lightning_zero.comm runs them so on gloo: no full-size temporaries)."""
     merged, i = [], 0
     while i < len(calls):
         name, numel = calls[i]

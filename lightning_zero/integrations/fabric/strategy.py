@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from typing_extensions import override
@@ -308,3 +308,6 @@ class _ShardAwareFabricPrecision:
 def fabric_shard_aware(precision_cls: type[Precision]) -> type[Precision]:
     """Fabric's ``precision_cls`` with shard-aware loss scaling (one subclass per plugin class)."""
     return with_mixin(_ShardAwareFabricPrecision, precision_cls)
+
+
+ZeroFabricStrategy.register_strategies(STRATEGY_REGISTRY)  # Fabric(strategy="zero"), "zero1", "zero2"

@@ -39,12 +39,14 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_zero.config import ZeroConfig, register_names
 from lightning_zero.integrations.trainer.checkpointing import _ShardedCheckpointing
+from lightning_zero.integrations.trainer.load import install as install_loader
 from lightning_zero.integrations.trainer.monitor import CommStatsMonitor
 from lightning_zero.integrations.trainer.param_barrier import ParamReadBarrier
 from lightning_zero.integrations.trainer.precision import shard_aware, unwrap_optimizer
@@ -268,3 +270,8 @@ class ZeroStrategy(_ShardedCheckpointing):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_names(cls, strategy_registry)
+
+
+# "zero", "zero1", "zero2" on import (lightning_zero.integrations.autoregister)
+ZeroStrategy.register_strategies(StrategyRegistry)
+install_loader()  # Model.load_from_checkpoint(DIR) reads sharded checkpoint directories
