@@ -141,6 +141,9 @@ def test_readers_of_the_sharded_state_import_it_plainly() -> None:
     """full_state, checkpoint, reshard, ... take the engine (``ShardEngine``), imported at run time:
     no module reaches into another of this package through a ``TYPE_CHECKING`` import."""
     offenders = {
-        path: hidden for path, tree in _modules().items() if (hidden := _typing_only_package_imports(tree))
+        path: hidden
+        for path, tree in _modules().items()
+        # the package's __init__ names its lazily imported public classes for type checkers
+        if path != "__init__.py" and (hidden := _typing_only_package_imports(tree))
     }
     assert offenders == {}, f"TYPE_CHECKING-only imports of lightning_zero modules: {offenders}"
