@@ -35,12 +35,11 @@ from lightning_zero.checkpoint.format import (
     FABRIC_KEYS,
     WEIGHTS_ONLY,
     CheckpointError,
+    moment_names,
     read_meta,
     verify_files,
 )
 from lightning_zero.checkpoint.reshard import ShardFiles, read_full_param
-
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 class _Storage:
@@ -206,7 +205,6 @@ def _structure(
 def _optimizer_structure(meta: dict[str, Any], out: _StreamingWriter) -> dict[str, Any]:
     plan_params = meta["plan"]["params"]
     steps = meta["steps"].tolist()
-    has_max = any("amsgrad" in g and g["amsgrad"] for g in meta["param_groups"])
     state: dict[int, Any] = {}
     groups = []
     torch_index = 0
@@ -216,7 +214,7 @@ def _optimizer_structure(meta: dict[str, Any], out: _StreamingWriter) -> dict[st
             if plan_index >= 0 and steps[plan_index] > 0:
                 spec = plan_params[plan_index]
                 entry: dict[str, Any] = {"step": torch.tensor(float(steps[plan_index]), dtype=torch.float32)}
-                for key in _STATE_KEYS[: 3 if has_max else 2]:
+                for key in moment_names(meta):
                     entry[key] = out.placeholder(
                         spec["shape"],
                         torch.float32 if _dtype(spec["dtype"]).itemsize < 4 else _dtype(spec["dtype"]),
@@ -246,7 +244,7 @@ def _write_tensors(
             files.release()  # unmap the previous bucket's pages
             current_bucket = layout_bucket[plan_index]
         name = meta["plan"]["params"][plan_index]["name"]
-        for state_key in (None, *_STATE_KEYS):
+        for state_key in (None, *moment_names(meta)):
             key = by_source.get((name, state_key))
             if key is None:
                 continue

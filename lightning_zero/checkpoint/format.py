@@ -6,6 +6,7 @@ Layout of a checkpoint directory ``CKPT/`` (format version :data:`FORMAT_VERSION
     CKPT/shard-00001-of-00002.pt   fp32 master weights for 16-bit parameters) — written by that rank
     CKPT/model_extra.pt            model tensors outside the buckets (buffers, frozen parameters)
     CKPT/meta.pt                   format, world size, stage, bucket plan, per-parameter step counts,
+                                   the names of the optimizer moments in the shard files,
                                    param-group hyper-parameters, Lightning's loop/callback/scheduler
                                    state, and the size and sha256 of every other file
 
@@ -45,7 +46,6 @@ from lightning_zero.engine.engine import ShardEngine
 FORMAT_VERSION = 1
 META = "meta.pt"
 EXTRA = "model_extra.pt"
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 WEIGHTS_ONLY = "lightning_zero_weights_only"
 """Key in the Lightning state of a checkpoint saved with ``save_weights_only``: it cannot resume."""
 FABRIC_KEYS = "lightning_zero_fabric"
@@ -91,25 +91,20 @@ def _shard_payload(
     copied (saving a view writes its whole storage); ``copy_tensor``, if given, copies every tensor
     (a snapshot that training going on cannot change). ``with_optimizer=False`` (a weights-only
     checkpoint) saves the parameter shards alone."""
-    shards = engine.shards
+    records = engine.state.records
 
     def own(t: torch.Tensor, always: bool = False) -> torch.Tensor:
         if copy_tensor is not None:
             return copy_tensor(t)
         return t.detach().to("cpu", copy=True) if always else t
 
-    payload = {"param": [own(engine.flat.shard(b), always=True) for b in engine.plan.buckets]}
+    payload = {"param": [own(r.param, always=True) for r in records]}
     if not with_optimizer:
         return payload
-    if any(shards.separate_master):
-        payload["master"] = [
-            own(m) if sep else torch.empty(0)
-            for m, sep in zip(shards.master, shards.separate_master, strict=True)
-        ]
-    for key in _STATE_KEYS:
-        tensors = getattr(shards, key)
-        if tensors is not None:
-            payload[key] = [own(t) for t in tensors]
+    if any(r.separate_master for r in records):
+        payload["master"] = [own(r.master) if r.separate_master else torch.empty(0) for r in records]
+    for name in engine.state.moment_names:
+        payload[name] = [own(r.moments[name]) for r in records]
     return payload
 
 
@@ -210,7 +205,8 @@ def stage_save(
         "world_size": comm.world_size,
         "stage": stage,
         "plan": plan_meta(engine),
-        "steps": torch.tensor(engine.shards.steps, dtype=torch.int64),
+        "steps": torch.tensor(engine.state.steps, dtype=torch.int64),
+        "moments": list(engine.state.moment_names),
         "param_groups": copy_module.deepcopy(engine.group_hyperparameters()),
         "lightning": lightning_state,
     }
@@ -280,6 +276,18 @@ def _commit(tmp: Path, target: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
+
+
+def moment_names(meta: dict[str, Any]) -> list[str]:
+    """Names of the optimizer moments a checkpoint's shard files hold, in the optimizer's order.
+
+    Recorded in ``meta.pt`` as ``"moments"``; a checkpoint written before that was recorded holds
+    Adam's: ``exp_avg``, ``exp_avg_sq`` and, if a param group had ``amsgrad``, ``max_exp_avg_sq``.
+    """
+    if "moments" in meta:
+        return list(meta["moments"])
+    amsgrad = any(g.get("amsgrad") for g in meta["param_groups"])
+    return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:

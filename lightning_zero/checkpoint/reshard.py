@@ -134,15 +134,11 @@ def load_sharded(engine: ShardEngine, path: Path, meta: dict[str, Any], with_opt
     engine.wait_for_params()  # gathers left in flight would overwrite what is loaded here
     layout = _SavedLayout(meta)
     files = ShardFiles(path, layout.world_size)
-    shards = engine.shards
-    for b, bucket in enumerate(engine.plan.buckets):
-        targets = {
-            "param": [engine.flat.shard(bucket)] + ([shards.master[b]] if shards.separate_master[b] else [])
-        }
+    shards = engine.state
+    for bucket, record in zip(engine.plan.buckets, shards.records, strict=True):
+        targets = {"param": [record.param] + ([record.master] if record.separate_master else [])}
         if with_optimizer:
-            targets.update(exp_avg=[shards.exp_avg[b]], exp_avg_sq=[shards.exp_avg_sq[b]])
-            if shards.max_exp_avg_sq is not None:
-                targets["max_exp_avg_sq"] = [shards.max_exp_avg_sq[b]]
+            targets.update({name: [moment] for name, moment in record.moments.items()})
         for seg in engine.plan.segments(bucket, engine.comm.rank):
             name = engine.plan.params[seg.param_index].name
             for rank, saved_bucket, offset, numel, at in layout.pieces(name, seg.param_start, seg.param_end):

@@ -132,22 +132,38 @@ class Comm:
             self.stats.wait_s += start.elapsed_time(end) / 1000.0
         self._device_waits.clear()
 
-    def broadcast_tensors(self, tensors: list[Tensor], src: int = 0) -> None:
-        """Overwrite ``tensors`` with rank ``src``'s values, one broadcast per dtype (blocking, control)."""
+    def broadcast_tensors(self, tensors: list[Tensor], src: int = 0, bucket_bytes: int = 250 * 2**20) -> None:
+        """Overwrite ``tensors`` with rank ``src``'s values (blocking, control traffic).
+
+        Tensors of one dtype travel together, in broadcasts of at most ``bucket_bytes`` (a tensor
+        larger than that alone), so the transient copy stays bounded (torch DDP's start-up sync uses
+        the same 250 MiB).
+        """
         if self.world_size == 1 or not tensors:
             return
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         for group in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)
-            self.stats.count(flat.numel() if self.rank == src else 0, flat.dtype, control=True)
-            self.backend.broadcast(flat, src)
-            offset = 0
-            with torch.no_grad():
-                for t in group:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+            chunk: list[Tensor] = []
+            nbytes = 0
+            for t in group:
+                if chunk and nbytes + t.numel() * t.element_size() > bucket_bytes:
+                    self._broadcast_chunk(chunk, src)
+                    chunk, nbytes = [], 0
+                chunk.append(t)
+                nbytes += t.numel() * t.element_size()
+            self._broadcast_chunk(chunk, src)
+
+    @torch.no_grad()
+    def _broadcast_chunk(self, tensors: list[Tensor], src: int) -> None:
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(self.device)
+        self.stats.count(flat.numel() if self.rank == src else 0, flat.dtype, control=True)
+        self.backend.broadcast(flat, src)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Gather a short list of integers from every rank (a blocking control collective)."""

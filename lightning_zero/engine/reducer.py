@@ -21,9 +21,11 @@ Per optimizer step (one or more backward passes):
      optimizer step, e.g. accumulation by hand in manual optimization, sum as in torch DDP).
      :meth:`GradReducer.finalize` (clipping, the optimizer step) closes a round that is still open.
 
-The stage 1 / stage 2 difference lives only in :meth:`GradReducer._launch` / ``_collect``:
-stage 1 all-reduces the bucket and keeps the owned slice; stage 2 reduce-scatters it. Either way
-the optimizer sees only ``grad_shards[b]``: ``(padded_numel // world_size,)`` in the master dtype.
+What happens between a bucket's accumulation buffer and its shard (averaging, the cast to the wire
+dtype, the collective, the accumulation back) is the bucket's wire codec
+(:mod:`lightning_zero.engine.codecs`), which is also the only place where stage 1 (all-reduce the
+bucket, keep the owned slice) and stage 2 (reduce-scatter it) differ. Either way the optimizer sees
+only ``grad_shards[b]``: ``(padded_numel // world_size,)`` in the master dtype.
 
 Memory: a bucket's accumulation buffer is a slot of a small pool (:class:`WirePool`: three
 buffers as long as the longest bucket within the cap, plus one as long as the longest bucket above
@@ -48,17 +50,20 @@ from torch import Tensor
 
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.config import ZeroConfig, master_dtype
+from lightning_zero.engine.codecs import InFlight, WireCodec, codec_for
 from lightning_zero.engine.wire_pool import WirePool, adoptable_params
 from lightning_zero.layout.buckets import Bucket, BucketPlan
 from lightning_zero.layout.flat import FlatParams
-from lightning_zero.layout.partition import shard_range
 
 _MAX_IN_FLIGHT = 2
 """Launched buckets that may wait uncollected at once (bounds stage 2's transient gradient memory)."""
+POOL_SLOTS = _MAX_IN_FLIGHT + 1
+"""Accumulation buffers of bucket size the pool holds: one bucket filling, the others in flight
+(what ``lightning-zero estimate`` counts as transient gradient memory)."""
 
 
-def _is_completed(handle: object) -> bool:
-    done = getattr(handle, "is_completed", None)
+def _is_completed(sent: InFlight) -> bool:
+    done = getattr(sent.handle, "is_completed", None)
     return bool(done()) if done is not None else True
 
 
@@ -67,21 +72,19 @@ class _BucketState:
     """One bucket's per-step communication state (lives and dies together)."""
 
     bucket: Bucket
+    codec: WireCodec
+    """How the bucket travels to its shard (cast, collective, accumulation back)."""
     accum: Tensor | None = None
     """``(padded_numel,)`` sum of this step's local gradients, master dtype (padding zero)."""
-    wire: Tensor | None = None
-    """What is on the wire: ``accum`` itself, or its cast to the wire dtype."""
-    output: Tensor | None = None
-    """Stage 2: the reduce-scatter's output ``(shard_numel,)``, when it is not the shard itself."""
-    handle: object | None = None
-    """The pending collective."""
+    sent: InFlight | None = None
+    """The launched collective, until it is collected."""
     waiting: int = 0
     """Parameters of the bucket that have not yet arrived in this round."""
     slot: tuple[tuple[torch.dtype, bool], int] | None = None
     """The pool slot ``accum`` lives in, as (size class, index) (``None``: not from the pool)."""
 
     def clear(self) -> None:
-        self.accum = self.wire = self.output = self.handle = None
+        self.accum = self.sent = None
 
 
 class GradReducer:
@@ -105,11 +108,13 @@ class GradReducer:
             torch.zeros(plan.shard_numel(b), dtype=master_dtype(b.dtype), device=flat.device)
             for b in plan.buckets
         ]
-        self._buckets = [_BucketState(b, waiting=len(b.slots)) for b in plan.buckets]
+        self._buckets = [
+            _BucketState(b, codec_for(config, b.dtype), waiting=len(b.slots)) for b in plan.buckets
+        ]
         self._adoptable = adoptable_params(plan)
         cap_bytes = max(config.bucket_cap_mb, config.first_bucket_cap_mb) * 2**20
         adopted_buckets = {self._where[i][0] for i in self._adoptable}
-        self.pool = WirePool(plan, _MAX_IN_FLIGHT + 1, cap_bytes, flat.device, adopted_buckets)
+        self.pool = WirePool(plan, POOL_SLOTS, cap_bytes, flat.device, adopted_buckets)
         self.allocations_outside_pool = 0
         """Accumulation buffers allocated because every pool slot was busy (e.g. ``no_sync``)."""
         self.adopted = 0
@@ -237,7 +242,7 @@ class GradReducer:
     def _collect_oldest(self) -> bool:
         """Collect the oldest launched bucket (waits for it); False if none is in flight."""
         for b, state in enumerate(self._buckets):
-            if state.handle is not None:
+            if state.sent is not None:
                 self._collect(b)
                 return True
         return False
@@ -257,35 +262,23 @@ class GradReducer:
 
     def _launch(self, bucket_index: int) -> None:
         state = self._buckets[bucket_index]
-        accum = self._accum(bucket_index)
-        wire_dtype = self.config.wire_dtype(state.bucket.dtype)
-        # average before the cast: a 16-bit wire then carries the mean, not a sum that may overflow
-        if wire_dtype == accum.dtype:
-            state.wire = accum.div_(self.comm.world_size)
-        else:
-            wire = torch.empty(accum.numel(), dtype=wire_dtype, device=accum.device)
-            torch.div(accum, self.comm.world_size, out=wire)
+        sent = state.codec.launch(
+            self.comm, self._accum(bucket_index), self.grad_shards[bucket_index], self._rounds == 0
+        )
+        if not sent.uses_accum:
             self._release(state)  # the wire copy is all that is needed from here on
-            state.wire = wire
-        if self.config.stage == 1:
-            state.handle = self.comm.all_reduce(state.wire)
-        else:
-            shard = self.grad_shards[bucket_index]
-            direct = self._rounds == 0 and shard.dtype == wire_dtype
-            state.output = (
-                shard if direct else torch.empty(shard.numel(), dtype=wire_dtype, device=shard.device)
-            )
-            state.handle = self.comm.reduce_scatter(state.output, state.wire)
+        state.sent = sent
         self._next_launch = bucket_index + 1
         self._collect_finished(bucket_index)
 
     def _collect_finished(self, newest: int) -> None:
         """Collect launched buckets that have finished; keep at most ``_MAX_IN_FLIGHT`` uncollected
         (the newest included: it is never waited for here)."""
-        in_flight = [b for b in range(newest + 1) if self._buckets[b].handle is not None]
+        in_flight = [b for b in range(newest + 1) if self._buckets[b].sent is not None]
         excess = len(in_flight) - _MAX_IN_FLIGHT
         for b in in_flight[:-1]:  # oldest first
-            if excess > 0 or _is_completed(self._buckets[b].handle):
+            sent = self._buckets[b].sent
+            if excess > 0 or (sent is not None and _is_completed(sent)):
                 self._collect(b)
                 excess -= 1
 
@@ -324,7 +317,7 @@ class GradReducer:
             used = torch.tensor(self._used, dtype=torch.int32, device=self.comm.device)
             used_handle = self.comm.all_reduce(used, op="max", control=True)
         for bucket_index in range(len(self._buckets)):
-            if self._buckets[bucket_index].handle is not None:
+            if self._buckets[bucket_index].sent is not None:
                 self._collect(bucket_index)
         if used is not None and used_handle is not None:
             self.comm.wait(used_handle)
@@ -354,27 +347,15 @@ class GradReducer:
 
     def _collect(self, bucket_index: int) -> None:
         state = self._buckets[bucket_index]
-        assert state.handle is not None and state.wire is not None
-        self.comm.wait(state.handle)
-        shard = self.grad_shards[bucket_index]
-        if self.config.stage == 1:
-            start, end = shard_range(state.wire.numel(), self.comm.world_size, self.comm.rank)
-            result = state.wire[start:end]
-        else:
-            assert state.output is not None
-            result = state.output
-        if result is not shard:
-            if self._rounds == 0:
-                shard.copy_(result)
-            else:
-                shard.add_(result)
+        assert state.sent is not None
+        state.codec.collect(self.comm, state.sent, self.grad_shards[bucket_index], self._rounds == 0)
         self._release(state)
 
     def reset(self) -> None:
         """Start a new step: drop gradients and per-step state (waits for anything in flight)."""
         for state in self._buckets:
-            if state.handle is not None:
-                self.comm.wait(state.handle)
+            if state.sent is not None:
+                self.comm.wait(state.sent.handle)
             self._release(state)
             state.waiting = len(state.bucket.slots)
         for param in self.params:

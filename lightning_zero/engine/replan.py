@@ -26,8 +26,6 @@ from lightning_zero.engine.shard_state import ShardState
 from lightning_zero.layout.buckets import BucketPlan
 from lightning_zero.layout.partition import Segment
 
-_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
 
 @dataclass
 class Parked:
@@ -45,7 +43,9 @@ def carry_state(
 ) -> None:
     """Fill ``new``'s shards with the state of ``old``'s (and parked) parameters. Call on all ranks.
 
-    Parameters new to the optimizer start with no state (step 0), as in torch.
+    Parameters new to the optimizer start with no state (step 0), as in torch. A state tensor the new
+    records do not keep (a moment of a setting switched off, a master of a dtype that needs none) is
+    dropped; one they keep and the old ones lacked stays at its initial value.
     """
     old_plan, old_params, old_shards = old
     new_plan, new_params, new_shards = new
@@ -59,17 +59,13 @@ def carry_state(
         new_shards.steps[j] = step
         for b, seg in targets[j]:
             window = slice(seg.shard_offset, seg.shard_offset + seg.numel)
+            destinations = new_shards.records[b].state()
             for key, value in values.items():
-                if key == "master":
-                    if new_shards.separate_master[b]:
-                        new_shards.master[b][window].copy_(value[seg.param_start : seg.param_end])
-                    continue
-                destination = getattr(new_shards, key)
-                if destination is not None:
-                    destination[b][window].copy_(value[seg.param_start : seg.param_end])
+                if key in destinations:
+                    destinations[key][window].copy_(value[seg.param_start : seg.param_end])
 
     for b, bucket in enumerate(old_plan.buckets):
-        full = _gather_bucket_state(comm, old_shards, b, bucket.padded_numel)
+        full = _gather_bucket_state(comm, old_shards.records[b].state(), bucket.padded_numel)
         for slot in bucket.slots:
             param = old_params[slot.param_index]
             values = {k: v[slot.bucket_offset : slot.bucket_offset + slot.numel] for k, v in full.items()}
@@ -83,11 +79,8 @@ def carry_state(
         place(position[param], values, step)
 
 
-def _gather_bucket_state(comm: Comm, shards: ShardState, b: int, padded_numel: int) -> dict[str, Tensor]:
-    """Every state tensor of old bucket ``b``, whole: ``{key: (padded_numel,)}``."""
-    sources = {key: getattr(shards, key)[b] for key in _MOMENTS if getattr(shards, key) is not None}
-    if shards.separate_master[b]:
-        sources["master"] = shards.master[b]
+def _gather_bucket_state(comm: Comm, sources: dict[str, Tensor], padded_numel: int) -> dict[str, Tensor]:
+    """Every state tensor of one old bucket, whole: ``{key: (padded_numel,)}``."""
     full = {}
     for key, shard in sources.items():
         out = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device)

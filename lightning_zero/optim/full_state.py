@@ -19,8 +19,6 @@ from torch import Tensor
 
 from lightning_zero.engine.engine import ShardEngine
 
-_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
 
 def _group_indices(engine: ShardEngine) -> dict[torch.nn.Parameter, int]:
     """torch's numbering: parameters of all groups, in order."""
@@ -33,13 +31,12 @@ def _group_indices(engine: ShardEngine) -> dict[torch.nn.Parameter, int]:
 
 def gather_full_state(engine: ShardEngine, dst: int = 0) -> dict[str, Any] | None:
     """The full AdamW state dict on rank ``dst`` (``None`` elsewhere). Call on all ranks."""
-    comm, plan, shards = engine.comm, engine.plan, engine.shards
+    comm, plan, shards = engine.comm, engine.plan, engine.state
     numbering = _group_indices(engine)
-    moments = [m for m in _MOMENTS if m in shards.state_tensors()]
     state: dict[int, dict[str, Tensor]] = {}
     for b, bucket in enumerate(plan.buckets):
-        for name in moments:
-            full = comm.gather(getattr(shards, name)[b], dst)  # (padded_numel,) on dst
+        for name, moment in shards.records[b].moments.items():
+            full = comm.gather(moment, dst)  # (padded_numel,) on dst
             if full is None:
                 continue
             for slot in bucket.slots:
@@ -92,7 +89,7 @@ def scatter_full_state(engine: ShardEngine, full: dict[str, Any]) -> None:
         for saved_i, p in zip(saved["params"], group["params"], strict=True)
     }
     state = {remap[int(k)]: v for k, v in full.get("state", {}).items()}
-    shards, plan = engine.shards, engine.plan
+    shards, plan = engine.state, engine.plan
     for index, param in enumerate(engine.params_in_order):
         entry = state.get(numbering[param], {})
         shards.steps[index] = int(entry["step"]) if "step" in entry else 0
@@ -101,18 +98,15 @@ def scatter_full_state(engine: ShardEngine, full: dict[str, Any]) -> None:
             param = engine.params_in_order[seg.param_index]
             entry = state.get(numbering[param], {})
             window = slice(seg.shard_offset, seg.shard_offset + seg.numel)
-            for name in _MOMENTS:
-                target = getattr(shards, name)
-                if target is None:
-                    continue
+            for name, target in shards.records[b].moments.items():
                 source = entry.get(name)
                 if source is None:
-                    target[b][window].zero_()
+                    target[window].zero_()
                     continue
                 if source.shape != param.shape:
                     raise ValueError(
                         f"state {name!r} of parameter {plan.params[seg.param_index].name!r} has shape "
                         f"{tuple(source.shape)}, the parameter {tuple(param.shape)}"
                     )
-                target[b][window].copy_(source.reshape(-1)[seg.param_start : seg.param_end])
+                target[window].copy_(source.reshape(-1)[seg.param_start : seg.param_end])
     shards.refresh_master()

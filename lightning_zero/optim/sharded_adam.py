@@ -19,7 +19,7 @@ gradients.
 Limits: parameters must be real floating point tensors on one device; ``differentiable`` and
 tensor-valued ``lr`` with ``capturable`` are refused. ``foreach``/``fused`` are accepted and
 ignored: the shard update uses torch's fused Adam kernel where it applies (fp32/fp64 masters on CPU
-or CUDA) and ``torch._foreach_*`` otherwise (:mod:`lightning_zero.engine.shard_state`).
+or CUDA) and ``torch._foreach_*`` otherwise (:mod:`lightning_zero.optim.adam`).
 """
 
 from __future__ import annotations
@@ -34,11 +34,7 @@ from torch import Tensor
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.engine import ShardEngine
-from lightning_zero.engine.param_gather import ParamGather
-from lightning_zero.engine.reducer import GradReducer
-from lightning_zero.engine.shard_state import ShardState
-from lightning_zero.layout.buckets import BucketPlan
-from lightning_zero.layout.flat import FlatParams
+from lightning_zero.optim.adam import AdamRule
 from lightning_zero.optim.full_state import gather_full_state, scatter_full_state
 
 if TYPE_CHECKING:
@@ -100,7 +96,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_group(group)
         comm = Comm(process_group)
-        self.engine = ShardEngine(self.param_groups, self.config, comm, param_order, param_names)
+        self.engine = ShardEngine(self.param_groups, self.config, comm, AdamRule(), param_order, param_names)
+        """The buffers, hooks, collectives and shard state (:class:`~lightning_zero.engine.ShardEngine`)."""
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, **kwargs: Any) -> ShardedAdamW:
@@ -135,35 +132,6 @@ class ShardedAdamW(torch.optim.Optimizer):
             decoupled_weight_decay=decoupled,
             **kwargs,
         )
-
-    # the engine's parts, for readers that hold the optimizer (Lightning glue, tests, benchmarks)
-    @property
-    def comm(self) -> Comm:
-        return self.engine.comm
-
-    @property
-    def plan(self) -> BucketPlan:
-        return self.engine.plan
-
-    @property
-    def flat(self) -> FlatParams:
-        return self.engine.flat
-
-    @property
-    def reducer(self) -> GradReducer:
-        return self.engine.reducer
-
-    @property
-    def shards(self) -> ShardState:
-        return self.engine.shards
-
-    @property
-    def gather(self) -> ParamGather:
-        return self.engine.gather
-
-    @property
-    def params_in_order(self) -> list[torch.nn.Parameter]:
-        return self.engine.params_in_order
 
     def trainable_changed(self) -> bool:
         """Whether a param group was added or a ``requires_grad`` flag flipped since the plan was built."""
@@ -206,7 +174,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop this step's gradients (on every rank: it may wait for collectives in flight)."""
-        self.engine.reducer.reset()
+        self.engine.zero_grad()
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Backward passes inside accumulate locally and send nothing (gradient accumulation)."""
@@ -270,7 +238,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         state: dict[str, Any] | None = getattr(self, "_consolidated", None)
         if state is None:
             raise RuntimeError(
-                f"rank {self.comm.rank} holds no consolidated optimizer state: "
+                f"rank {self.engine.comm.rank} holds no consolidated optimizer state: "
                 "call consolidate_state_dict(to=...) "
                 "on every rank first, then state_dict() on the destination rank"
             )

@@ -46,36 +46,24 @@ from lightning_zero.checkpoint.format import (
     save_sharded,
 )
 from lightning_zero.checkpoint.reshard import load_sharded, preflight
-from lightning_zero.config import ZeroConfig
-from lightning_zero.optim.sharded_adam import ShardedAdamW
+from lightning_zero.integrations.frontend import ZeroFrontEnd
 
 
 class FabricCheckpointing(DDPStrategy):
     """Fabric ``DDPStrategy`` with sharded checkpoints (the state is set up by ``ZeroFabricStrategy``)."""
 
-    zero_config: ZeroConfig
-    sharded_checkpoint: bool
-    _sharded: ShardedAdamW | None
+    _zero: ZeroFrontEnd
     _module: torch.nn.Module | None
 
     def wait_for_params(self) -> None:
         """Complete the parameter all-gathers left in flight by ``overlap_param_gather`` (needed
         before reading parameters outside the model's forward)."""
-        if self._sharded is not None:
-            self._sharded.wait_for_params()
-
-    def _bound(self) -> bool:
-        """Whether the sharded optimizer exists and the model's parameters still are its views."""
-        return self._sharded is not None and self._sharded.is_bound()
-
-    def _writes_shards(self) -> bool:
-        return self.sharded_checkpoint and self._bound()
+        self._zero.wait_for_params()
 
     @override
     def get_module_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
         self.wait_for_params()
-        # parameters are views of flat buffers: clone so each saved tensor owns exactly its data
-        return {k: v.detach().clone() for k, v in super().get_module_state_dict(module).items()}
+        return self._zero.module_state(super().get_module_state_dict(module), trainable_in_shards=False)
 
     @override
     def load_module_state_dict(
@@ -83,16 +71,17 @@ class FabricCheckpointing(DDPStrategy):
     ) -> None:
         self.wait_for_params()
         super().load_module_state_dict(module, state_dict, strict=strict)
-        if module is self._module and self._sharded is not None:
-            self._sharded.shards.refresh_master()  # 16-bit parameters: their fp32 masters follow
+        engine = self._zero.engine
+        if module is self._module and engine is not None:
+            engine.refresh_master()  # 16-bit parameters: their fp32 masters follow
 
     @override
     def save_checkpoint(
         self, path: Any, state: dict[str, Any], storage_options: Any = None, filter: Any = None
     ) -> None:
-        if not self._writes_shards():
+        engine = self._zero.engine
+        if not self._zero.writes_shards() or engine is None:
             return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
-        assert self._sharded is not None
         if storage_options is not None:
             raise TypeError(
                 "strategy 'zero' writes sharded checkpoint directories itself and takes no "
@@ -112,17 +101,15 @@ class FabricCheckpointing(DDPStrategy):
             lightning_state[WEIGHTS_ONLY] = True  # parameters alone: it cannot restore an optimizer
         extras: dict[str, torch.Tensor] = {}
         if module_key is not None:
-            trainable = {p.name for p in self._sharded.plan.params}
-            extras = {
-                k: v for k, v in self.get_module_state_dict(state[module_key]).items() if k not in trainable
-            }
-        save_sharded(self._sharded.engine, path, lightning_state, extras, self.zero_config.stage)
+            module_state = super().get_module_state_dict(state[module_key])
+            extras = self._zero.module_state(module_state, trainable_in_shards=True)
+        save_sharded(engine, path, lightning_state, extras, self._zero.config.stage)
         return None
 
     def _sharded_keys(self, state: dict[str, Any]) -> tuple[str | None, str | None]:
         """The keys under which ``state`` holds the sharded model and optimizer (by identity)."""
         module_key = next((k for k, v in state.items() if v is self._module), None)
-        optimizer_key = next((k for k, v in state.items() if v is self._sharded), None)
+        optimizer_key = next((k for k, v in state.items() if v is self._zero.optimizer), None)
         return module_key, optimizer_key
 
     @override
@@ -187,18 +174,8 @@ class FabricCheckpointing(DDPStrategy):
         """The sharded model from its shards (and the optimizer with it), or any other module from
         whole parameters assembled from the files."""
         extras = dict(torch.load(path / EXTRA, map_location="cpu", weights_only=True))
-        if module is self._module and self._bound():
-            assert self._sharded is not None
-            preflight(self._sharded.engine, path, meta)
-            load_sharded(self._sharded.engine, path, meta, with_optimizer=with_optimizer)
-            missing, unexpected = module.load_state_dict(extras, strict=False)
-            trainable = {p.name for p in self._sharded.plan.params}
-            missing = [k for k in missing if k not in trainable]
-            if strict and (missing or unexpected):
-                raise CheckpointError(
-                    f"{path}: model state does not match: missing keys {sorted(missing)}, "
-                    f"unexpected keys {sorted(unexpected)}"
-                )
+        if module is self._module and self._zero.bound():
+            self._zero.restore_module(path, meta, module, extras, strict, with_optimizer=with_optimizer)
             return
         if with_optimizer:
             raise CheckpointError(
@@ -210,12 +187,13 @@ class FabricCheckpointing(DDPStrategy):
     def _load_optimizer_only(
         self, path: Path, meta: dict[str, Any], optimizer: torch.optim.Optimizer, params_only: bool
     ) -> None:
-        if optimizer is not self._sharded or not self._bound():
+        engine = self._zero.engine
+        if optimizer is not self._zero.optimizer or not self._zero.bound() or engine is None:
             raise CheckpointError(
                 f"{path}: a sharded optimizer state loads only into the sharded optimizer returned by "
                 "fabric.setup(model, optimizer); consolidate the checkpoint for any other optimizer"
             )
         if params_only:
             raise CheckpointError(f"{path} holds model weights only; it cannot restore the optimizer")
-        preflight(self._sharded.engine, path, meta)
-        load_sharded(self._sharded.engine, path, meta, with_optimizer=True)
+        preflight(engine, path, meta)
+        load_sharded(engine, path, meta, with_optimizer=True)

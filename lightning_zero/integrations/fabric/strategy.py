@@ -40,14 +40,14 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from typing_extensions import override
 
-from lightning_zero.config import ZeroConfig, register_names
+from lightning_zero.config import ZeroConfig
 from lightning_zero.integrations.fabric.checkpointing import FabricCheckpointing
-from lightning_zero.integrations.trainer.precision import _sharded_of, _update_scale, with_mixin
-from lightning_zero.optim.sharded_adam import ShardedAdamW
-from lightning_zero.optim.twin import make_twin, repoint_scheduler
+from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions, sharded_of
+from lightning_zero.integrations.loss_scale import update_scale, with_mixin
+from lightning_zero.integrations.names import register_names
+from lightning_zero.optim import ShardedAdamW
 
 
 class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
@@ -92,29 +92,13 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
     ) -> None:
-        self.zero_config = ZeroConfig(
-            stage=stage,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_cap_mb=first_bucket_cap_mb,
-            overlap_comm=overlap_comm,
-            overlap_param_gather=overlap_param_gather,
-            reduce_dtype=reduce_dtype,
-            find_unused_parameters=find_unused_parameters,
-            align_numel=align_numel,
+        options = ZeroOptions.from_arguments(locals())  # validates our arguments first
+        options.refuse(
+            ("log_comm_stats", "async_checkpoint"),
+            "the Trainer strategy only: a Fabric loop has no end-of-fit hook to report a background "
+            "save's failure, nor a logger of the strategy's own",
         )
-        for name, value in (("log_comm_stats", log_comm_stats), ("async_checkpoint", async_checkpoint)):
-            if value:
-                raise ValueError(
-                    f"{name}=True is supported by the Trainer strategy only: a Fabric loop has no "
-                    "end-of-fit hook to report a background save's failure, nor a logger of the "
-                    "strategy's own; use the default False"
-                )
-        for name, value in (
-            ("sharded_checkpoint", sharded_checkpoint),
-            ("broadcast_buffers", broadcast_buffers),
-        ):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
+        self._zero = ZeroFrontEnd(options)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -125,18 +109,24 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
             timeout=timeout,
             start_method=start_method,  # type: ignore[arg-type]
         )
-        self.sharded_checkpoint = sharded_checkpoint
-        self.broadcast_buffers = broadcast_buffers
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
-        self._sharded: ShardedAdamW | None = None
         self._module: torch.nn.Module | None = None
         self._hooks: list[Any] = []
-        self._buffers_need_sync = True  # a fresh DDP wrapper's state
+
+    @property
+    def sharded_module(self) -> torch.nn.Module | None:
+        """The model set up together with the optimizer (the one whose parameters are sharded)."""
+        return self._module
+
+    @property
+    def zero_config(self) -> ZeroConfig:
+        """The engine's settings (stage, buckets, overlap, ...)."""
+        return self._zero.config
 
     @property
     def sharded_optimizer(self) -> ShardedAdamW | None:
         """The sharded optimizer once ``fabric.setup(model, optimizer)`` has run."""
-        return self._sharded
+        return self._zero.optimizer
 
     @override
     def setup_module_and_optimizers(
@@ -146,26 +136,23 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
             raise ValueError(
                 f"strategy 'zero' supports exactly one optimizer, fabric.setup received {len(optimizers)}"
             )
-        if self._sharded is not None:
+        if self._zero.optimizer is not None:
             raise RuntimeError(
                 "strategy 'zero' shards one model and its optimizer per Fabric; fabric.setup was "
                 "already called with an optimizer"
             )
         module = self.setup_module(module)
-        sharded = make_twin(optimizers[0], self.zero_config, module.named_parameters())
+        sharded = self._zero.shard(optimizers[0], module, [] if scheduler is None else [scheduler])
         self._module = module
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward),
             module.register_forward_hook(self._after_forward),
         ]
-        if scheduler is not None:
-            repoint_scheduler(scheduler, sharded)
         if self.zero_config.overlap_param_gather:
             sharded.install_forward_waits(module)
             # model.state_dict() (what checkpoints, EMA copies, exports read) waits for the gathers
             self._hooks.append(module.register_state_dict_pre_hook(lambda *_: sharded.wait_for_params()))
         self.precision.__class__ = fabric_shard_aware(type(self.precision))
-        self._sharded = sharded
         return module, [sharded], scheduler
 
     @override
@@ -173,7 +160,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         """The module itself (no wrapper), with rank 0's parameters and buffers on every rank. Set up
         without the optimizer (an evaluation or teacher model) it stays a replica: its gradients, if
         any, are not synchronized (only the model set up with the optimizer is sharded)."""
-        _sync_module_states(module)
+        ZeroFrontEnd.sync_module_states(module)
         return module
 
     @override
@@ -184,31 +171,14 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         )
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        sharded = self._sharded
-        if sharded is None:
-            return
-        if torch.is_grad_enabled() and sharded.trainable_changed():
-            self._replan()
-        if self._buffers_need_sync and self.broadcast_buffers:
-            buffers = list(module.buffers())
-            if buffers:
-                sharded.comm.broadcast_tensors(buffers, src=0)
+        if torch.is_grad_enabled():
+            self._zero.replan_if_changed(module, where="before this forward")
+        self._zero.before_forward(module)
 
     def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """DDP's buffer rule: the next forward broadcasts after one run with gradients and sync
         (not after a ``no_backward_sync`` micro-batch or a forward under ``no_grad``)."""
-        sharded = self._sharded
-        self._buffers_need_sync = torch.is_grad_enabled() and sharded is not None and sharded.reducer.syncing
-
-    def _replan(self) -> None:
-        """The trainable set changed (fine-tuning): new buckets and shards, state carried over."""
-        assert self._sharded is not None and self._module is not None
-        if not self._sharded.reducer.idle:
-            raise RuntimeError(
-                "the trainable parameters changed in the middle of a gradient accumulation window; "
-                "change requires_grad or add param groups after optimizer.step()"
-            )
-        self._sharded.replan(self._module.parameters(), {p: n for n, p in self._module.named_parameters()})
+        self._zero.after_forward()
 
     @override
     def clip_gradients_norm(
@@ -220,7 +190,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
         """Clip by the global norm over all ranks' gradient shards; returns the norm before clipping."""
-        sharded = _sharded_of(optimizer)
+        sharded = sharded_of(optimizer)
         self.precision.unscale_gradients(optimizer)
         total = sharded.clip_grad_norm_(float(max_norm), float(norm_type))
         if error_if_nonfinite and not bool(torch.isfinite(total)):  # every rank holds the same total
@@ -236,16 +206,14 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | int
     ) -> None:
         self.precision.unscale_gradients(optimizer)
-        _sharded_of(optimizer).clip_grad_value_(float(clip_val))
+        sharded_of(optimizer).clip_grad_value_(float(clip_val))
 
     @override
     def teardown(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self._sharded is not None:
-            self._sharded.gather.remove_hooks()  # waits for gathers still in flight
-            self._sharded.reducer.remove_hooks()
+        self._zero.teardown()  # waits for gathers still in flight
         super().teardown()
 
     @classmethod
@@ -265,7 +233,7 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
         sharded = self._strategy.sharded_optimizer
         if not enabled or sharded is None:
             return nullcontext()
-        if module is not self._strategy._module:
+        if module is not self._strategy.sharded_module:
             return nullcontext()  # a replica set up without the optimizer synchronizes nothing anyway
         return sharded.no_sync()
 
@@ -290,7 +258,7 @@ class _ShardAwareFabricPrecision:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update()."
             )
-        self._zero_found_inf = _sharded_of(optimizer).unscale_(scaler.get_scale())
+        self._zero_found_inf = sharded_of(optimizer).unscale_(scaler.get_scale())
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         scaler = getattr(self, "scaler", None)
@@ -300,8 +268,8 @@ class _ShardAwareFabricPrecision:
             self.unscale_gradients(optimizer)
         found_inf = bool(self._zero_found_inf)
         self._zero_found_inf = None
-        output = None if found_inf else _sharded_of(optimizer).step(**kwargs)
-        _update_scale(scaler, found_inf)
+        output = None if found_inf else sharded_of(optimizer).step(**kwargs)
+        update_scale(scaler, found_inf)
         return output
 
 

@@ -3,8 +3,8 @@
 :mod:`lightning_zero.checkpoint.reshard`
 (loading onto any world size) and :mod:`lightning_zero.checkpoint.async_save` (background saves).
 
-``_ShardedCheckpointing`` is ``DDPStrategy`` plus these overrides; ``ZeroStrategy`` derives from it
-and owns the state they read (the sharded optimizer, the writer, the settings).
+``ShardedCheckpointing`` is ``DDPStrategy`` plus these overrides; ``ZeroStrategy`` derives from it
+and owns the state they read (the front end with the sharded optimizer, the writer, the settings).
 
   * ``save_checkpoint`` writes the directory (or, with ``sharded_checkpoint=False`` or when the
     parameters no longer are views of the flat buffers, one standard file); asynchronous saves
@@ -42,17 +42,14 @@ from lightning_zero.checkpoint.format import (
     read_meta,
     save_sharded,
 )
-from lightning_zero.checkpoint.reshard import ShardFiles, load_sharded, preflight, read_full_param
-from lightning_zero.config import ZeroConfig
-from lightning_zero.optim.sharded_adam import ShardedAdamW
+from lightning_zero.checkpoint.reshard import ShardFiles, load_sharded, read_full_param
+from lightning_zero.integrations.frontend import ZeroFrontEnd
 
 
-class _ShardedCheckpointing(DDPStrategy):
+class ShardedCheckpointing(DDPStrategy):
     """``DDPStrategy`` with sharded checkpoint hooks (the state is set up by ``ZeroStrategy``)."""
 
-    zero_config: ZeroConfig
-    sharded_checkpoint: bool
-    _sharded: ShardedAdamW | None
+    _zero: ZeroFrontEnd
     _async_writer: AsyncCheckpointWriter | None
     _pending_load: tuple[Path, dict[str, Any]] | None
     _fit_running: bool
@@ -71,45 +68,30 @@ class _ShardedCheckpointing(DDPStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the sharded optimizer must exist to receive its state
 
-    def _writes_shards(self) -> bool:
-        # parameters that left the flat buffers (Lightning's teardown on a GPU moves the module to
-        # CPU) make the shards stale: save what the module holds, as a standard file
-        return self.sharded_checkpoint and self._sharded is not None and self._sharded.is_bound()
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if self._sharded is not None:
-            self._sharded.wait_for_params()
+        self._zero.wait_for_params()
         state = self.lightning_module.state_dict()
-        if self._writes_shards():  # trainable parameters go into the shard files
-            assert self._sharded is not None
-            trainable = {p.name for p in self._sharded.plan.params}
-            state = {k: v for k, v in state.items() if k not in trainable}
-        # parameters are views of flat buffers: clone so each saved tensor owns exactly its data
-        return {k: v.detach().clone() for k, v in state.items()}
+        # the shard files hold the trainable parameters; a standard file (sharded_checkpoint=False,
+        # or parameters that left the flat buffers after a GPU teardown) holds what the module holds
+        return self._zero.module_state(state, trainable_in_shards=self._zero.writes_shards())
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self._writes_shards():
+        if self._zero.writes_shards():
             return {}  # written by save_checkpoint, shard by shard
         return super().optimizer_state(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if not self._writes_shards():
+        engine = self._zero.engine
+        if not self._zero.writes_shards() or engine is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        assert self._sharded is not None
         lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if "optimizer_states" not in checkpoint:  # save_weights_only: resuming must be refused as ddp does
             lightning_state[WEIGHTS_ONLY] = True
-        args = (
-            self._sharded.engine,
-            filepath,
-            lightning_state,
-            checkpoint["state_dict"],
-            self.zero_config.stage,
-        )
+        args = (engine, filepath, lightning_state, checkpoint["state_dict"], self._zero.config.stage)
         writer = self._async_writer
         if writer is None or not self._saves_in_background(filepath):
             self.wait_for_checkpoint()  # commits stay in order
@@ -187,19 +169,15 @@ class _ShardedCheckpointing(DDPStrategy):
             return super().load_model_state_dict(checkpoint, strict=strict)
         path, meta = self._pending_load
         module = self.lightning_module
-        if self._sharded is not None and self._fitting():
-            preflight(self._sharded.engine, path, meta)
-            load_sharded(self._sharded.engine, path, meta, with_optimizer=False)
-            extras = dict(checkpoint["state_dict"])
-        else:  # validate/test/predict: no optimizer, read whole parameters
-            files = ShardFiles(path, meta["world_size"])
-            extras = dict(checkpoint["state_dict"])
-            for spec in meta["plan"]["params"]:
-                extras[spec["name"]] = read_full_param(path, meta, spec["name"], files=files)
+        extras = dict(checkpoint["state_dict"])
+        if self._zero.engine is not None and self._fitting():
+            self._zero.restore_module(path, meta, module, extras, strict)
+            return None
+        # validate/test/predict: no optimizer, read whole parameters
+        files = ShardFiles(path, meta["world_size"])
+        for spec in meta["plan"]["params"]:
+            extras[spec["name"]] = read_full_param(path, meta, spec["name"], files=files)
         missing, unexpected = module.load_state_dict(extras, strict=False)
-        if self._sharded is not None and self._fitting():
-            trainable = {p.name for p in self._sharded.plan.params}
-            missing = [k for k in missing if k not in trainable]
         if strict and (missing or unexpected):
             raise CheckpointError(
                 f"{path}: model state does not match: missing keys {sorted(missing)}, "
@@ -211,9 +189,10 @@ class _ShardedCheckpointing(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if self._pending_load is None:
             return super().load_optimizer_state_dict(checkpoint)
-        assert self._sharded is not None
+        engine = self._zero.engine
+        assert engine is not None
         path, meta = self._pending_load
-        load_sharded(self._sharded.engine, path, meta, with_optimizer=True)
+        load_sharded(engine, path, meta, with_optimizer=True)
         self._pending_load = None
         return None
 

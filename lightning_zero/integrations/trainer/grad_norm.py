@@ -10,42 +10,11 @@ Lightning's own function.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import Tensor
 
-from lightning_zero.engine.engine import ShardEngine
-from lightning_zero.optim.sharded_adam import ShardedAdamW
-
-
-@torch.no_grad()
-def param_grad_norms(engine: ShardEngine, norm_type: float) -> Tensor:
-    """``(num_params,)`` float64: the ``norm_type``-norm of each planned parameter's averaged gradient.
-
-    Must be called on all ranks, after backward and before the optimizer step (one all-reduce).
-    """
-    engine.reducer.finalize()
-    plan, rank = engine.plan, engine.comm.rank
-    index, values = [], []
-    for b, bucket in enumerate(plan.buckets):
-        shard = engine.reducer.grad_shards[b]
-        for seg in plan.segments(bucket, rank):
-            piece = shard[seg.shard_offset : seg.shard_offset + seg.numel]
-            index.append(seg.param_index)
-            values.append(torch.linalg.vector_norm(piece, norm_type, dtype=torch.float64))
-    local = torch.zeros(len(plan.params), dtype=torch.float64, device=engine.comm.device)
-    if values:
-        where = torch.tensor(index, device=engine.comm.device)
-        norms = torch.stack(values).to(engine.comm.device)
-        if math.isinf(norm_type):
-            local.scatter_reduce_(0, where, norms, reduce="amax")
-        else:
-            local.index_add_(0, where, norms.pow(norm_type))
-    op = "max" if math.isinf(norm_type) else "sum"
-    engine.comm.wait(engine.comm.all_reduce(local, op=op, control=True))
-    return local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
+from lightning_zero.optim import ShardedAdamW
 
 
 def _sharded_optimizer_of(module: torch.nn.Module) -> ShardedAdamW | None:
@@ -72,9 +41,8 @@ def grad_norm(
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
-    norms = param_grad_norms(opt.engine, norm_type)
-    used = opt.reducer.finalize()  # a mask when unused parameters are tracked: those have no gradient
-    position = {p: i for i, p in enumerate(opt.params_in_order)}
+    params, norms, used = opt.engine.grad_norms(norm_type)  # used: a mask when unused ones are tracked
+    position = {p: i for i, p in enumerate(params)}
     out: dict[str, Tensor] = {}
     for name, param in module.named_parameters():
         i = position.get(param)

@@ -1,4 +1,5 @@
-"""``ZeroStrategy``: Lightning glue around :class:`~lightning_zero.ShardedAdamW`. No math here.
+"""``ZeroStrategy``: Lightning's Trainer hooks around the shared front end
+(:mod:`lightning_zero.integrations.frontend`) and :class:`~lightning_zero.ShardedAdamW`. No math here.
 
 It is ``DDPStrategy`` (process group, launchers, ``num_nodes``, distributed samplers, SLURM and
 torchrun environments) minus the ``DistributedDataParallel`` wrapper: the model stays the
@@ -37,47 +38,48 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
-from lightning_zero.config import ZeroConfig, register_names
-from lightning_zero.integrations.trainer.checkpointing import _ShardedCheckpointing
+from lightning_zero.config import ZeroConfig
+from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions
+from lightning_zero.integrations.names import register_names
+from lightning_zero.integrations.trainer.checkpointing import ShardedCheckpointing
 from lightning_zero.integrations.trainer.load import install as install_loader
 from lightning_zero.integrations.trainer.monitor import CommStatsMonitor
 from lightning_zero.integrations.trainer.param_barrier import ParamReadBarrier
-from lightning_zero.integrations.trainer.precision import shard_aware, unwrap_optimizer
-from lightning_zero.optim.sharded_adam import ShardedAdamW
-from lightning_zero.optim.twin import make_twin, repoint_scheduler
+from lightning_zero.integrations.trainer.precision import shard_aware
+from lightning_zero.optim import ShardedAdamW
 
 
-class ZeroStrategy(_ShardedCheckpointing):
+class ZeroStrategy(ShardedCheckpointing):
     """ZeRO stage 1 or 2 data parallelism with a sharded Adam/AdamW.
 
     Args:
         stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
         find_unused_parameters, align_numel: see :class:`~lightning_zero.ZeroConfig` (validated there).
         log_comm_stats: log per step the seconds spent waiting on communication, their share of the
-            step, and the elements sent (``zero/*`` metrics).
+            step, and the elements and bytes sent (``zero/*`` metrics).
         sharded_checkpoint: ``save_checkpoint`` writes a directory, one shard file per rank
-            (:mod:`lightning_zero.checkpoint.format`); ``False`` writes one standard Lightning file with the
+            (:mod:`lightning_zero.checkpoint`); ``False`` writes one standard Lightning file with the
             optimizer state gathered on rank 0. Both kinds load on any world size.
         async_checkpoint: a sharded save during ``fit`` copies what this rank writes to host memory
             and returns; the files are written and committed in the background
-            (:mod:`lightning_zero.checkpoint.async_save`). The next save, a load and the end of ``fit`` wait
-            for it and raise its failure on every rank. Saves block as before outside ``fit``, while
-            handling an exception, for ``hpc_ckpt_*`` (a requeue follows at once) and for a path a
-            ``ModelCheckpoint(save_last="link")`` links to right after the save.
+            (:mod:`lightning_zero.checkpoint.async_save`). The next save, a load and the end of
+            ``fit`` wait for it and raise its failure on every rank. Saves block as before outside
+            ``fit``, while handling an exception, for ``hpc_ckpt_*`` (a requeue follows at once) and
+            for a path a ``ModelCheckpoint(save_last="link")`` links to right after the save.
         broadcast_buffers: module buffers (BatchNorm statistics) are broadcast from rank 0 before a
             forward pass exactly when torch DDP's default ``broadcast_buffers=True`` does it.
         Remaining arguments: as ``DDPStrategy``.
 
     Raises:
-        ValueError: ``async_checkpoint=True`` with ``sharded_checkpoint=False`` (the single gathered
-            file is written by Lightning's own, blocking, checkpoint IO).
+        ValueError: a bad value (named, with what would be valid), or ``async_checkpoint=True`` with
+            ``sharded_checkpoint=False`` (the single gathered file is written by Lightning's own,
+            blocking, checkpoint IO).
     """
 
     strategy_name = "zero"
@@ -105,16 +107,7 @@ class ZeroStrategy(_ShardedCheckpointing):
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
     ) -> None:
-        self.zero_config = ZeroConfig(
-            stage=stage,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_cap_mb=first_bucket_cap_mb,
-            overlap_comm=overlap_comm,
-            overlap_param_gather=overlap_param_gather,
-            reduce_dtype=reduce_dtype,
-            find_unused_parameters=find_unused_parameters,
-            align_numel=align_numel,
-        )
+        self._zero = ZeroFrontEnd(ZeroOptions.from_arguments(locals()))  # validates our arguments first
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -125,55 +118,53 @@ class ZeroStrategy(_ShardedCheckpointing):
             timeout=timeout,
             start_method=start_method,  # type: ignore[arg-type]
         )
-        if async_checkpoint and not sharded_checkpoint:
-            raise ValueError("async_checkpoint=True needs sharded_checkpoint=True (directories of shards)")
-        self.log_comm_stats = log_comm_stats
-        self.sharded_checkpoint = sharded_checkpoint
         self._async_writer = AsyncCheckpointWriter() if async_checkpoint else None
-        if not isinstance(broadcast_buffers, bool):
-            raise ValueError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
-        self.broadcast_buffers = broadcast_buffers
-        self._buffers_need_sync = True
         self._fit_running = False  # between setup and teardown of a fit: a later wait reports failures
         self._unwinding = False  # on_exception was called: teardown must not wait for the other ranks
-        self._sharded = None
         self._pending_load = None
+
+    @property
+    def zero_config(self) -> ZeroConfig:
+        """The engine's settings (stage, buckets, overlap, ...)."""
+        return self._zero.config
 
     @property
     def sharded_optimizer(self) -> ShardedAdamW | None:
         """The sharded optimizer once ``fit`` has set it up."""
-        return self._sharded
+        return self._zero.optimizer
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True, as DDPStrategy does
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING and self.root_device.type == "cpu":
+        if fitting and self.root_device.type == "cpu":
             if any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.model.modules()):
                 raise ValueError("SyncBatchNorm layers only work with GPU modules")  # torch DDP's own refusal
-        self._buffers_need_sync = True  # a fresh DDP wrapper's state
-        self._fit_running, self._unwinding = trainer.state.fn == TrainerFn.FITTING, False
-        if trainer.state.fn == TrainerFn.FITTING:
+        self._fit_running, self._unwinding = fitting, False
+        if fitting:
             self.setup_optimizers(trainer)
             self._shard_optimizer()  # compares bucket plans first: a mismatch is an error, not a hang
-            _sync_module_states(self.model)  # identical start on every rank, as DDP does (in place)
-            assert self._sharded is not None
-            self._sharded.shards.refresh_master()
+            ZeroFrontEnd.sync_module_states(self.model)  # identical start on every rank, as DDP does
+            engine = self._zero.engine
+            assert engine is not None and self.lightning_module is not None
+            engine.refresh_master()
             self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
             callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
-            if self.log_comm_stats and not any(isinstance(cb, CommStatsMonitor) for cb in callbacks):
+            if self._zero.options.log_comm_stats and not any(
+                isinstance(cb, CommStatsMonitor) for cb in callbacks
+            ):
                 callbacks.append(CommStatsMonitor())
             if self.zero_config.overlap_param_gather:
-                assert self.lightning_module is not None
-                self._sharded.install_forward_waits(self.lightning_module)
+                engine.install_forward_waits(self.lightning_module)
                 callbacks[:] = [cb for cb in callbacks if not isinstance(cb, ParamReadBarrier)]
-                callbacks.insert(0, ParamReadBarrier(self._sharded.wait_for_params, trainer))
+                callbacks.insert(0, ParamReadBarrier(engine.wait_for_params, trainer))
         else:
-            _sync_module_states(self.model)
+            ZeroFrontEnd.sync_module_states(self.model)
         self.setup_precision_plugin()
 
     def _shard_optimizer(self) -> None:
@@ -183,74 +174,49 @@ class ZeroStrategy(_ShardedCheckpointing):
                 f"{len(self.optimizers)}"
             )
         assert self.lightning_module is not None
-        module = self.lightning_module
-        sharded = make_twin(unwrap_optimizer(self.optimizers[0]), self.zero_config, module.named_parameters())
-        for config in self.lr_scheduler_configs:
-            repoint_scheduler(config.scheduler, sharded)
-        self.optimizers = [sharded]
-        self._sharded = sharded
+        inner = self.optimizers[0]
+        inner = getattr(inner, "_optimizer", inner)  # a LightningOptimizer's torch optimizer
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        self.optimizers = [self._zero.shard(inner, self.lightning_module, schedulers)]
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self._sharded is None:
+        engine = self._zero.engine
+        if engine is None:
             yield None
             return
-        with self._sharded.no_sync():
+        with engine.no_sync():
             yield None
 
     def wait_for_params(self) -> None:
         """Complete the parameter all-gathers left in flight by ``overlap_param_gather``: needed before
         reading parameters outside a module's forward in code the strategy does not know of."""
-        if self._sharded is not None:
-            self._sharded.wait_for_params()
+        self._zero.wait_for_params()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sharded is not None and self._sharded.trainable_changed():
-            self._replan()
-        self._before_forward()
-        if self._sharded is not None:  # training_step, not the root's forward: its pre-hook won't fire
-            self._sharded.wait_for_params(root_only=True)
+        module = self.lightning_module
+        assert module is not None
+        self._zero.replan_if_changed(module, where=f"global step {module.trainer.global_step}")
+        self._zero.before_forward(module)
+        if self._zero.engine is not None:  # training_step, not the root's forward: its pre-hook won't fire
+            self._zero.engine.wait_for_params(root_only=True)
         output = super().training_step(*args, **kwargs)
-        self._after_forward()
+        # manual optimization: Lightning turns DDP's sync off around the forward
+        self._zero.after_forward(sync_applies=module.automatic_optimization)
         return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._fitting():  # trainer.validate(): DDP's wrapper is not there either
             return super().validation_step(*args, **kwargs)
-        self._before_forward()
-        output = super().validation_step(*args, **kwargs)
-        self._after_forward()
-        return output
-
-    def _before_forward(self) -> None:
-        """DDP's buffer rule: broadcast rank 0's buffers before a forward that follows a forward
-        run with gradients and gradient sync (so not after ``no_sync`` micro-batches, evaluation, or
-        in manual optimization, where Lightning turns DDP's sync off around the forward)."""
-        if self._buffers_need_sync and self.broadcast_buffers and self._sharded is not None:
-            assert self.lightning_module is not None
-            self._sharded.comm.broadcast_tensors(list(self.lightning_module.buffers()), src=0)
-
-    def _after_forward(self) -> None:
-        assert self.lightning_module is not None
-        syncing = self._sharded is not None and self._sharded.reducer.syncing
-        self._buffers_need_sync = (
-            torch.is_grad_enabled() and syncing and self.lightning_module.automatic_optimization
-        )
-
-    def _replan(self) -> None:
-        """The trainable set changed (fine-tuning): new buckets and shards, state carried over."""
-        assert self._sharded is not None and self.lightning_module is not None
-        if not self._sharded.reducer.idle:
-            raise RuntimeError(
-                "the trainable parameters changed in the middle of a gradient accumulation window "
-                f"(global step {self.lightning_module.trainer.global_step}); change requires_grad or "
-                "add param groups at an optimizer-step boundary"
-            )
         module = self.lightning_module
-        self._sharded.replan(module.parameters(), {p: n for n, p in module.named_parameters()})
+        assert module is not None
+        self._zero.before_forward(module)
+        output = super().validation_step(*args, **kwargs)
+        self._zero.after_forward(sync_applies=module.automatic_optimization)
+        return output
 
     @override
     def teardown(self) -> None:
@@ -258,9 +224,7 @@ class ZeroStrategy(_ShardedCheckpointing):
             self._finish_saves()
         finally:
             self._fit_running = self._unwinding = False
-            if self._sharded is not None:
-                self._sharded.gather.remove_hooks()  # waits for gathers still in flight
-                self._sharded.reducer.remove_hooks()  # the optimizer stays: a save after fit still works
+            self._zero.teardown()  # waits for gathers still in flight; the optimizer stays for saving
             self._pending_load = None
             if self.model is not None and self._fitting() and self._layer_sync:
                 self.model = self._layer_sync.revert(self.model)
