@@ -12,6 +12,7 @@ cycle makes levels undefined, so the cycles are listed instead.
 from __future__ import annotations
 
 import ast
+import signal
 import sys
 from pathlib import Path
 
@@ -66,6 +67,16 @@ def analyse(root: Path) -> None:
         print(f"no cycles; {max(levels.values()) + 1} levels")
         for level in range(max(levels.values()) + 1):
             print(f"  level {level}: " + ", ".join(sorted(n for n, v in levels.items() if v == level)))
+    parts: dict[str, set[str]] = {}
+    for n, targets in graph.items():
+        part = _part(root.name, n)
+        parts.setdefault(part, set()).update(
+            _part(root.name, t) for t in targets if _part(root.name, t) != part
+        )
+    if len(parts) > 1:
+        print(f"parts ({len(parts)}), each with the parts it imports:")
+        for part, targets in sorted(parts.items(), key=lambda kv: (len(kv[1]), kv[0])):
+            print(f"  {part:<14} -> {', '.join(sorted(targets)) or '-'}")
     print("largest files (lines):")
     for n, count in sorted(lines.items(), key=lambda kv: -kv[1])[:8]:
         print(f"  {count:5d}  {n}")
@@ -77,6 +88,12 @@ def analyse(root: Path) -> None:
                 functions.append((node.end_lineno - node.lineno + 1, f"{n}:{node.name}"))  # type: ignore[operator]
     for count, where in sorted(functions, reverse=True)[:8]:
         print(f"  {count:5d}  {where}")
+
+
+def _part(package: str, module: str) -> str:
+    """The top-level part of the package a module belongs to (``engine`` for ``pkg.engine.reducer``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "(package)"
 
 
 def level_of(graph: dict[str, set[str]]) -> dict[str, int]:
@@ -129,5 +146,6 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 if __name__ == "__main__":
     sys.setrecursionlimit(10000)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends quietly
     for arg in sys.argv[1:] or ["lightning_zero"]:
         analyse(Path(arg).resolve())

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import lightning_zero.engine.grad_math as grad_math
 from lightning_zero.comm.communicator import Comm, CommStats
 from lightning_zero.config import ZeroConfig
-from lightning_zero.engine import grad_math
 from lightning_zero.engine.param_gather import ParamGather
 from lightning_zero.engine.plan_check import check_same_plan
 from lightning_zero.engine.reducer import GradReducer

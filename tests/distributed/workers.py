@@ -145,20 +145,25 @@ def TinyNet_init(dtype: torch.dtype, width: int = 13) -> list[torch.Tensor]:  # 
     return [p.detach() for p in TinyNet(width).to(dtype).parameters()]
 
 
-def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dict[str, Any]:
+def count_collectives(
+    rank: int, world_size: int, stage: int, accum: int, reduce_dtype: str | None = None
+) -> dict[str, Any]:
     """Record every torch.distributed call of one optimizer step, per micro-batch."""
     import torch.distributed as dist
 
     torch.manual_seed(0)
     model = TinyNet()
     calls: list[tuple[str, int]] = []
+    wire_bytes: list[tuple[str, int]] = []  # the same calls, counted in bytes
     launched_before_last_grad: list[int] = []
     # registered before the optimizer's hooks: sees how many collectives had started when the first
     # layer (the last to get its gradient) got its gradient, i.e. while backward was still running
     model.inp.weight.register_post_accumulate_grad_hook(
         lambda p: launched_before_last_grad.append(len(calls))
     )
-    config = ZeroConfig(stage=stage, bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002)
+    config = ZeroConfig(
+        stage=stage, bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002, reduce_dtype=reduce_dtype
+    )
     opt = ShardedAdamW(param_groups(model), lr=1e-2, config=config, param_order=model.parameters())
     names = [
         "reduce_scatter_single",
@@ -182,6 +187,7 @@ def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dic
             # the element count of the full (unsharded) tensor: input of a reduce-scatter, output of a gather
             tensor = args[1] if name.startswith("reduce_scatter") else args[0]
             calls.append((name, tensor.numel()))
+            wire_bytes.append((name, tensor.numel() * tensor.element_size()))
             return fn(*args, **kwargs)
 
         return wrapped
@@ -213,6 +219,8 @@ def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dic
         "padded": padded,
         "buckets": len(opt.engine.plan.buckets),
         "reported": opt.engine.comm_stats.elements_sent,
+        "wire_bytes": wire_bytes,
+        "reported_bytes": opt.engine.comm_stats.bytes_sent,
         "launched_before_last_grad": launched_before_last_grad[-1],
     }
 

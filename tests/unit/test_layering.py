@@ -147,3 +147,32 @@ def test_readers_of_the_sharded_state_import_it_plainly() -> None:
         if path != "__init__.py" and (hidden := _typing_only_package_imports(tree))
     }
     assert offenders == {}, f"TYPE_CHECKING-only imports of lightning_zero modules: {offenders}"
+
+
+def test_no_private_name_is_imported_from_another_module() -> None:
+    offenders = [
+        f"{path}:{line} imports {name} from {module}"
+        for path, tree in _modules().items()
+        for line, module, names in _imports(tree)
+        if module.startswith("lightning_zero")
+        for name in names
+        if name.startswith("_")
+    ]
+    assert offenders == [], "private names imported across modules:\n" + "\n".join(offenders)
+
+
+ENGINE_PARTS = ("reducer", "gather", "flat", "records", "shards", "plan", "comm", "params_in_order", "pool")
+"""Attributes of the engine that only the engine and the layers that store its state may touch."""
+
+
+def test_the_integrations_speak_to_the_engine_through_its_methods() -> None:
+    """Strategies, precision plugins, callbacks and the monitor use ``ShardEngine``'s named methods
+    (``finish_grad_sync``, ``grad_norms``, ``comm_stats``, ...), never its parts."""
+    offenders = [
+        f"{path}:{node.lineno} reads .{node.attr}"
+        for path, tree in _modules().items()
+        if _part(path) == "integrations"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS
+    ]
+    assert offenders == [], "reach-through into the engine's parts:\n" + "\n".join(offenders)

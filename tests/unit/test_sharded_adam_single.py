@@ -80,13 +80,22 @@ def test_refuses_other_optimizers_and_options() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"stage": 3}, "got 3"), ({"bucket_cap_mb": 0}, "got 0"), ({"reduce_dtype": "fp8"}, "'fp8'")],
+    [
+        ({"stage": 3}, "got 3"),
+        ({"bucket_cap_mb": 0}, "got 0"),
+        ({"reduce_dtype": "fp8"}, "'fp8'"),
+        ({"sharded_checkpoint": "no"}, "sharded_checkpoint must be True or False, got 'no'"),
+        ({"async_checkpoint": 1}, "async_checkpoint must be True or False, got 1"),
+        ({"log_comm_stats": "yes"}, "log_comm_stats must be True or False, got 'yes'"),
+        ({"broadcast_buffers": None}, "broadcast_buffers must be True or False, got None"),
+    ],
 )
-def test_strategy_rejects_bad_arguments_before_any_work(kwargs: dict, match: str) -> None:
-    from lightning_zero import ZeroStrategy
+@pytest.mark.parametrize("strategy", ["ZeroStrategy", "ZeroFabricStrategy"])
+def test_strategy_rejects_bad_arguments_before_any_work(strategy: str, kwargs: dict, match: str) -> None:
+    import lightning_zero
 
     with pytest.raises(ValueError, match=match):
-        ZeroStrategy(**kwargs)
+        getattr(lightning_zero, strategy)(**kwargs)
 
 
 def test_strategy_names_are_registered() -> None:
