@@ -238,7 +238,9 @@ def report(args: argparse.Namespace) -> None:
     load_s, load_mb = child_peak(
         [sys.executable, "-c", f"import torch; torch.load({str(single)!r}, weights_only=True)"]
     )
-    base_s, base_mb = child_peak([sys.executable, "-c", "import torch, lightning_zero.consolidate"])
+    base_s, base_mb = child_peak(
+        [sys.executable, "-c", "import torch, lightning_zero.checkpoint.consolidate"]
+    )
     print(
         f"\nconsolidate {src.name} -> {dst.stat().st_size / 2**20:.0f} MB file: "
         f"{cons_s:.2f} s, peak RSS {cons_mb:.0f} MB"

@@ -85,7 +85,7 @@ def part_parity(device: str) -> dict[str, Any]:
         )
         out[str(dtype).removeprefix("torch.")] = {
             "max_abs_diff_after_20_steps": diff,
-            "buckets": len(opt.plan.buckets),
+            "buckets": len(opt.engine.plan.buckets),
         }
     return out
 

@@ -170,12 +170,12 @@ class GPT(L.LightningModule):
         if batch_idx > 0:  # the previous step, up to this batch start: includes a gather left in flight
             self.step_s.append(now - self._t0)
             if opt is not None:
-                opt.comm.flush_timings()
-                self.wait_s.append(opt.comm.stats.wait_s)
+                opt.engine.comm.flush_timings()
+                self.wait_s.append(opt.engine.comm_stats.wait_s)
         self._t0 = now
         self.counted["elements"] = 0
         if opt is not None:
-            opt.comm.stats.reset()
+            opt.engine.comm_stats.reset()
 
     def on_train_start(self) -> None:
         self.setup_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -190,8 +190,8 @@ def optimizer_and_grad_bytes(trainer: L.Trainer, model: GPT) -> tuple[int, int, 
     """(optimizer state bytes, gradient bytes, elements sent in the last step) on this rank."""
     opt = getattr(trainer.strategy, "sharded_optimizer", None)
     if opt is not None:
-        grads = sum(g.numel() * g.element_size() for g in opt.reducer.grad_shards)
-        return opt.shards.nbytes(), grads, opt.comm.stats.elements_sent
+        grads = sum(g.numel() * g.element_size() for g in opt.engine.reducer.grad_shards)
+        return opt.engine.memory().state_bytes, grads, opt.engine.comm_stats.elements_sent
     inner = trainer.optimizers[0]
     inner = getattr(inner, "optim", inner)  # ZeroRedundancyOptimizer keeps the local optimizer in .optim
     state = sum(
@@ -211,14 +211,18 @@ def collectives_alone_s(opt: Any, repeats: int = 3) -> float:
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        for b, bucket in enumerate(opt.plan.buckets):
+        for b, bucket in enumerate(opt.engine.plan.buckets):
             wire = torch.zeros(bucket.padded_numel)
-            grad = opt.reducer.grad_shards[b]
+            grad = opt.engine.reducer.grad_shards[b]
             out = grad if opt.config.stage == 2 else wire
-            opt.comm.wait(
-                opt.comm.reduce_scatter(grad, wire) if opt.config.stage == 2 else opt.comm.all_reduce(out)
+            opt.engine.comm.wait(
+                opt.engine.comm.reduce_scatter(grad, wire)
+                if opt.config.stage == 2
+                else opt.engine.comm.all_reduce(out)
             )
-            opt.comm.wait(opt.comm.all_gather(opt.flat.bucket(bucket), opt.flat.shard(bucket)))
+            opt.engine.comm.wait(
+                opt.engine.comm.all_gather(opt.engine.flat.bucket(bucket), opt.engine.flat.shard(bucket))
+            )
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -1,34 +1,55 @@
 """lightning-zero: ZeRO-1/2 data parallelism for Lightning.
 
 ``import lightning_zero`` registers the Trainer strategies ``"zero"`` (stage 2), ``"zero1"`` and
-``"zero2"``, and lets ``LightningModule.load_from_checkpoint`` read sharded checkpoint directories.
-:class:`ShardedAdamW` also works on its own in a plain ``torch.distributed`` loop.
+``"zero2"`` and the same names for ``lightning.fabric.Fabric``, and lets
+``LightningModule.load_from_checkpoint`` read sharded checkpoint directories — as soon as Lightning
+is imported (:mod:`lightning_zero.integrations.autoregister`), so that :class:`ShardedAdamW` on its
+own, in a plain ``torch.distributed`` loop, does not import Lightning. ``ZeroStrategy``,
+``ZeroFabricStrategy`` and ``grad_norm`` are imported on first access.
 """
 
 from __future__ import annotations
 
-from lightning_zero.config import ZeroConfig
-from lightning_zero.grad_norm import grad_norm
-from lightning_zero.plan_check import PlanMismatchError
-from lightning_zero.sharded_adam import ShardedAdamW
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["PlanMismatchError", "ShardedAdamW", "ZeroConfig", "grad_norm"]
+from lightning_zero.config import ZeroConfig
+from lightning_zero.engine import PlanMismatchError
+from lightning_zero.integrations import autoregister as _autoregister
+from lightning_zero.optim import ShardedAdamW
+
+if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
+    from lightning_zero.integrations.fabric.strategy import ZeroFabricStrategy
+    from lightning_zero.integrations.trainer.grad_norm import grad_norm
+    from lightning_zero.integrations.trainer.strategy import ZeroStrategy
+
+__all__ = [
+    "PlanMismatchError",
+    "ShardedAdamW",
+    "ZeroConfig",
+    "ZeroFabricStrategy",
+    "ZeroStrategy",
+    "grad_norm",
+]
 __version__ = "0.1.0"
 
-from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry  # noqa: E402
+_LAZY = {
+    "ZeroStrategy": "lightning_zero.integrations.trainer.strategy",
+    "ZeroFabricStrategy": "lightning_zero.integrations.fabric.strategy",
+    "grad_norm": "lightning_zero.integrations.trainer.grad_norm",
+}
 
-from lightning_zero.strategy import ZeroStrategy  # noqa: E402
 
-ZeroStrategy.register_strategies(_StrategyRegistry)
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lightning_zero' has no attribute {name!r}")
 
-from lightning_zero.lightning_load import install as _install_loader  # noqa: E402
 
-_install_loader()  # Model.load_from_checkpoint(DIR) reads sharded checkpoint directories
-__all__ += ["ZeroStrategy"]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY as _FabricRegistry  # noqa: E402
 
-from lightning_zero.fabric import ZeroFabricStrategy  # noqa: E402
-
-ZeroFabricStrategy.register_strategies(_FabricRegistry)  # Fabric(strategy="zero") too
-__all__ += ["ZeroFabricStrategy"]
+_autoregister.install()

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from lightning_zero.checkpoint import META, CheckpointError, read_meta, shard_name, verify_files
+from lightning_zero.engine.reducer import POOL_SLOTS
 
 _PRECISION_BYTES = {  # (parameter, gradient on the wire, optimizer arithmetic / master) bytes per element
     "32-true": (4, 4, 4),
@@ -67,7 +68,7 @@ def verify(src: Path) -> int:
 
 
 def _consolidate(src: Path, dst: Path, weights_only: bool, force: bool) -> int:
-    from lightning_zero.consolidate import consolidate
+    from lightning_zero.checkpoint.consolidate import consolidate
 
     if dst.exists() and not force:
         print(f"FAIL {dst} exists; pass --force to replace it")
@@ -95,7 +96,7 @@ def estimate(params: float, world_size: int, precision: str, bucket_cap_mb: floa
     separate_master = m_bytes > p_bytes
     n = world_size
     adam = 2 * m_bytes
-    in_flight = 3 * bucket_cap_mb * 2**20  # buckets being filled or in flight, transient
+    in_flight = POOL_SLOTS * bucket_cap_mb * 2**20  # buckets being filled or in flight, transient
     rows = {
         # DDP: full gradients plus DDP's bucket copy; torch keeps Adam state in the parameter dtype
         "ddp": params * (p_bytes + 2 * g_bytes + 2 * p_bytes),
@@ -110,7 +111,8 @@ def estimate(params: float, world_size: int, precision: str, bucket_cap_mb: floa
     for name, nbytes in rows.items():
         print(f"  {name:<6} {nbytes / 2**30:10.2f} GiB")
     print(
-        f"  (zero rows include up to 3 x {bucket_cap_mb:g} MiB of gradient buckets in flight; stage 1 sends "
+        f"  (zero rows include up to {POOL_SLOTS} x {bucket_cap_mb:g} MiB of gradient buckets in flight; "
+        "stage 1 sends "
         "1.5x stage 2's bytes for the same memory)"
     )
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -25,7 +24,7 @@ class ZeroConfig:
     launches all of them after backward (useful to measure what overlap buys)."""
     overlap_param_gather: bool = False
     """Leave the parameter all-gathers of ``step()`` in flight: each module's forward waits for the
-    buckets holding its parameters (:mod:`lightning_zero.param_gather`). Everything else that reads
+    buckets holding its parameters (:mod:`lightning_zero.engine.param_gather`). Everything else that reads
     parameters must wait first; ``ZeroStrategy`` does it for Lightning's phases and callbacks. A
     standalone :class:`~lightning_zero.ShardedAdamW` needs ``install_forward_waits(model)``; until
     then ``step()`` waits for its gathers as without this option."""
@@ -72,13 +71,3 @@ class ZeroConfig:
 def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
     """Optimizer arithmetic dtype: fp32 for 16-bit parameters, the parameter dtype otherwise."""
     return torch.float32 if param_dtype.itemsize < 4 else param_dtype
-
-
-def register_names(strategy_cls: type, registry: Any) -> None:
-    """Register ``"zero"`` (stage 2), ``"zero1"`` and ``"zero2"`` for ``strategy_cls`` in a Trainer or
-    Fabric strategy registry (names already there are left alone)."""
-    for name, stage in (("zero", 2), ("zero1", 1), ("zero2", 2)):
-        if name not in registry:
-            registry.register(
-                name, strategy_cls, description=f"ZeRO stage {stage} (lightning-zero)", stage=stage
-            )

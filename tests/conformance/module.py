@@ -372,7 +372,7 @@ class DeferGathers(Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from tests.distributed.workers import _defer_gathers
 
-        _defer_gathers(trainer.strategy.sharded_optimizer.comm)  # type: ignore[attr-defined]
+        _defer_gathers(trainer.strategy.sharded_optimizer.engine.comm)  # type: ignore[attr-defined]
 
 
 class DetachAfterFit(Callback):

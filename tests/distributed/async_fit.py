@@ -56,7 +56,7 @@ def faults(
     slow_write_s: float = 0.0, fail_save: int | None = None, fail_remove: bool = False
 ) -> Iterator[None]:
     """Patch the shard writer and the checkpoint removal of this process for one fit."""
-    import lightning_zero.checkpoint as checkpoint_module
+    import lightning_zero.checkpoint.format as checkpoint_module
 
     original_write, original_remove = checkpoint_module._write, TorchCheckpointIO.remove_checkpoint
     shard_saves = {"n": 0}

@@ -115,7 +115,9 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
     model, optimizer = fabric.setup(model, optimizer)
     sharded = getattr(fabric.strategy, "sharded_optimizer", None)
     if case.get("overlap_param_gather"):
-        _defer_gathers(sharded.comm)  # gathers run only when waited for: an early read sees stale values
+        _defer_gathers(
+            sharded.engine.comm
+        )  # gathers run only when waited for: an early read sees stale values
     scheduler = None
     if case.get("schedule", True):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine)
@@ -145,7 +147,7 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
                 {"params": list(model.module.net.frozen.parameters()), "weight_decay": 0.0}
             )
         if sharded is not None:
-            sharded.comm.stats.reset()
+            sharded.engine.comm_stats.reset()
         for micro in range(accum):
             x, y = rank_rows(step, micro, fabric.global_rank, fabric.world_size, dtype)
             with fabric.no_backward_sync(model, enabled=micro < accum - 1):
@@ -165,8 +167,8 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
         optimizer.zero_grad()
         recorded["lrs"].append([g["lr"] for g in optimizer.param_groups])
         if sharded is not None:
-            recorded["elements"].append(sharded.comm.stats.elements_sent)
-            numel = sum(b.padded_numel for b in sharded.plan.buckets)
+            recorded["elements"].append(sharded.engine.comm_stats.elements_sent)
+            numel = sum(b.padded_numel for b in sharded.engine.plan.buckets)
             recorded["minimum"] = 2 * numel * (fabric.world_size - 1) // fabric.world_size
         if scheduler is not None:
             scheduler.step()
@@ -174,7 +176,7 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
         if case.get("save_at") == step + 1:
             fabric.save(case["save"], state)
     if case.get("consolidate") and fabric.global_rank == 0:
-        from lightning_zero.consolidate import consolidate
+        from lightning_zero.checkpoint.consolidate import consolidate
 
         consolidate(case["save"], case["consolidate"])
     fabric.barrier()

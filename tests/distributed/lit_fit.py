@@ -200,7 +200,7 @@ def validate(validate_ckpt: str) -> tuple[int, dict[str, torch.Tensor]]:
 
 def _kill_rank1_while_writing(save_number: int) -> None:
     """Fault injection: rank 1 dies half-way through writing its shard file in save ``save_number``."""
-    import lightning_zero.checkpoint as checkpoint_module
+    import lightning_zero.checkpoint.format as checkpoint_module
 
     original = checkpoint_module._write
     calls = {"n": 0}

@@ -41,11 +41,20 @@ def _sent(calls: list[tuple[str, int]], world_size: int) -> int:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[Any] | RuntimeError]:
-    """``count_collectives`` for both stages on 2 and 3 ranks, then (2 ranks) ``mismatched_models``."""
-    counts = [(count_collectives, (1, 4)), (count_collectives, (2, 4))]
+    """``count_collectives`` for both stages on 2 and 3 ranks (stage 2 also with a bf16 wire), then
+    (2 ranks) ``mismatched_models``."""
+    counts = [(count_collectives, (1, 4)), (count_collectives, (2, 4)), (count_collectives, (2, 4, "bf16"))]
     two = run_ranks_each([*counts, (mismatched_models, ())], 2, timeout_s=120)  # a hang fails
     three = run_ranks_each(counts, 3, timeout_s=120)
-    names = ["count_2_1", "count_2_2", "mismatched", "count_3_1", "count_3_2"]
+    names = [
+        "count_2_1",
+        "count_2_2",
+        "count_2_2_bf16",
+        "mismatched",
+        "count_3_1",
+        "count_3_2",
+        "count_3_2_bf16",
+    ]
     return dict(zip(names, two + three, strict=True))
 
 
@@ -69,6 +78,21 @@ def test_elements_sent_per_step(world_size: int, stage: int, runs: dict) -> None
         assert 0 <= padded - trainable < world_size * result["buckets"], "padding below N per bucket"
         launched = _as_collectives(raw[: result["launched_before_last_grad"]], world_size)
         assert len(launched) >= result["buckets"] - 2, "buckets must start during backward"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("wire", ["", "_bf16"])
+def test_bytes_sent_per_step(world_size: int, wire: str, runs: dict) -> None:
+    """Bytes as well as elements: a bf16 wire halves the gradient half of stage 2's traffic, and the
+    counter the ``zero/bytes_sent`` metric reads agrees with the bytes at the torch.distributed calls."""
+    for result in ranks(runs, f"count_{world_size}_2{wire}"):
+        ring = result["padded"] * (world_size - 1) // world_size  # Ψ(N−1)/N, each of the two collectives
+        gradient_itemsize = 2 if wire else 4
+        assert _sent(_as_collectives(result["wire_bytes"], world_size), world_size) == ring * (
+            gradient_itemsize + 4
+        )
+        assert result["reported_bytes"] == ring * (gradient_itemsize + 4)
+        assert result["reported"] == 2 * ring, "elements are the same whatever the wire dtype"
 
 
 def test_plan_mismatch_is_an_error_on_every_rank(runs: dict) -> None:

@@ -62,7 +62,7 @@ def _parity_case(
     )
     ref_opt = torch.optim.AdamW(param_groups(reference), lr=3e-2, amsgrad=amsgrad)
     if param_overlap:
-        _defer_gathers(opt.comm)
+        _defer_gathers(opt.engine.comm)
         opt.install_forward_waits(model)
     max_diff = []
     for step in range(steps):
@@ -103,8 +103,8 @@ def _parity_case(
     return {
         "max_diff": max_diff,
         "moved": moved,
-        "buckets": len(opt.plan.buckets),
-        "adopted": opt.reducer.adopted,
+        "buckets": len(opt.engine.plan.buckets),
+        "adopted": opt.engine.reducer.adopted,
     }
 
 
@@ -145,20 +145,25 @@ def TinyNet_init(dtype: torch.dtype, width: int = 13) -> list[torch.Tensor]:  # 
     return [p.detach() for p in TinyNet(width).to(dtype).parameters()]
 
 
-def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dict[str, Any]:
+def count_collectives(
+    rank: int, world_size: int, stage: int, accum: int, reduce_dtype: str | None = None
+) -> dict[str, Any]:
     """Record every torch.distributed call of one optimizer step, per micro-batch."""
     import torch.distributed as dist
 
     torch.manual_seed(0)
     model = TinyNet()
     calls: list[tuple[str, int]] = []
+    wire_bytes: list[tuple[str, int]] = []  # the same calls, counted in bytes
     launched_before_last_grad: list[int] = []
     # registered before the optimizer's hooks: sees how many collectives had started when the first
     # layer (the last to get its gradient) got its gradient, i.e. while backward was still running
     model.inp.weight.register_post_accumulate_grad_hook(
         lambda p: launched_before_last_grad.append(len(calls))
     )
-    config = ZeroConfig(stage=stage, bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002)
+    config = ZeroConfig(
+        stage=stage, bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002, reduce_dtype=reduce_dtype
+    )
     opt = ShardedAdamW(param_groups(model), lr=1e-2, config=config, param_order=model.parameters())
     names = [
         "reduce_scatter_single",
@@ -182,6 +187,7 @@ def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dic
             # the element count of the full (unsharded) tensor: input of a reduce-scatter, output of a gather
             tensor = args[1] if name.startswith("reduce_scatter") else args[0]
             calls.append((name, tensor.numel()))
+            wire_bytes.append((name, tensor.numel() * tensor.element_size()))
             return fn(*args, **kwargs)
 
         return wrapped
@@ -205,14 +211,16 @@ def count_collectives(rank: int, world_size: int, stage: int, accum: int) -> dic
         for n, fn in originals.items():
             setattr(dist, n, fn)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    padded = sum(b.padded_numel for b in opt.plan.buckets)
+    padded = sum(b.padded_numel for b in opt.engine.plan.buckets)
     return {
         "calls": calls,
         "per_micro": per_micro,
         "trainable": trainable,
         "padded": padded,
-        "buckets": len(opt.plan.buckets),
-        "reported": opt.comm.stats.elements_sent,
+        "buckets": len(opt.engine.plan.buckets),
+        "reported": opt.engine.comm_stats.elements_sent,
+        "wire_bytes": wire_bytes,
+        "reported_bytes": opt.engine.comm_stats.bytes_sent,
         "launched_before_last_grad": launched_before_last_grad[-1],
     }
 
@@ -259,13 +267,13 @@ def bf16_accumulation(
                         loss.backward()
                 else:
                     loss.backward()
-    opt.reducer.finalize()
+    opt.engine.finish_grad_sync()
     flat_exact = [e.reshape(-1) for e in exact]
     scale = max(e.abs().max().item() for e in exact)
     ours = 0.0
-    for b, bucket in enumerate(opt.plan.buckets):
-        for seg in opt.plan.segments(bucket, rank):
-            piece = opt.reducer.grad_shards[b][seg.shard_offset : seg.shard_offset + seg.numel]
+    for b, bucket in enumerate(opt.engine.plan.buckets):
+        for seg in opt.engine.plan.segments(bucket, rank):
+            piece = opt.engine.reducer.grad_shards[b][seg.shard_offset : seg.shard_offset + seg.numel]
             expected = flat_exact[_ref_index(opt, model, seg.param_index)][seg.param_start : seg.param_end]
             ours = max(ours, (piece - expected).abs().max().item())
     # the bf16 running sum of this rank only: compare with this rank's exact share
@@ -282,7 +290,7 @@ def bf16_accumulation(
 
 
 def _ref_index(opt: ShardedAdamW, model: torch.nn.Module, plan_index: int) -> int:
-    target = opt.params_in_order[plan_index]
+    target = opt.engine.params_in_order[plan_index]
     return next(i for i, p in enumerate(model.parameters()) if p is target)
 
 
@@ -296,7 +304,7 @@ def user_grad_is_not_scratch(rank: int, world_size: int) -> dict[str, Any]:
     x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     model(x).pow(2).sum().backward()  # fresh .grad: adopted
     opt.step()
-    adopted_fresh = opt.reducer.adopted
+    adopted_fresh = opt.engine.reducer.adopted
     opt.zero_grad()
     held = torch.full_like(model.weight, 0.5)
     model.weight.grad = held
@@ -306,5 +314,5 @@ def user_grad_is_not_scratch(rank: int, world_size: int) -> dict[str, Any]:
         "held": held.clone(),
         "expected": (0.5 + local).clone(),
         "adopted_fresh": adopted_fresh,
-        "adopted_after": opt.reducer.adopted,
+        "adopted_after": opt.engine.reducer.adopted,
     }

@@ -9,8 +9,8 @@ import torch
 
 from lightning_zero import ShardedAdamW, ZeroConfig
 from lightning_zero.checkpoint import CheckpointError, read_meta, save_sharded
-from lightning_zero.full_state import gather_full_state
-from lightning_zero.reshard import load_sharded, preflight
+from lightning_zero.checkpoint.reshard import load_sharded, preflight
+from lightning_zero.optim.full_state import gather_full_state
 from tests.distributed.models import TinyNet, param_groups
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4

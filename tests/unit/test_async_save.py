@@ -16,10 +16,10 @@ import pytest
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 
-import lightning_zero.checkpoint as checkpoint_module
+import lightning_zero.checkpoint.format as checkpoint_module
 from lightning_zero import ShardedAdamW, ZeroConfig
-from lightning_zero.async_save import AsyncCheckpointWriter, HostSnapshot
 from lightning_zero.checkpoint import META, CheckpointError, save_sharded
+from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter, HostSnapshot
 from tests.distributed.models import TinyNet, param_groups
 
 

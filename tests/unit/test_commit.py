@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_zero.checkpoint import _commit
+from lightning_zero.checkpoint.format import _commit
 
 
 def test_commit_replaces_a_directory_and_leaves_nothing_behind(tmp_path: Path) -> None:

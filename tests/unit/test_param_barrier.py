@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 
-from lightning_zero.param_barrier import HOOKS, ParamReadBarrier
+from lightning_zero.integrations.trainer.param_barrier import HOOKS, ParamReadBarrier
 
 
 class ReadsWeights(Callback):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from lightning_zero.buckets import MB, ParamSpec, plan_buckets
-from lightning_zero.partition import Slot, padded_numel, shard_range, shard_segments
+from lightning_zero.layout.buckets import MB, ParamSpec, plan_buckets
+from lightning_zero.layout.partition import Slot, padded_numel, shard_range, shard_segments
 
 
 @pytest.mark.parametrize("world_size", range(1, 9))
@@ -48,8 +49,8 @@ def test_padded_numel_rejects_bad_input() -> None:
         shard_range(6, 3, 3)
 
 
-def _specs(sizes: list[int], dtype: str = "torch.float32") -> list[ParamSpec]:
-    return [ParamSpec(f"p{i}", (n,), dtype, 4) for i, n in enumerate(sizes)]
+def _specs(sizes: list[int], dtype: torch.dtype = torch.float32) -> list[ParamSpec]:
+    return [ParamSpec(f"p{i}", (n,), dtype) for i, n in enumerate(sizes)]
 
 
 def test_buckets_reverse_order_caps_and_first_bucket() -> None:
@@ -63,7 +64,7 @@ def test_buckets_reverse_order_caps_and_first_bucket() -> None:
 
 
 def test_oversized_parameter_gets_its_own_bucket_and_dtypes_do_not_mix() -> None:
-    specs = _specs([10, MB, 10]) + [ParamSpec("h", (5,), "torch.bfloat16", 2)]
+    specs = _specs([10, MB, 10]) + [ParamSpec("h", (5,), torch.bfloat16)]
     plan = plan_buckets(specs, world_size=3, bucket_cap_mb=1.0, first_bucket_cap_mb=1.0)
     for b in plan.buckets:
         assert len({specs[s.param_index].dtype for s in b.slots}) == 1

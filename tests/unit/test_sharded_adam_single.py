@@ -38,15 +38,17 @@ def test_bf16_params_keep_fp32_master() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3).to(torch.bfloat16)
     opt = ShardedAdamW(model.parameters(), lr=1e-3)
-    assert all(m.dtype == torch.float32 for m in opt.shards.master)
+    assert all(m.dtype == torch.float32 for m in (r.master for r in opt.engine.state.records))
     before = model.weight.detach().float().clone()
     for _ in range(3):
         model(torch.ones(2, 5, dtype=torch.bfloat16)).sum().backward()
         opt.step()
         opt.zero_grad()
     # at world size 1 the shard is the whole bucket: the parameter is its fp32 master rounded to bf16
-    bucket_index, slot = opt.plan.locate()[opt.params_in_order.index(model.weight)]
-    master = opt.shards.master[bucket_index][slot.bucket_offset : slot.bucket_offset + slot.numel]
+    bucket_index, slot = opt.engine.plan.locate()[opt.engine.params_in_order.index(model.weight)]
+    master = opt.engine.state.records[bucket_index].master[
+        slot.bucket_offset : slot.bucket_offset + slot.numel
+    ]
     assert not torch.equal(before, model.weight.float())
     torch.testing.assert_close(model.weight, master.view(3, 5).to(torch.bfloat16), rtol=0, atol=0)
     assert not torch.equal(master.view(3, 5), model.weight.float()), "master keeps more precision than bf16"
@@ -78,13 +80,22 @@ def test_refuses_other_optimizers_and_options() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"stage": 3}, "got 3"), ({"bucket_cap_mb": 0}, "got 0"), ({"reduce_dtype": "fp8"}, "'fp8'")],
+    [
+        ({"stage": 3}, "got 3"),
+        ({"bucket_cap_mb": 0}, "got 0"),
+        ({"reduce_dtype": "fp8"}, "'fp8'"),
+        ({"sharded_checkpoint": "no"}, "sharded_checkpoint must be True or False, got 'no'"),
+        ({"async_checkpoint": 1}, "async_checkpoint must be True or False, got 1"),
+        ({"log_comm_stats": "yes"}, "log_comm_stats must be True or False, got 'yes'"),
+        ({"broadcast_buffers": None}, "broadcast_buffers must be True or False, got None"),
+    ],
 )
-def test_strategy_rejects_bad_arguments_before_any_work(kwargs: dict, match: str) -> None:
-    from lightning_zero import ZeroStrategy
+@pytest.mark.parametrize("strategy", ["ZeroStrategy", "ZeroFabricStrategy"])
+def test_strategy_rejects_bad_arguments_before_any_work(strategy: str, kwargs: dict, match: str) -> None:
+    import lightning_zero
 
     with pytest.raises(ValueError, match=match):
-        ZeroStrategy(**kwargs)
+        getattr(lightning_zero, strategy)(**kwargs)
 
 
 def test_strategy_names_are_registered() -> None:
@@ -109,7 +120,7 @@ def test_second_backward_before_step_accumulates_like_torch() -> None:
     config = ZeroConfig(bucket_cap_mb=1e-5, first_bucket_cap_mb=1e-5)
     opt = ShardedAdamW(model.parameters(), lr=0.1, config=config, param_order=model.parameters())
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.1)
-    assert len(opt.plan.buckets) == 4
+    assert len(opt.engine.plan.buckets) == 4
     for m, o in ((model, opt), (reference, ref_opt)):
         for scale in (1.0, -3.0):
             (m(torch.ones(1, 3, dtype=torch.float64)) * scale).pow(2).sum().backward()
@@ -220,7 +231,7 @@ def _train_three_steps(opt: ShardedAdamW, model: torch.nn.Module) -> list[list[i
             m(torch.full((2, 8), float(step), dtype=torch.float64)).pow(2).sum().backward()
             o.step()
             o.zero_grad()
-        slots.append([b.data_ptr() for buffers in opt.reducer.pool._buffers.values() for b in buffers])
+        slots.append([b.data_ptr() for buffers in opt.engine.reducer.pool._buffers.values() for b in buffers])
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     return slots
@@ -235,18 +246,18 @@ def test_gradient_buffers_come_from_a_bounded_pool() -> None:
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]).double()
     config = ZeroConfig(bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4, align_numel=3)
     opt = ShardedAdamW(model.parameters(), config=config)
-    buckets = opt.plan.buckets
+    buckets = opt.engine.plan.buckets
     assert len(buckets) == 12 and all(b.padding > 0 for b in buckets)
     slots = _train_three_steps(opt, model)
-    assert opt.reducer.allocations_outside_pool == 0 and opt.reducer.adopted == 0
+    assert opt.engine.reducer.allocations_outside_pool == 0 and opt.engine.reducer.adopted == 0
     assert slots[0] == slots[-1] and 0 < len(slots[0]) <= 4, "slots are allocated once and reused"
     biases = [b.padded_numel for b in buckets if b.numel == 8]
     weights = [b.padded_numel for b in buckets if b.numel == 64]
-    lengths = sorted(b.numel() for buffers in opt.reducer.pool._buffers.values() for b in buffers)
+    lengths = sorted(b.numel() for buffers in opt.engine.reducer.pool._buffers.values() for b in buffers)
     assert lengths.count(max(weights)) == 1 and set(lengths) == {max(biases), max(weights)}, lengths
     with opt.no_sync():
         model(torch.ones(2, 8, dtype=torch.float64)).sum().backward()
-    assert opt.reducer.allocations_outside_pool == len(buckets) - 4
+    assert opt.engine.reducer.allocations_outside_pool == len(buckets) - 4
 
 
 def test_a_gradient_alone_in_an_unpadded_bucket_is_the_buffer() -> None:
@@ -255,6 +266,6 @@ def test_a_gradient_alone_in_an_unpadded_bucket_is_the_buffer() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]).double()
     opt = ShardedAdamW(model.parameters(), config=ZeroConfig(bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4))
-    assert len(opt.plan.buckets) == 12
+    assert len(opt.engine.plan.buckets) == 12
     _train_three_steps(opt, model)
-    assert opt.reducer.adopted == 3 * 12 and opt.reducer.pool.nbytes() == 0
+    assert opt.engine.reducer.adopted == 3 * 12 and opt.engine.reducer.pool.nbytes() == 0

@@ -1,0 +1,340 @@
+"""Sharded checkpoint directories: every rank writes its own shard; atomic commit; checksums.
+
+Layout of a checkpoint directory ``CKPT/`` (format version :data:`FORMAT_VERSION`)::
+
+    CKPT/shard-00000-of-00002.pt   rank 0's shards: per bucket, the parameters, Adam moments (and
+    CKPT/shard-00001-of-00002.pt   fp32 master weights for 16-bit parameters) — written by that rank
+    CKPT/model_extra.pt            model tensors outside the buckets (buffers, frozen parameters)
+    CKPT/meta.pt                   format, world size, stage, bucket plan, per-parameter step counts,
+                                   the names of the optimizer moments in the shard files,
+                                   param-group hyper-parameters, Lightning's loop/callback/scheduler
+                                   state, and the size and sha256 of every other file
+
+Every file is written with ``torch.save`` of tensors and plain containers only, so it loads with
+``torch.load(..., weights_only=True)`` (Lightning state is kept as it is; a hyper-parameter of a
+custom class would need ``weights_only=False`` for ``meta.pt`` alone).
+
+Commit protocol (all ranks): files go into a fresh hidden sibling ``.CKPT.tmp-<token>``; ranks
+exchange their status and checksums; rank 0 writes ``meta.pt`` last, then swaps the temporary
+directory with any previous ``CKPT`` in one atomic ``renameat2(RENAME_EXCHANGE)`` (Linux; elsewhere
+the old one is moved aside first) and deletes the old one. A crash before the
+rename leaves the previous checkpoint untouched (the temporary directory is ignored by
+``ckpt_path="last"``, which looks for ``*.ckpt``), and nothing stale from an older world size
+survives a save over an existing path. A failure on any rank raises on every rank.
+:mod:`lightning_zero.checkpoint.async_save` runs the same protocol on a background thread.
+"""
+
+from __future__ import annotations
+
+import copy as copy_module
+import ctypes
+import errno
+import hashlib
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_zero.comm.communicator import Comm
+from lightning_zero.engine.engine import ShardEngine
+
+FORMAT_VERSION = 1
+META = "meta.pt"
+EXTRA = "model_extra.pt"
+WEIGHTS_ONLY = "lightning_zero_weights_only"
+"""Key in the Lightning state of a checkpoint saved with ``save_weights_only``: it cannot resume."""
+FABRIC_KEYS = "lightning_zero_fabric"
+"""Key in the Lightning state of a checkpoint saved by ``fabric.save``: ``{"module": key, "optimizer":
+key}``, the keys of the user's state that held the sharded model and optimizer (or ``None``)."""
+CopyFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, from the future, or does not fit the model."""
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    return Path(path, META).is_file()
+
+
+def plan_meta(engine: ShardEngine) -> dict[str, Any]:
+    """The bucket plan as plain data (what loading on another world size needs)."""
+    plan = engine.plan
+    return {
+        "world_size": plan.world_size,
+        "params": [{"name": p.name, "shape": list(p.shape), "dtype": str(p.dtype)} for p in plan.params],
+        "buckets": [
+            {
+                "dtype": str(b.dtype),
+                "numel": b.numel,
+                "padded_numel": b.padded_numel,
+                "slots": [[s.param_index, s.bucket_offset, s.numel] for s in b.slots],
+            }
+            for b in plan.buckets
+        ],
+    }
+
+
+def _shard_payload(
+    engine: ShardEngine, copy_tensor: CopyFn | None, with_optimizer: bool = True
+) -> dict[str, list[torch.Tensor]]:
+    """This rank's tensors to save. Parameter shards are views of the flat buffer and are always
+    copied (saving a view writes its whole storage); ``copy_tensor``, if given, copies every tensor
+    (a snapshot that training going on cannot change). ``with_optimizer=False`` (a weights-only
+    checkpoint) saves the parameter shards alone."""
+    records = engine.state.records
+
+    def own(t: torch.Tensor, always: bool = False) -> torch.Tensor:
+        if copy_tensor is not None:
+            return copy_tensor(t)
+        return t.detach().to("cpu", copy=True) if always else t
+
+    payload = {"param": [own(r.param, always=True) for r in records]}
+    if not with_optimizer:
+        return payload
+    if any(r.separate_master for r in records):
+        payload["master"] = [own(r.master) if r.separate_master else torch.empty(0) for r in records]
+    for name in engine.state.moment_names:
+        payload[name] = [own(r.moments[name]) for r in records]
+    return payload
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            sha.update(chunk)
+    return path.stat().st_size, sha.hexdigest()
+
+
+def _write(obj: Any, path: Path) -> tuple[str, int, str]:
+    torch.save(obj, path)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    size, digest = file_digest(path)
+    return path.name, size, digest
+
+
+@dataclass
+class StagedSave:
+    """Everything one rank writes for one checkpoint (a snapshot if staged with a ``copy_tensor``)."""
+
+    target: Path
+    tmp: Path
+    rank: int
+    world_size: int
+    payload: dict[str, list[torch.Tensor]]
+    extra: dict[str, torch.Tensor]
+    meta: dict[str, Any]  # without "files" (added by rank 0 once every rank has written)
+    before_write: Callable[[], None] | None = None  # e.g. wait for device-to-host copies
+
+    def write(self, comm: Comm) -> None:
+        """Write, agree with the other ranks over ``comm``, commit on rank 0. On all ranks.
+
+        Raises:
+            CheckpointError: on every rank, if any rank failed (the previous checkpoint is kept).
+        """
+        status: Any
+        try:
+            if self.before_write is not None:
+                self.before_write()
+            self.tmp.mkdir(parents=True, exist_ok=True)
+            status = [_write(self.payload, self.tmp / shard_name(self.rank, self.world_size))]
+            if self.rank == 0:
+                status.append(_write(self.extra, self.tmp / EXTRA))
+        except Exception as err:  # noqa: BLE001 - reported to every rank below
+            status = f"rank {self.rank}: {type(err).__name__}: {err}"
+        everyone = comm.all_gather_object(status)  # a failed rank sends its error text
+        errors = [s for s in everyone if isinstance(s, str)]
+        if not errors and self.rank == 0:
+            try:
+                files = {name: {"size": size, "sha256": digest} for s in everyone for name, size, digest in s}
+                _write({**self.meta, "files": files}, self.tmp / META)
+                _commit(self.tmp, self.target)
+            except Exception as err:  # noqa: BLE001
+                errors.append(f"rank 0: {type(err).__name__}: {err}")
+        if self.world_size > 1:  # rank 0's commit outcome reaches everyone
+            errors = [e for rank_errors in comm.all_gather_object(errors) for e in rank_errors]
+        if errors:
+            if self.rank == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise CheckpointError(
+                f"saving checkpoint {self.target} failed; the previous one (if any) is kept:\n"
+                + "\n".join(sorted(set(errors)))
+            )
+
+
+def stage_save(
+    engine: ShardEngine,
+    path: str | os.PathLike[str],
+    lightning_state: dict[str, Any],
+    extra_tensors: dict[str, torch.Tensor],
+    stage: int,
+    copy_tensor: CopyFn | None = None,
+) -> StagedSave:
+    """What this rank will write. Must be called on all ranks (one broadcast of a directory token).
+
+    Args:
+        engine: the sharded state (parameters, moments, masters) to save (``ShardedAdamW.engine``).
+        path: the checkpoint directory to create or replace.
+        lightning_state: written into ``meta.pt`` as it is (the caller snapshots it if needed).
+        extra_tensors: model tensors outside the buckets, written by rank 0.
+        stage: the ZeRO stage, recorded in ``meta.pt``.
+        copy_tensor: copies every saved tensor (so that training may go on while it is written);
+            without it, only the parameter shards are copied and the rest is referenced.
+
+    Returns:
+        The staged save; its ``write`` must then be called on all ranks.
+    """
+    engine.wait_for_params()  # parameter gathers left in flight write the buffers saved here
+    comm, target = engine.comm, Path(path)
+    token = comm.broadcast_object(uuid.uuid4().hex if comm.rank == 0 else None, src=0)
+    payload = _shard_payload(engine, copy_tensor, with_optimizer=not lightning_state.get(WEIGHTS_ONLY, False))
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "world_size": comm.world_size,
+        "stage": stage,
+        "plan": plan_meta(engine),
+        "steps": torch.tensor(engine.state.steps, dtype=torch.int64),
+        "moments": list(engine.state.moment_names),
+        "param_groups": copy_module.deepcopy(engine.group_hyperparameters()),
+        "lightning": lightning_state,
+    }
+    copy_extra = copy_tensor or (lambda t: t.detach().cpu())
+    return StagedSave(
+        target,
+        target.parent / f".{target.name}.tmp-{token}",
+        comm.rank,
+        comm.world_size,
+        payload,
+        {k: copy_extra(v) for k, v in extra_tensors.items()},
+        meta,
+    )
+
+
+def save_sharded(
+    engine: ShardEngine,
+    path: str | os.PathLike[str],
+    lightning_state: dict[str, Any],
+    extra_tensors: dict[str, torch.Tensor],
+    stage: int,
+) -> None:
+    """Write a checkpoint directory at ``path``, blocking. Must be called on all ranks.
+
+    Raises:
+        CheckpointError: on every rank, if any rank failed to write (the previous ``path`` is kept).
+    """
+    stage_save(engine, path, lightning_state, extra_tensors, stage).write(engine.comm)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False  # kernel or file system without RENAME_EXCHANGE
+    raise OSError(ctypes.get_errno(), f"renameat2({a}, {b}, RENAME_EXCHANGE) failed")
+
+
+def _commit(tmp: Path, target: Path) -> None:
+    """Put ``tmp`` at ``target``, atomically where the OS allows.
+
+    A new path is a rename. An existing one (directory, file or symlink) is swapped with ``tmp`` in
+    one ``renameat2(RENAME_EXCHANGE)`` and then deleted, so ``target`` is never missing; without
+    that call the old one is moved aside first (a short window with neither under ``target``).
+    """
+    if not (target.exists() or target.is_symlink()):
+        tmp.rename(target)
+        old = None
+    elif _exchange(tmp, target):
+        old = tmp
+    else:
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
+        target.rename(old)
+        tmp.rename(target)
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
+def moment_names(meta: dict[str, Any]) -> list[str]:
+    """Names of the optimizer moments a checkpoint's shard files hold, in the optimizer's order.
+
+    Recorded in ``meta.pt`` as ``"moments"``; a checkpoint written before that was recorded holds
+    Adam's: ``exp_avg``, ``exp_avg_sq`` and, if a param group had ``amsgrad``, ``max_exp_avg_sq``.
+    """
+    if "moments" in meta:
+        return list(meta["moments"])
+    amsgrad = any(g.get("amsgrad") for g in meta["param_groups"])
+    return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``meta.pt`` of a checkpoint directory, checked for presence and format version.
+
+    Raises:
+        CheckpointError: naming the file, if it is missing, unreadable or from a newer format.
+    """
+    file = Path(path, META)
+    if not file.is_file():
+        raise CheckpointError(f"{file} does not exist: {path} is not a complete lightning-zero checkpoint")
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001
+        raise CheckpointError(f"{file} cannot be read ({type(err).__name__}: {err})") from err
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file} has format version {version!r}; this lightning-zero reads versions "
+            f"<= {FORMAT_VERSION} (upgrade lightning-zero)"
+        )
+    return meta
+
+
+def verify_files(
+    path: str | os.PathLike[str],
+    meta: dict[str, Any],
+    names: list[str] | None = None,
+    digests: bool = True,
+) -> list[str]:
+    """Problems (missing, truncated or altered files) among ``names`` (default: all files in meta).
+
+    ``digests=False`` checks presence and size only (no file is read: a quick completeness check, e.g.
+    to pick the newest complete checkpoint of a series); the sha256 check reads every byte.
+    """
+    problems = []
+    for name in names if names is not None else sorted(meta["files"]):
+        expected = meta["files"].get(name)
+        file = Path(path, name)
+        if expected is None:
+            problems.append(f"{file}: not listed in {META}")
+        elif not file.is_file():
+            problems.append(f"{file}: missing")
+        else:
+            size = file.stat().st_size
+            if size != expected["size"]:
+                problems.append(f"{file}: {size} bytes, expected {expected['size']} (truncated or replaced)")
+            elif digests and file_digest(file)[1] != expected["sha256"]:
+                problems.append(f"{file}: sha256 mismatch (altered)")
+    return problems

@@ -1,0 +1,10 @@
+"""Layer 2, communication: the only package that calls ``torch.distributed``.
+
+:class:`Comm` is the one API the engine uses (collectives with element and byte counters and
+timing); how a collective runs on the process group's backend is chosen in one place
+(:mod:`lightning_zero.comm.backends`).
+"""
+
+from lightning_zero.comm.communicator import Comm, CommStats
+
+__all__ = ["Comm", "CommStats"]

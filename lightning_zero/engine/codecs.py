@@ -1,0 +1,95 @@
+"""Wire codecs: how one bucket's summed local gradients become this rank's averaged gradient shard.
+
+A codec owns the three steps between the accumulation buffer and the shard, so that a new way of
+sending gradients is one class:
+
+  1. **encode** the bucket for the wire: divide by the world size first (a 16-bit wire then carries
+     the mean, not a sum that may overflow) and cast to the wire dtype — in place when the wire dtype
+     is the accumulation dtype, so no buffer is allocated;
+  2. **send** it: stage 2 reduce-scatters into this rank's shard (directly into the shard when the
+     dtypes match and it holds nothing yet), stage 1 all-reduces the bucket and keeps the owned
+     slice. This is the only place where the two stages differ;
+  3. **decode** the result into the shard: copy (first round of a step) or add (later rounds, e.g.
+     several backward passes before one step), converting to the shard's dtype.
+
+:class:`WireCodec` does all three for any wire dtype (``reduce_dtype``: ``None`` sends the master
+dtype, ``"bf16"``/``"fp16"`` halve the bytes, ``"fp32"``). A codec that sends something other than a
+summable tensor (e.g. int8 with per-block scales, which a reduce-scatter cannot add) overrides
+:meth:`WireCodec.launch` and :meth:`WireCodec.collect` with its own collectives (an all-to-all of
+blocks and scales, then a local sum) and is picked by :func:`codec_for` from the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.comm.communicator import Comm
+from lightning_zero.config import ZeroConfig
+from lightning_zero.layout.partition import shard_range
+
+
+@dataclass
+class InFlight:
+    """One launched bucket: its pending collective and the tensors it reads and writes."""
+
+    handle: Any
+    wire: Tensor
+    """What is on the wire: the accumulation buffer itself, or its cast."""
+    output: Tensor | None
+    """Stage 2: where the reduce-scatter writes (the shard itself, or a buffer of the wire dtype)."""
+    uses_accum: bool
+    """``wire`` is the accumulation buffer: its pool slot is busy until the bucket is collected."""
+
+
+class WireCodec:
+    """Averaging, cast to ``wire_dtype``, the stage's collective, and accumulation into the shard."""
+
+    def __init__(self, wire_dtype: torch.dtype, stage: int) -> None:
+        self.wire_dtype, self.stage = wire_dtype, stage
+
+    def encode(self, accum: Tensor, world_size: int) -> Tensor:
+        """The bucket's mean over ranks, in the wire dtype: ``accum`` itself (divided in place) when it
+        already has that dtype, else a new ``(padded_numel,)`` tensor."""
+        if accum.dtype == self.wire_dtype:
+            return accum.div_(world_size)
+        wire = torch.empty(accum.numel(), dtype=self.wire_dtype, device=accum.device)
+        torch.div(accum, world_size, out=wire)
+        return wire
+
+    def decode(self, result: Tensor, shard: Tensor, accumulate: bool) -> None:
+        """Fold the reduced ``result`` (this rank's slice) into ``shard``, in the shard's dtype."""
+        if result is shard:
+            return
+        if accumulate:
+            shard.add_(result)
+        else:
+            shard.copy_(result)
+
+    def launch(self, comm: Comm, accum: Tensor, shard: Tensor, first_round: bool) -> InFlight:
+        """Start sending ``accum`` (``(padded_numel,)``, scratch afterwards) towards ``shard``."""
+        wire = self.encode(accum, comm.world_size)
+        if self.stage == 1:
+            return InFlight(comm.all_reduce(wire), wire, None, wire is accum)
+        direct = first_round and shard.dtype == wire.dtype  # the shard holds nothing of this step yet
+        output = shard if direct else torch.empty(shard.numel(), dtype=wire.dtype, device=shard.device)
+        return InFlight(comm.reduce_scatter(output, wire), wire, output, wire is accum)
+
+    def collect(self, comm: Comm, sent: InFlight, shard: Tensor, first_round: bool) -> None:
+        """Wait for ``sent`` and fold this rank's part into ``shard``."""
+        comm.wait(sent.handle)
+        if self.stage == 1:
+            start, end = shard_range(sent.wire.numel(), comm.world_size, comm.rank)
+            result = sent.wire[start:end]
+        else:
+            assert sent.output is not None
+            result = sent.output
+        self.decode(result, shard, accumulate=not first_round)
+
+
+def codec_for(config: ZeroConfig, param_dtype: torch.dtype) -> WireCodec:
+    """The codec for the buckets of ``param_dtype`` under ``config`` (the one place that chooses)."""
+    return WireCodec(config.wire_dtype(param_dtype), config.stage)

@@ -1,0 +1,79 @@
+"""Global operations on gradient shards: norms, clipping, loss-scale unscaling.
+
+Each rank holds only its shards of the averaged gradient, so a global quantity (the norm for
+clipping, whether any element overflowed) is one small control all-reduce of a per-rank partial
+result. Every function here must be called on all ranks. No host synchronisation except where a
+Python bool is returned (:func:`unscale`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_zero.comm.communicator import Comm
+from lightning_zero.layout.buckets import BucketPlan
+
+
+@torch.no_grad()
+def global_norm(comm: Comm, grads: list[Tensor], norm_type: float) -> Tensor:
+    """The ``norm_type``-norm of the whole gradient, on ``grads[0]``'s device (float64)."""
+    if math.isinf(norm_type):
+        local = torch.stack([g.abs().max() for g in grads]).max().to(comm.device, torch.float64)
+        comm.wait(comm.all_reduce(local, op="max", control=True))
+        total = local
+    else:
+        local = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads])
+        local = local.pow(norm_type).sum().to(comm.device)
+        comm.wait(comm.all_reduce(local, control=True))
+        total = local.pow(1.0 / norm_type)
+    return total.to(grads[0].device)
+
+
+@torch.no_grad()
+def clip_by_norm(comm: Comm, grads: list[Tensor], max_norm: float, norm_type: float) -> Tensor:
+    """Scale ``grads`` so the global norm is at most ``max_norm`` (never up); returns the norm before."""
+    total = global_norm(comm, grads, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+@torch.no_grad()
+def unscale(comm: Comm, grads: list[Tensor], scale: float | Tensor) -> bool:
+    """Divide ``grads`` by a loss scale; True on every rank if any rank's gradients hold inf/NaN."""
+    inv_scale = 1.0 / float(scale)
+    for g in grads:
+        g.mul_(inv_scale)
+    local = torch.stack([~torch.isfinite(g).all() for g in grads]).any().to(comm.device, torch.float32)
+    comm.wait(comm.all_reduce(local.reshape(1), op="max", control=True))
+    return bool(local.item())
+
+
+@torch.no_grad()
+def param_norms(comm: Comm, plan: BucketPlan, grads: list[Tensor], norm_type: float) -> Tensor:
+    """``(num_params,)`` float64: the ``norm_type``-norm of each planned parameter's gradient.
+
+    Each rank sums ``|g|^p`` over the pieces it owns; one all-reduce of one value per parameter
+    combines them.
+    """
+    index, values = [], []
+    for b, bucket in enumerate(plan.buckets):
+        for seg in plan.segments(bucket, comm.rank):
+            piece = grads[b][seg.shard_offset : seg.shard_offset + seg.numel]
+            index.append(seg.param_index)
+            values.append(torch.linalg.vector_norm(piece, norm_type, dtype=torch.float64))
+    local = torch.zeros(len(plan.params), dtype=torch.float64, device=comm.device)
+    if values:
+        where = torch.tensor(index, device=comm.device)
+        norms = torch.stack(values).to(comm.device)
+        if math.isinf(norm_type):
+            local.scatter_reduce_(0, where, norms, reduce="amax")
+        else:
+            local.index_add_(0, where, norms.pow(norm_type))
+    op = "max" if math.isinf(norm_type) else "sum"
+    comm.wait(comm.all_reduce(local, op=op, control=True))
+    return local if math.isinf(norm_type) else local.pow(1.0 / norm_type)

@@ -1,0 +1,375 @@
+"""Gradient hooks -> one collective per bucket -> this rank's shard of the averaged gradient.
+
+Per optimizer step (one or more backward passes):
+
+  1. Every gradient, as autograd accumulates it (a ``post_accumulate_grad`` hook), is added into
+     its bucket's *accumulation buffer* (the master dtype: fp32 for 16-bit parameters, so
+     micro-batches of a ``bf16-true`` model accumulate in fp32, not in a bf16 ``param.grad``) and
+     ``param.grad`` is released. A parameter alone in an unpadded bucket of its master dtype (an
+     fp32 embedding or output layer, typically larger than the bucket cap) skips the copy: the
+     gradient autograd created becomes the buffer (*adopted*; never a ``.grad`` the user
+     assigned). Inside ``no_sync`` nothing more happens: nothing is sent.
+  2. Outside ``no_sync`` a backward pass is a *round*: when every parameter of a bucket has
+     arrived, and every earlier bucket has been launched, the bucket is divided by the world size,
+     cast to the wire dtype and its collective starts asynchronously while backward goes on.
+     Launching strictly in bucket order keeps the collective sequence identical on every rank even
+     when ranks see different unused parameters.
+  3. At the end of the round's backward (a callback queued on the autograd engine, as torch DDP's
+     reducer does) the remaining buckets are launched, with zeros for parameters that got no
+     gradient, and every collective is waited for. The result is copied into ``grad_shards`` (the
+     first round of a step) or added to it (later rounds: several backward passes before one
+     optimizer step, e.g. accumulation by hand in manual optimization, sum as in torch DDP).
+     :meth:`GradReducer.finalize` (clipping, the optimizer step) closes a round that is still open.
+
+What happens between a bucket's accumulation buffer and its shard (averaging, the cast to the wire
+dtype, the collective, the accumulation back) is the bucket's wire codec
+(:mod:`lightning_zero.engine.codecs`), which is also the only place where stage 1 (all-reduce the
+bucket, keep the owned slice) and stage 2 (reduce-scatter it) differ. Either way the optimizer sees
+only ``grad_shards[b]``: ``(padded_numel // world_size,)`` in the master dtype.
+
+Memory: a bucket's accumulation buffer is a slot of a small pool (:class:`WirePool`: three
+buffers as long as the longest bucket within the cap, plus one as long as the longest bucket above
+it, allocated once) from the bucket's first gradient of the step until its collective is collected;
+a launched bucket is collected as soon as its collective has finished (checked when later buckets
+launch), at most ``_MAX_IN_FLIGHT`` launched buckets wait uncollected, and a bucket that needs a
+slot when none of its size is free waits for the oldest ones in flight. So stage 2 holds ``1/N`` of
+the gradients plus at most three buckets and the largest one, and allocates nothing per step.
+Across the micro-batches of ``no_sync`` all buckets hold data (like ``param.grad`` under DDP):
+those beyond the pool get buffers of their own for the accumulation window.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_zero.comm.communicator import Comm
+from lightning_zero.config import ZeroConfig, master_dtype
+from lightning_zero.engine.codecs import InFlight, WireCodec, codec_for
+from lightning_zero.engine.wire_pool import WirePool, adoptable_params
+from lightning_zero.layout.buckets import Bucket, BucketPlan
+from lightning_zero.layout.flat import FlatParams
+
+_MAX_IN_FLIGHT = 2
+"""Launched buckets that may wait uncollected at once (bounds stage 2's transient gradient memory)."""
+POOL_SLOTS = _MAX_IN_FLIGHT + 1
+"""Accumulation buffers of bucket size the pool holds: one bucket filling, the others in flight
+(what ``lightning-zero estimate`` counts as transient gradient memory)."""
+
+
+def _is_completed(sent: InFlight) -> bool:
+    done = getattr(sent.handle, "is_completed", None)
+    return bool(done()) if done is not None else True
+
+
+@dataclass
+class _BucketState:
+    """One bucket's per-step communication state (lives and dies together)."""
+
+    bucket: Bucket
+    codec: WireCodec
+    """How the bucket travels to its shard (cast, collective, accumulation back)."""
+    accum: Tensor | None = None
+    """``(padded_numel,)`` sum of this step's local gradients, master dtype (padding zero)."""
+    sent: InFlight | None = None
+    """The launched collective, until it is collected."""
+    waiting: int = 0
+    """Parameters of the bucket that have not yet arrived in this round."""
+    slot: tuple[tuple[torch.dtype, bool], int] | None = None
+    """The pool slot ``accum`` lives in, as (size class, index) (``None``: not from the pool)."""
+
+    def clear(self) -> None:
+        self.accum = self.sent = None
+
+
+class GradReducer:
+    """Owns the gradient hooks and the per-bucket collectives for one set of parameters."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        plan: BucketPlan,
+        flat: FlatParams,
+        comm: Comm,
+        config: ZeroConfig,
+    ) -> None:
+        self.params = list(params)
+        self.plan = plan
+        self.flat = flat
+        self.comm = comm
+        self.config = config
+        self._where = plan.locate()
+        self.grad_shards: list[Tensor] = [
+            torch.zeros(plan.shard_numel(b), dtype=master_dtype(b.dtype), device=flat.device)
+            for b in plan.buckets
+        ]
+        self._buckets = [
+            _BucketState(b, codec_for(config, b.dtype), waiting=len(b.slots)) for b in plan.buckets
+        ]
+        self._adoptable = adoptable_params(plan)
+        cap_bytes = max(config.bucket_cap_mb, config.first_bucket_cap_mb) * 2**20
+        adopted_buckets = {self._where[i][0] for i in self._adoptable}
+        self.pool = WirePool(plan, POOL_SLOTS, cap_bytes, flat.device, adopted_buckets)
+        self.allocations_outside_pool = 0
+        """Accumulation buffers allocated because every pool slot was busy (e.g. ``no_sync``)."""
+        self.adopted = 0
+        """Gradients that became their bucket's accumulation buffer (no copy, no slot)."""
+        self._sync = True
+        # at world size 1 the local mask is the global one: torch's exact semantics for free
+        self._skip_unused = config.find_unused_parameters or comm.world_size == 1
+        self._used = [False] * len(self.params)  # got a gradient on this rank in this step
+        self._used_global: list[bool] | None = None
+        self._has_data = [False] * len(self.params)  # accumulated in this round's buffers
+        self._arrived = [False] * len(self.params)  # arrived in this round's backward
+        self._next_launch = 0
+        self._rounds = 0  # rounds whose result is in grad_shards
+        self._round_open = False
+        self._callback_queued = False
+        self._warned_unused = False
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
+        ]
+        self._fresh: dict[int, bool] = {}  # adoptable parameter -> its .grad was None as a gradient arrived
+        for index in self._adoptable:
+            self._hooks.append(self.params[index].register_hook(self._make_fresh_check(index)))
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate locally and communicate nothing."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @property
+    def syncing(self) -> bool:
+        """False inside :meth:`no_sync`."""
+        return self._sync
+
+    @property
+    def idle(self) -> bool:
+        """Nothing accumulated or in flight since the last :meth:`reset` (an optimizer-step boundary)."""
+        return not self._round_open and self._rounds == 0
+
+    def _make_hook(self, index: int):  # noqa: ANN202 - a closure over the parameter index
+        def hook(param: torch.nn.Parameter) -> None:
+            if param.grad is None:
+                return
+            self._used[index] = True
+            self._take_grad(index, param)
+            if self._sync:
+                self._arrive(index)
+                if not self._callback_queued:
+                    self._callback_queued = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._launch_ready()
+
+        return hook
+
+    def _make_fresh_check(self, index: int):  # noqa: ANN202 - a closure over the parameter index
+        def check(grad: Tensor) -> None:
+            self._fresh[index] = self.params[index].grad is None
+
+        return check
+
+    def _adopt(self, index: int, bucket_index: int, grad: Tensor) -> bool:
+        """Make ``grad`` the bucket's accumulation buffer instead of copying it into a pool slot.
+
+        Safe only for a gradient autograd created into an empty ``.grad``: torch then stores the
+        incoming gradient only if nothing else references it, else a clone, so the tensor is ours. A
+        ``.grad`` the user assigned (and may still hold) is copied as usual.
+        """
+        state = self._buckets[bucket_index]
+        if index not in self._adoptable or not self._fresh.pop(index, False) or state.accum is not None:
+            return False
+        if not grad.is_contiguous() or grad.device != self.flat.device:
+            return False
+        state.accum = grad.detach().view(-1)
+        self.adopted += 1
+        return True
+
+    def _take_grad(self, index: int, param: torch.nn.Parameter) -> None:
+        """Add ``param.grad`` into its bucket's accumulation buffer and release it."""
+        bucket_index, slot = self._where[index]
+        if bucket_index < self._next_launch:  # already on the wire: this gradient opens a new round
+            self._finish_round()
+        assert param.grad is not None  # callers check
+        if not self._has_data[index] and self._adopt(index, bucket_index, param.grad):
+            self._has_data[index] = True
+            self._round_open = True
+            param.grad = None
+            return
+        view = self._accum(bucket_index)[slot.bucket_offset : slot.bucket_offset + slot.numel]
+        grad = param.grad.detach().reshape(-1)
+        if self._has_data[index]:
+            view.add_(grad)
+        else:
+            view.copy_(grad)
+            self._has_data[index] = True
+        self._round_open = True
+        param.grad = None
+
+    def _arrive(self, index: int) -> None:
+        if not self._arrived[index]:
+            self._arrived[index] = True
+            self._buckets[self._where[index][0]].waiting -= 1
+
+    def _accum(self, bucket_index: int) -> Tensor:
+        state = self._buckets[bucket_index]
+        if state.accum is None:
+            bucket = state.bucket
+            dtype = master_dtype(bucket.dtype)
+            taken = self.pool.take(dtype, bucket.padded_numel)
+            while (
+                taken is None and self.pool.serves(dtype, bucket.padded_numel) and self._collect_oldest()
+            ):  # a collected bucket frees its slot
+                taken = self.pool.take(dtype, bucket.padded_numel)
+            if taken is None:  # every slot holds a bucket being filled, or no slot is this long
+                state.accum = torch.empty(bucket.padded_numel, dtype=dtype, device=self.flat.device)
+                self.allocations_outside_pool += 1
+            else:
+                key, index, state.accum = taken
+                state.slot = (key, index)
+            state.accum[bucket.numel :].zero_()
+        return state.accum
+
+    def _collect_oldest(self) -> bool:
+        """Collect the oldest launched bucket (waits for it); False if none is in flight."""
+        for b, state in enumerate(self._buckets):
+            if state.sent is not None:
+                self._collect(b)
+                return True
+        return False
+
+    def _release(self, state: _BucketState) -> None:
+        """Give the bucket's pool slot back and drop its buffers."""
+        if state.slot is not None:
+            self.pool.give(*state.slot)
+            state.slot = None
+        state.clear()
+
+    def _launch_ready(self) -> None:
+        if not self.config.overlap_comm:
+            return
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].waiting == 0:
+            self._launch(self._next_launch)
+
+    def _launch(self, bucket_index: int) -> None:
+        state = self._buckets[bucket_index]
+        sent = state.codec.launch(
+            self.comm, self._accum(bucket_index), self.grad_shards[bucket_index], self._rounds == 0
+        )
+        if not sent.uses_accum:
+            self._release(state)  # the wire copy is all that is needed from here on
+        state.sent = sent
+        self._next_launch = bucket_index + 1
+        self._collect_finished(bucket_index)
+
+    def _collect_finished(self, newest: int) -> None:
+        """Collect launched buckets that have finished; keep at most ``_MAX_IN_FLIGHT`` uncollected
+        (the newest included: it is never waited for here)."""
+        in_flight = [b for b in range(newest + 1) if self._buckets[b].sent is not None]
+        excess = len(in_flight) - _MAX_IN_FLIGHT
+        for b in in_flight[:-1]:  # oldest first
+            sent = self._buckets[b].sent
+            if excess > 0 or (sent is not None and _is_completed(sent)):
+                self._collect(b)
+                excess -= 1
+
+    def _fill_missing(self, bucket_index: int) -> None:
+        """Zeros for parameters that have no gradient in this round's buffers."""
+        bucket = self._buckets[bucket_index].bucket
+        accum = self._accum(bucket_index)
+        for slot in bucket.slots:
+            if self._has_data[slot.param_index]:
+                continue
+            accum[slot.bucket_offset : slot.bucket_offset + slot.numel].zero_()
+            self._has_data[slot.param_index] = True
+            if not self._skip_unused and not self._warned_unused and not self._used[slot.param_index]:
+                self._warned_unused = True
+                warnings.warn(
+                    f"parameter {self.plan.params[slot.param_index].name!r} got no gradient on rank "
+                    f"{self.comm.rank} in this step; it counts as a zero gradient. Pass "
+                    "find_unused_parameters=True to skip parameters no rank used, as torch.optim does.",
+                    stacklevel=3,
+                )
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self._round_open:
+            self._finish_round()
+
+    def _finish_round(self) -> None:
+        """Launch what is left of this round, wait for all of it, fold it into ``grad_shards``."""
+        for bucket_index in range(self._next_launch, len(self._buckets)):
+            self._fill_missing(bucket_index)
+            self._launch(bucket_index)
+        used, used_handle = None, None  # launched after every bucket: the same collective order everywhere
+        if self.comm.world_size == 1:
+            self._used_global = list(self._used)  # local is global: no tensor, no host synchronisation
+        elif self._skip_unused:  # find_unused_parameters=True: the user asked for one small all-reduce
+            used = torch.tensor(self._used, dtype=torch.int32, device=self.comm.device)
+            used_handle = self.comm.all_reduce(used, op="max", control=True)
+        for bucket_index in range(len(self._buckets)):
+            if self._buckets[bucket_index].sent is not None:
+                self._collect(bucket_index)
+        if used is not None and used_handle is not None:
+            self.comm.wait(used_handle)
+            self._used_global = [bool(u) for u in used.tolist()]  # a host sync, once per round
+        self._rounds += 1
+        self._round_open = False
+        self._next_launch = 0
+        self._has_data = [False] * len(self.params)
+        self._arrived = [False] * len(self.params)
+        for state in self._buckets:
+            state.waiting = len(state.bucket.slots)
+
+    def finalize(self) -> list[bool] | None:
+        """Finish this step's communication; ``grad_shards`` are then valid. Idempotent.
+
+        Must be called on all ranks (that ran a backward pass since the last :meth:`reset`; a rank
+        that ran none communicates nothing, as under torch DDP, whose collectives run in backward,
+        so every rank must run backward or none). Returns a list, one bool per parameter: whether some
+        rank used it, when ``find_unused_parameters`` is on (or at world size 1); else ``None``.
+        """
+        if self.idle:  # no backward since the last step: torch's step with every .grad None
+            for shard in self.grad_shards:
+                shard.zero_()
+        elif self._round_open:
+            self._finish_round()
+        return self._used_global
+
+    def _collect(self, bucket_index: int) -> None:
+        state = self._buckets[bucket_index]
+        assert state.sent is not None
+        state.codec.collect(self.comm, state.sent, self.grad_shards[bucket_index], self._rounds == 0)
+        self._release(state)
+
+    def reset(self) -> None:
+        """Start a new step: drop gradients and per-step state (waits for anything in flight)."""
+        for state in self._buckets:
+            if state.sent is not None:
+                self.comm.wait(state.sent.handle)
+            self._release(state)
+            state.waiting = len(state.bucket.slots)
+        for param in self.params:
+            param.grad = None
+        self._used = [False] * len(self.params)
+        self._used_global = None
+        self._has_data = [False] * len(self.params)
+        self._arrived = [False] * len(self.params)
+        self._next_launch = 0
+        self._rounds = 0
+        self._round_open = False
+        self._callback_queued = False
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

@@ -1,0 +1,1 @@
+"""``Fabric(strategy="zero")``: the strategy and its checkpoint hooks."""

@@ -1,0 +1,281 @@
+"""``Fabric(strategy="zero")``: the sharded engine for Lightning Fabric loops.
+
+``ZeroFabricStrategy`` is Fabric's ``DDPStrategy`` (process group, launchers, ``num_nodes``,
+distributed samplers, SLURM and torchrun environments) without the ``DistributedDataParallel``
+wrapper, exactly as :class:`~lightning_zero.ZeroStrategy` is for the Trainer:
+
+  * ``fabric.setup(model, torch.optim.AdamW(...))`` returns the sharded twin of the optimizer
+    (:mod:`lightning_zero.optim.twin`): same param-group dicts, so LR schedulers built before or after
+    ``setup`` drive it; parameters become views of flat buffers and rank 0's values are broadcast,
+    as DDP does at construction;
+  * ``fabric.backward(loss)`` launches each bucket's reduce-scatter (stage 2) or all-reduce
+    (stage 1) from the gradient hooks; ``fabric.no_backward_sync(model, enabled=True)`` makes a
+    micro-batch accumulate locally and send nothing;
+  * ``fabric.clip_gradients`` clips by the global norm (or value) over all ranks' shards; with a
+    ``GradScaler`` (``16-mixed``) the shards are unscaled, overflow is agreed across ranks and the
+    step is skipped on every rank or none (the precision plugin's class gets a shard-aware mixin);
+  * buffers are broadcast from rank 0 before exactly the forwards where DDP's
+    ``broadcast_buffers=True`` does it; a changed trainable set (``requires_grad``,
+    ``add_param_group``) is re-planned before the next forward with gradients;
+  * ``overlap_param_gather``: the all-gathers of ``optimizer.step()`` stay in flight; each module's
+    forward waits for the buckets holding its parameters, and so do the model's ``state_dict()``,
+    ``fabric.save`` and ``fabric.load``. Other reads of parameters between steps (``p.data``,
+    ``named_parameters()`` in user code) must call ``fabric.strategy.wait_for_params()`` first;
+  * checkpoints: :mod:`lightning_zero.integrations.fabric.checkpointing` (the Trainer strategy's
+    directory format).
+
+Refused with a clear error: more than one optimizer, or one set up apart from its model
+(``fabric.setup_optimizers``); optimizers other than Adam/AdamW; ``async_checkpoint`` and
+``log_comm_stats``, which need the Trainer's end-of-fit and logging hooks (Fabric has neither).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from typing_extensions import override
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.integrations.fabric.checkpointing import FabricCheckpointing
+from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions, sharded_of
+from lightning_zero.integrations.loss_scale import update_scale, with_mixin
+from lightning_zero.integrations.names import register_names
+from lightning_zero.optim import ShardedAdamW
+
+
+class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
+    """ZeRO stage 1 or 2 data parallelism with a sharded Adam/AdamW, for ``lightning.fabric.Fabric``.
+
+    Args:
+        stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
+        find_unused_parameters, align_numel: see :class:`~lightning_zero.ZeroConfig`.
+        sharded_checkpoint: ``fabric.save`` writes a directory of per-rank shards (the Trainer
+            strategy's format); ``False``: one file written by rank 0, as ``"ddp"`` does.
+        broadcast_buffers: as :class:`~lightning_zero.ZeroStrategy`.
+        log_comm_stats, async_checkpoint: accepted for symmetry with ``ZeroStrategy`` and refused
+            when ``True``.
+        Remaining arguments: as Fabric's ``DDPStrategy``.
+
+    Raises:
+        ValueError: an invalid setting (named), or ``log_comm_stats``/``async_checkpoint`` set.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        overlap_comm: bool = True,
+        overlap_param_gather: bool = False,
+        reduce_dtype: str | None = None,
+        find_unused_parameters: bool = False,
+        align_numel: int = 1,
+        log_comm_stats: bool = False,
+        sharded_checkpoint: bool = True,
+        async_checkpoint: bool = False,
+        broadcast_buffers: bool = True,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+    ) -> None:
+        options = ZeroOptions.from_arguments(locals())  # validates our arguments first
+        options.refuse(
+            ("log_comm_stats", "async_checkpoint"),
+            "the Trainer strategy only: a Fabric loop has no end-of-fit hook to report a background "
+            "save's failure, nor a logger of the strategy's own",
+        )
+        self._zero = ZeroFrontEnd(options)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+        )
+        self._backward_sync_control = _ZeroBackwardSyncControl(self)
+        self._module: torch.nn.Module | None = None
+        self._hooks: list[Any] = []
+
+    @property
+    def sharded_module(self) -> torch.nn.Module | None:
+        """The model set up together with the optimizer (the one whose parameters are sharded)."""
+        return self._module
+
+    @property
+    def zero_config(self) -> ZeroConfig:
+        """The engine's settings (stage, buckets, overlap, ...)."""
+        return self._zero.config
+
+    @property
+    def sharded_optimizer(self) -> ShardedAdamW | None:
+        """The sharded optimizer once ``fabric.setup(model, optimizer)`` has run."""
+        return self._zero.optimizer
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
+    ) -> tuple[torch.nn.Module, list[torch.optim.Optimizer], Any]:
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"strategy 'zero' supports exactly one optimizer, fabric.setup received {len(optimizers)}"
+            )
+        if self._zero.optimizer is not None:
+            raise RuntimeError(
+                "strategy 'zero' shards one model and its optimizer per Fabric; fabric.setup was "
+                "already called with an optimizer"
+            )
+        module = self.setup_module(module)
+        sharded = self._zero.shard(optimizers[0], module, [] if scheduler is None else [scheduler])
+        self._module = module
+        self._hooks = [
+            module.register_forward_pre_hook(self._before_forward),
+            module.register_forward_hook(self._after_forward),
+        ]
+        if self.zero_config.overlap_param_gather:
+            sharded.install_forward_waits(module)
+            # model.state_dict() (what checkpoints, EMA copies, exports read) waits for the gathers
+            self._hooks.append(module.register_state_dict_pre_hook(lambda *_: sharded.wait_for_params()))
+        self.precision.__class__ = fabric_shard_aware(type(self.precision))
+        return module, [sharded], scheduler
+
+    @override
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:  # type: ignore[override]  # no DDP wrapper
+        """The module itself (no wrapper), with rank 0's parameters and buffers on every rank. Set up
+        without the optimizer (an evaluation or teacher model) it stays a replica: its gradients, if
+        any, are not synchronized (only the model set up with the optimizer is sharded)."""
+        ZeroFrontEnd.sync_module_states(module)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        raise RuntimeError(
+            "strategy 'zero' builds its sharded optimizer from the model's parameters: set both up "
+            "together with `model, optimizer = fabric.setup(model, optimizer)`"
+        )
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            self._zero.replan_if_changed(module, where="before this forward")
+        self._zero.before_forward(module)
+
+    def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """DDP's buffer rule: the next forward broadcasts after one run with gradients and sync
+        (not after a ``no_backward_sync`` micro-batch or a forward under ``no_grad``)."""
+        self._zero.after_forward()
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Clip by the global norm over all ranks' gradient shards; returns the norm before clipping."""
+        sharded = sharded_of(optimizer)
+        self.precision.unscale_gradients(optimizer)
+        total = sharded.clip_grad_norm_(float(max_norm), float(norm_type))
+        if error_if_nonfinite and not bool(torch.isfinite(total)):  # every rank holds the same total
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the gradients by "
+                "the non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
+        return total
+
+    @override
+    def clip_gradients_value(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | int
+    ) -> None:
+        self.precision.unscale_gradients(optimizer)
+        sharded_of(optimizer).clip_grad_value_(float(clip_val))
+
+    @override
+    def teardown(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._zero.teardown()  # waits for gathers still in flight
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(cls, strategy_registry)
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model, enabled=True)``: backward passes accumulate locally."""
+
+    def __init__(self, strategy: ZeroFabricStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> AbstractContextManager:
+        sharded = self._strategy.sharded_optimizer
+        if not enabled or sharded is None:
+            return nullcontext()
+        if module is not self._strategy.sharded_module:
+            return nullcontext()  # a replica set up without the optimizer synchronizes nothing anyway
+        return sharded.no_sync()
+
+
+class _ShardAwareFabricPrecision:
+    """Mixed into Fabric's precision plugin: loss scaling on sharded gradients.
+
+    With a ``GradScaler`` (Fabric's ``MixedPrecision`` with ``16-mixed``): ``unscale_gradients``
+    divides the shards by the scale and agrees on overflow across ranks (once per step, as torch's
+    scaler allows); ``optimizer_step`` steps only if no rank overflowed and updates the scale by
+    torch's rule. Without a scaler, the plugin's own behaviour.
+    """
+
+    scaler: torch.amp.GradScaler | None
+    _zero_found_inf: bool | None = None
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        scaler = getattr(self, "scaler", None)
+        if scaler is None:
+            return
+        if self._zero_found_inf is not None:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        self._zero_found_inf = sharded_of(optimizer).unscale_(scaler.get_scale())
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        scaler = getattr(self, "scaler", None)
+        if scaler is None:
+            return super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+        if self._zero_found_inf is None:
+            self.unscale_gradients(optimizer)
+        found_inf = bool(self._zero_found_inf)
+        self._zero_found_inf = None
+        output = None if found_inf else sharded_of(optimizer).step(**kwargs)
+        update_scale(scaler, found_inf)
+        return output
+
+
+def fabric_shard_aware(precision_cls: type[Precision]) -> type[Precision]:
+    """Fabric's ``precision_cls`` with shard-aware loss scaling (one subclass per plugin class)."""
+    return with_mixin(_ShardAwareFabricPrecision, precision_cls)
+
+
+ZeroFabricStrategy.register_strategies(STRATEGY_REGISTRY)  # Fabric(strategy="zero"), "zero1", "zero2"

@@ -1,0 +1,231 @@
+"""The front end both strategies share: arguments, the sharded twin, buffers, re-plans, restores, teardown.
+
+``ZeroStrategy`` (Trainer) and ``ZeroFabricStrategy`` (Fabric) differ only in how Lightning calls
+them; everything they do with the sharded engine lives here, once, and imports nothing of Lightning:
+
+  * :class:`ZeroOptions`: every argument that is ours (not Lightning's), validated at construction,
+    from the strategy's own keyword arguments (:meth:`ZeroOptions.from_arguments`);
+  * :meth:`ZeroFrontEnd.shard`: the user's Adam/AdamW becomes its sharded twin; its LR schedulers are
+    re-pointed at it;
+  * :meth:`ZeroFrontEnd.sync_module_states`: rank 0's parameters and buffers everywhere, as DDP does
+    at construction;
+  * DDP's buffer rule (:meth:`~ZeroFrontEnd.before_forward` / :meth:`~ZeroFrontEnd.after_forward`):
+    buffers are broadcast from rank 0 before a forward that follows one run with gradients and sync;
+  * :meth:`ZeroFrontEnd.replan_if_changed`: a changed trainable set is re-planned between steps, and
+    refused inside an accumulation window;
+  * checkpoints: which model tensors go into the shard files, and the restore of the sharded model
+    from a directory (:meth:`ZeroFrontEnd.restore_module`);
+  * :meth:`ZeroFrontEnd.teardown`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_zero.checkpoint.format import CheckpointError
+from lightning_zero.checkpoint.reshard import load_sharded, preflight
+from lightning_zero.comm import Comm
+from lightning_zero.config import ZeroConfig
+from lightning_zero.engine import ShardEngine
+from lightning_zero.optim import ShardedAdamW
+from lightning_zero.optim.twin import make_twin, repoint_scheduler
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroOptions:
+    """The strategies' own arguments (the rest are Lightning's ``DDPStrategy``'s)."""
+
+    config: ZeroConfig
+    """Bucketing, stage, overlap, wire dtype, unused parameters, alignment (validated there)."""
+    log_comm_stats: bool = False
+    """Log per step the time waited on communication and the elements and bytes sent."""
+    sharded_checkpoint: bool = True
+    """Save a directory of per-rank shards; ``False``: one standard file gathered on rank 0."""
+    async_checkpoint: bool = False
+    """Write sharded saves during ``fit`` in the background (Trainer only)."""
+    broadcast_buffers: bool = True
+    """Broadcast module buffers from rank 0 before the forwards where DDP does."""
+
+    def __post_init__(self) -> None:
+        for name in ("log_comm_stats", "sharded_checkpoint", "async_checkpoint", "broadcast_buffers"):
+            _check_bool(name, getattr(self, name))
+        if self.async_checkpoint and not self.sharded_checkpoint:
+            raise ValueError("async_checkpoint=True needs sharded_checkpoint=True (directories of shards)")
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> ZeroOptions:
+        """The options among a strategy's keyword arguments (e.g. its ``locals()``); others are ignored.
+
+        Raises:
+            ValueError: a bad value, named with what would be valid.
+        """
+        config = ZeroConfig(**{f.name: arguments[f.name] for f in fields(ZeroConfig) if f.name in arguments})
+        own = {f.name: arguments[f.name] for f in fields(cls) if f.name != "config" and f.name in arguments}
+        return cls(config=config, **own)
+
+    def refuse(self, names: Iterable[str], reason: str) -> None:
+        """Raise if any of ``names`` is set to ``True`` (an option this integration cannot honour)."""
+        for name in names:
+            if getattr(self, name):
+                raise ValueError(f"{name}=True is supported by {reason}; use the default False")
+
+
+def sharded_of(optimizer: Any) -> ShardedAdamW:
+    """The :class:`ShardedAdamW` inside a Lightning or Fabric optimizer wrapper (or ``optimizer`` itself).
+
+    Raises:
+        TypeError: if there is none.
+    """
+    inner = optimizer
+    while not isinstance(inner, ShardedAdamW) and hasattr(inner, "_optimizer"):
+        inner = inner._optimizer  # LightningOptimizer, Fabric's _FabricOptimizer
+    if not isinstance(inner, ShardedAdamW):
+        raise TypeError(f"expected the sharded optimizer, got {type(optimizer).__name__}")
+    return inner
+
+
+class ZeroFrontEnd:
+    """What a strategy does with the sharded engine (one per strategy instance)."""
+
+    def __init__(self, options: ZeroOptions) -> None:
+        self.options = options
+        self.config = options.config
+        self.optimizer: ShardedAdamW | None = None
+        """The sharded twin, once :meth:`shard` has run."""
+        self._buffers_need_sync = True  # a fresh DDP wrapper's state
+
+    @property
+    def engine(self) -> ShardEngine | None:
+        return None if self.optimizer is None else self.optimizer.engine
+
+    def shard(
+        self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, schedulers: Iterable[Any] = ()
+    ) -> ShardedAdamW:
+        """The sharded twin of ``optimizer`` over ``module``'s parameters; every scheduler (and its
+        children) now drives it. Call on all ranks: the bucket plans are compared first.
+
+        Raises:
+            TypeError: ``optimizer`` is not a ``torch.optim.Adam``/``AdamW``.
+            PlanMismatchError: the ranks do not build the same plan.
+        """
+        sharded = make_twin(optimizer, self.config, module.named_parameters())
+        for scheduler in schedulers:
+            repoint_scheduler(scheduler, sharded)
+        self.optimizer = sharded
+        self._buffers_need_sync = True
+        return sharded
+
+    @staticmethod
+    def sync_module_states(module: torch.nn.Module) -> None:
+        """Rank 0's parameters and buffers on every rank (in place), as DDP does at construction;
+        names in ``module._ddp_params_and_buffers_to_ignore`` are left alone. Call on all ranks."""
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        states = [p.detach() for n, p in module.named_parameters() if n not in ignored]
+        states += [b.detach() for n, b in module.named_buffers() if n not in ignored]
+        Comm().broadcast_tensors(states, src=0)
+
+    # ---- forwards ---------------------------------------------------------------------------
+
+    def before_forward(self, module: torch.nn.Module) -> None:
+        """DDP's buffer rule, first half: broadcast rank 0's buffers if the last forward asked for it."""
+        engine = self.engine
+        if self._buffers_need_sync and self.options.broadcast_buffers and engine is not None:
+            buffers = list(module.buffers())
+            if buffers:
+                engine.broadcast(buffers, src=0)
+
+    def after_forward(self, sync_applies: bool = True) -> None:
+        """DDP's buffer rule, second half: the next forward broadcasts after one run with gradients and
+        sync (not after a ``no_sync`` micro-batch, a forward under ``no_grad``, or, with
+        ``sync_applies=False``, where DDP's sync is off around the forward)."""
+        engine = self.engine
+        self._buffers_need_sync = (
+            torch.is_grad_enabled() and engine is not None and engine.syncing and sync_applies
+        )
+
+    def replan_if_changed(self, module: torch.nn.Module, where: str) -> None:
+        """Re-plan buckets and shards if the trainable set changed since the last plan. All ranks.
+
+        Raises:
+            RuntimeError: inside an accumulation window (``where`` says when: e.g. the global step).
+        """
+        engine = self.engine
+        if engine is None or not engine.trainable_changed():
+            return
+        if engine.accumulating:
+            raise RuntimeError(
+                "the trainable parameters changed in the middle of a gradient accumulation window "
+                f"({where}); change requires_grad or add param groups at an optimizer-step boundary"
+            )
+        assert self.optimizer is not None
+        self.optimizer.replan(module.parameters(), {p: n for n, p in module.named_parameters()})
+
+    def wait_for_params(self) -> None:
+        """Complete the parameter all-gathers left in flight by ``overlap_param_gather``."""
+        if self.engine is not None:
+            self.engine.wait_for_params()
+
+    def teardown(self) -> None:
+        """Remove the engine's hooks (waiting for gathers in flight); its state stays for saving."""
+        if self.engine is not None:
+            self.engine.remove_hooks()
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def bound(self) -> bool:
+        """Whether the sharded optimizer exists and the model's parameters still are its views
+        (Lightning's teardown on a GPU gives parameters new storage)."""
+        return self.engine is not None and self.engine.is_bound()
+
+    def writes_shards(self) -> bool:
+        """Whether a save writes the sharded directory format."""
+        return self.options.sharded_checkpoint and self.bound()
+
+    def module_state(self, state: dict[str, Any], trainable_in_shards: bool) -> dict[str, Any]:
+        """A module's state for saving: every tensor a copy that owns its data (parameters are views
+        of flat buffers), without the trainable parameters when the shard files hold them."""
+        self.wait_for_params()
+        if trainable_in_shards and self.engine is not None:
+            trainable = self.engine.trainable_names()
+            state = {k: v for k, v in state.items() if k not in trainable}
+        return {k: v.detach().clone() for k, v in state.items()}
+
+    def restore_module(
+        self,
+        path: Path,
+        meta: dict[str, Any],
+        module: torch.nn.Module,
+        extras: dict[str, Any],
+        strict: bool,
+        with_optimizer: bool = False,
+    ) -> None:
+        """Fill the sharded model from a checkpoint directory on any world size: its trainable
+        parameters (and, with ``with_optimizer``, the optimizer state) from the shard files, the rest
+        (buffers, frozen parameters) from ``extras``. All ranks; checks every rank's files first.
+
+        Raises:
+            CheckpointError: the checkpoint does not fit (every rank), or, with ``strict``, keys
+                outside the shards are missing or unexpected.
+        """
+        engine = self.engine
+        assert engine is not None
+        preflight(engine, path, meta)
+        load_sharded(engine, path, meta, with_optimizer=with_optimizer)
+        missing, unexpected = module.load_state_dict(extras, strict=False)
+        trainable = engine.trainable_names()
+        missing = [k for k in missing if k not in trainable]
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"{path}: model state does not match: missing keys {sorted(missing)}, "
+                f"unexpected keys {sorted(unexpected)}"
+            )

@@ -1,0 +1,1 @@
+"""``Trainer(strategy="zero")``: the strategy, its checkpoint hooks, precision, callbacks and loader."""

@@ -1,0 +1,241 @@
+"""``ZeroStrategy``: Lightning's Trainer hooks around the shared front end
+(:mod:`lightning_zero.integrations.frontend`) and :class:`~lightning_zero.ShardedAdamW`. No math here.
+
+It is ``DDPStrategy`` (process group, launchers, ``num_nodes``, distributed samplers, SLURM and
+torchrun environments) minus the ``DistributedDataParallel`` wrapper: the model stays the
+LightningModule, parameters become views into flat buffers, and the optimizer returned by
+``configure_optimizers`` is replaced by its sharded twin, which owns the gradient hooks.
+
+Lightning integration points:
+  * accumulation: ``block_backward_sync`` -> ``ShardedAdamW.no_sync`` (nothing sent);
+  * clipping and ``16-mixed`` loss scaling: the precision plugin is given shard-aware
+    ``clip_grad_by_norm/value`` (global norm) and an ``optimizer_step`` that unscales the shards and
+    agrees on overflow across ranks;
+  * LR schedulers keep driving the sharded twin: it takes over the optimizer's param-group dicts,
+    and every (nested) scheduler is re-pointed at it;
+  * buffers are broadcast from rank 0 before exactly the forwards where DDP's
+    ``broadcast_buffers=True`` does it; ``sync_batchnorm`` is applied as DDP does;
+  * a changed trainable set (``requires_grad``, ``add_param_group``) is re-planned before the next
+    training step;
+  * ``overlap_param_gather``: forward waits on the modules and :class:`ParamReadBarrier` first
+    among the callbacks (:mod:`lightning_zero.integrations.trainer.param_barrier`);
+  * checkpoints: :mod:`lightning_zero.integrations.trainer.checkpointing` (sharded directories, any
+    world size,
+    asynchronous saves; validate/test/predict read whole parameters).
+
+Refused with a clear error: more than one optimizer, optimizers other than Adam/AdamW,
+``async_checkpoint`` without ``sharded_checkpoint``, a trainable-set change inside an accumulation
+window, ``SyncBatchNorm`` on CPU (DDP's own error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
+from lightning_zero.config import ZeroConfig
+from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions
+from lightning_zero.integrations.names import register_names
+from lightning_zero.integrations.trainer.checkpointing import ShardedCheckpointing
+from lightning_zero.integrations.trainer.load import install as install_loader
+from lightning_zero.integrations.trainer.monitor import CommStatsMonitor
+from lightning_zero.integrations.trainer.param_barrier import ParamReadBarrier
+from lightning_zero.integrations.trainer.precision import shard_aware
+from lightning_zero.optim import ShardedAdamW
+
+
+class ZeroStrategy(ShardedCheckpointing):
+    """ZeRO stage 1 or 2 data parallelism with a sharded Adam/AdamW.
+
+    Args:
+        stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
+        find_unused_parameters, align_numel: see :class:`~lightning_zero.ZeroConfig` (validated there).
+        log_comm_stats: log per step the seconds spent waiting on communication, their share of the
+            step, and the elements and bytes sent (``zero/*`` metrics).
+        sharded_checkpoint: ``save_checkpoint`` writes a directory, one shard file per rank
+            (:mod:`lightning_zero.checkpoint`); ``False`` writes one standard Lightning file with the
+            optimizer state gathered on rank 0. Both kinds load on any world size.
+        async_checkpoint: a sharded save during ``fit`` copies what this rank writes to host memory
+            and returns; the files are written and committed in the background
+            (:mod:`lightning_zero.checkpoint.async_save`). The next save, a load and the end of
+            ``fit`` wait for it and raise its failure on every rank. Saves block as before outside
+            ``fit``, while handling an exception, for ``hpc_ckpt_*`` (a requeue follows at once) and
+            for a path a ``ModelCheckpoint(save_last="link")`` links to right after the save.
+        broadcast_buffers: module buffers (BatchNorm statistics) are broadcast from rank 0 before a
+            forward pass exactly when torch DDP's default ``broadcast_buffers=True`` does it.
+        Remaining arguments: as ``DDPStrategy``.
+
+    Raises:
+        ValueError: a bad value (named, with what would be valid), or ``async_checkpoint=True`` with
+            ``sharded_checkpoint=False`` (the single gathered file is written by Lightning's own,
+            blocking, checkpoint IO).
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        overlap_comm: bool = True,
+        overlap_param_gather: bool = False,
+        reduce_dtype: str | None = None,
+        find_unused_parameters: bool = False,
+        align_numel: int = 1,
+        log_comm_stats: bool = False,
+        sharded_checkpoint: bool = True,
+        async_checkpoint: bool = False,
+        broadcast_buffers: bool = True,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+    ) -> None:
+        self._zero = ZeroFrontEnd(ZeroOptions.from_arguments(locals()))  # validates our arguments first
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+        )
+        self._async_writer = AsyncCheckpointWriter() if async_checkpoint else None
+        self._fit_running = False  # between setup and teardown of a fit: a later wait reports failures
+        self._unwinding = False  # on_exception was called: teardown must not wait for the other ranks
+        self._pending_load = None
+
+    @property
+    def zero_config(self) -> ZeroConfig:
+        """The engine's settings (stage, buckets, overlap, ...)."""
+        return self._zero.config
+
+    @property
+    def sharded_optimizer(self) -> ShardedAdamW | None:
+        """The sharded optimizer once ``fit`` has set it up."""
+        return self._zero.optimizer
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True, as DDPStrategy does
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting and self.root_device.type == "cpu":
+            if any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.model.modules()):
+                raise ValueError("SyncBatchNorm layers only work with GPU modules")  # torch DDP's own refusal
+        self._fit_running, self._unwinding = fitting, False
+        if fitting:
+            self.setup_optimizers(trainer)
+            self._shard_optimizer()  # compares bucket plans first: a mismatch is an error, not a hang
+            ZeroFrontEnd.sync_module_states(self.model)  # identical start on every rank, as DDP does
+            engine = self._zero.engine
+            assert engine is not None and self.lightning_module is not None
+            engine.refresh_master()
+            self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
+            callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
+            if self._zero.options.log_comm_stats and not any(
+                isinstance(cb, CommStatsMonitor) for cb in callbacks
+            ):
+                callbacks.append(CommStatsMonitor())
+            if self.zero_config.overlap_param_gather:
+                engine.install_forward_waits(self.lightning_module)
+                callbacks[:] = [cb for cb in callbacks if not isinstance(cb, ParamReadBarrier)]
+                callbacks.insert(0, ParamReadBarrier(engine.wait_for_params, trainer))
+        else:
+            ZeroFrontEnd.sync_module_states(self.model)
+        self.setup_precision_plugin()
+
+    def _shard_optimizer(self) -> None:
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"strategy 'zero' supports exactly one optimizer, configure_optimizers returned "
+                f"{len(self.optimizers)}"
+            )
+        assert self.lightning_module is not None
+        inner = self.optimizers[0]
+        inner = getattr(inner, "_optimizer", inner)  # a LightningOptimizer's torch optimizer
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        self.optimizers = [self._zero.shard(inner, self.lightning_module, schedulers)]
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        engine = self._zero.engine
+        if engine is None:
+            yield None
+            return
+        with engine.no_sync():
+            yield None
+
+    def wait_for_params(self) -> None:
+        """Complete the parameter all-gathers left in flight by ``overlap_param_gather``: needed before
+        reading parameters outside a module's forward in code the strategy does not know of."""
+        self._zero.wait_for_params()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        self._zero.replan_if_changed(module, where=f"global step {module.trainer.global_step}")
+        self._zero.before_forward(module)
+        if self._zero.engine is not None:  # training_step, not the root's forward: its pre-hook won't fire
+            self._zero.engine.wait_for_params(root_only=True)
+        output = super().training_step(*args, **kwargs)
+        # manual optimization: Lightning turns DDP's sync off around the forward
+        self._zero.after_forward(sync_applies=module.automatic_optimization)
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._fitting():  # trainer.validate(): DDP's wrapper is not there either
+            return super().validation_step(*args, **kwargs)
+        module = self.lightning_module
+        assert module is not None
+        self._zero.before_forward(module)
+        output = super().validation_step(*args, **kwargs)
+        self._zero.after_forward(sync_applies=module.automatic_optimization)
+        return output
+
+    @override
+    def teardown(self) -> None:
+        try:
+            self._finish_saves()
+        finally:
+            self._fit_running = self._unwinding = False
+            self._zero.teardown()  # waits for gathers still in flight; the optimizer stays for saving
+            self._pending_load = None
+            if self.model is not None and self._fitting() and self._layer_sync:
+                self.model = self._layer_sync.revert(self.model)
+            super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(cls, strategy_registry)
+
+
+# "zero", "zero1", "zero2" on import (lightning_zero.integrations.autoregister)
+ZeroStrategy.register_strategies(StrategyRegistry)
+install_loader()  # Model.load_from_checkpoint(DIR) reads sharded checkpoint directories

@@ -1,0 +1,286 @@
+"""``ShardedAdamW``: the optimizer protocol on :class:`~lightning_zero.engine.ShardEngine`, which holds
+the buffers, hooks, collectives and shard state: Adam/AdamW on this rank's shard of every bucket,
+then an all-gather of the updated parameters.
+
+Each rank keeps, for the elements it owns (``1/N`` of every bucket, see
+:mod:`lightning_zero.layout.partition`): the master weights (the flat parameter shard itself when the
+parameters are fp32/fp64, a separate fp32 copy for 16-bit parameters), ``exp_avg``, ``exp_avg_sq``
+(and ``max_exp_avg_sq`` with ``amsgrad``), and a step count per parameter. The update is
+``torch.optim.AdamW``'s (or ``Adam``'s, with L2 weight decay) to the letter: bias correction,
+``eps`` outside the square root, decoupled decay ``p *= 1 - lr·wd`` before the moments, per-group
+hyper-parameters read at every step (so LR schedulers take effect). A parameter that no rank used
+(``find_unused_parameters=True``) is skipped, like a ``None`` gradient in torch.
+
+Communication per step: the reducer's reduce-scatter (stage 2) or all-reduce (stage 1) of the
+gradients, then one ``all_gather_into_tensor`` per bucket, in place in the flat parameter buffer.
+Elements sent: ``Ψ·(N−1)/N`` for the gather, the same again (stage 2) or twice (stage 1) for the
+gradients.
+
+Limits: parameters must be real floating point tensors on one device; ``differentiable`` and
+tensor-valued ``lr`` with ``capturable`` are refused. ``foreach``/``fused`` are accepted and
+ignored: the shard update uses torch's fused Adam kernel where it applies (fp32/fp64 masters on CPU
+or CUDA) and ``torch._foreach_*`` otherwise (:mod:`lightning_zero.optim.adam`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.comm.communicator import Comm
+from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.engine import ShardEngine
+from lightning_zero.optim.adam import AdamRule
+from lightning_zero.optim.full_state import gather_full_state, scatter_full_state
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+_REFUSED_FLAGS = ("differentiable", "capturable")
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """Adam/AdamW whose state and gradients are sharded over the ranks of a process group.
+
+    Works in a plain ``torch.distributed`` loop (``backward(); step(); zero_grad()``) or, through
+    :class:`~lightning_zero.ZeroStrategy`, from an ordinary ``torch.optim.AdamW`` returned by
+    ``configure_optimizers``. Construct it on every rank with the same parameters, in the same
+    order: the constructor compares the bucket plans across ranks and raises on a mismatch.
+
+    Args:
+        params: parameters or param-group dicts, as for ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
+        decoupled_weight_decay: ``True`` for AdamW, ``False`` for Adam's L2 penalty.
+        config: bucketing and sharding settings (:class:`~lightning_zero.ZeroConfig`).
+        process_group: the data-parallel group; ``None`` for the default one (or none at all).
+        param_order: the parameters in registration order (e.g. ``module.parameters()``); buckets
+            follow its reverse. Defaults to the order of ``params``.
+        param_names: names used in error messages, plans and checkpoints.
+
+    Raises:
+        ValueError: on an unsupported option, value or parameter; on a plan mismatch between ranks.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        decoupled_weight_decay: bool = True,
+        config: ZeroConfig | None = None,
+        process_group: ProcessGroup | None = None,
+        param_order: Iterable[torch.nn.Parameter] | None = None,
+        param_names: dict[torch.nn.Parameter, str] | None = None,
+    ) -> None:
+        _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
+        super().__init__(params, defaults)
+        self.config = config or ZeroConfig()
+        for group in self.param_groups:
+            _check_group(group)
+        comm = Comm(process_group)
+        self.engine = ShardEngine(self.param_groups, self.config, comm, AdamRule(), param_order, param_names)
+        """The buffers, hooks, collectives and shard state (:class:`~lightning_zero.engine.ShardEngine`)."""
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **kwargs: Any) -> ShardedAdamW:
+        """The sharded twin of a ``torch.optim.Adam``/``AdamW`` (same groups, same hyper-parameters).
+
+        Raises:
+            TypeError: for any other optimizer class.
+        """
+        if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+            raise TypeError(
+                "lightning_zero shards torch.optim.AdamW and torch.optim.Adam; "
+                f"got {type(optimizer).__name__}. "
+                "Return one of those from configure_optimizers."
+            )
+        defaults = dict(optimizer.defaults)
+        decoupled = type(optimizer) is torch.optim.AdamW or bool(
+            defaults.get("decoupled_weight_decay", False)
+        )
+        # the twin takes over the very group dicts (not copies): LR schedulers, including the children
+        # of SequentialLR/ChainedScheduler, and user code holding a group keep reading and writing them
+        groups = optimizer.param_groups
+        for group in groups:
+            group["decoupled_weight_decay"] = decoupled
+        return cls(
+            groups,
+            lr=defaults["lr"],
+            betas=defaults["betas"],
+            eps=defaults["eps"],
+            weight_decay=defaults["weight_decay"],
+            amsgrad=defaults.get("amsgrad", False),
+            maximize=defaults.get("maximize", False),
+            decoupled_weight_decay=decoupled,
+            **kwargs,
+        )
+
+    def trainable_changed(self) -> bool:
+        """Whether a param group was added or a ``requires_grad`` flag flipped since the plan was built."""
+        return self.engine.trainable_changed()
+
+    def replan(
+        self,
+        param_order: Iterable[torch.nn.Parameter] | None = None,
+        param_names: dict[torch.nn.Parameter, str] | None = None,
+    ) -> None:
+        """Rebuild buckets, flat buffers and shards for the parameters that are trainable now.
+
+        Call on all ranks between optimizer steps, after changing ``requires_grad`` or adding a param
+        group (fine-tuning). Every parameter keeps its Adam state; one that is frozen now keeps it
+        parked, as torch keeps the state of a parameter without gradient, until it trains again.
+
+        Raises:
+            PlanMismatchError: if the ranks do not agree on the new plan.
+        """
+        for group in self.param_groups:
+            _check_group(group)
+        self.engine.replan(param_order, param_names)
+
+    def install_forward_waits(self, module: torch.nn.Module) -> None:
+        """Let ``overlap_param_gather`` take effect: ``module``'s submodules wait in their forward for
+        the buckets holding their parameters. Anything that reads parameters outside a forward must
+        call :meth:`wait_for_params` first."""
+        self.engine.install_forward_waits(module)
+
+    def wait_for_params(self, root_only: bool = False) -> None:
+        """Complete the parameter all-gathers still in flight (a no-op without overlap); with
+        ``root_only``, only those of the parameters the module given to :meth:`install_forward_waits`
+        owns itself (its submodules wait in their own forward)."""
+        self.engine.wait_for_params(root_only)
+
+    def is_bound(self) -> bool:
+        """Whether every planned parameter still is a view of the flat buffers (``module.to(...)`` or
+        Lightning's teardown on a GPU gives parameters new storage)."""
+        return self.engine.is_bound()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop this step's gradients (on every rank: it may wait for collectives in flight)."""
+        self.engine.zero_grad()
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Backward passes inside accumulate locally and send nothing (gradient accumulation)."""
+        return self.engine.no_sync()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the global gradient norm over all shards; returns the norm before clipping.
+
+        Must be called on all ranks, after backward and before :meth:`step`.
+        """
+        return self.engine.clip_grad_norm_(max_norm, norm_type)
+
+    def unscale_(self, scale: float | Tensor) -> bool:
+        """Divide the shard gradients by a loss scale; True if any rank's gradients hold inf/NaN.
+
+        Every rank gets the same answer (one small all-reduce), so an overflow on one rank skips
+        the step on all of them. Must be called on all ranks, after backward.
+        """
+        return self.engine.unscale_(scale)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]`` (local: no communication)."""
+        self.engine.clip_grad_value_(clip_value)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Reduce gradients (if backward has not already), update the owned shards, all-gather.
+
+        Must be called on all ranks.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.trainable_changed():
+            raise RuntimeError(
+                "the trainable parameters changed after the last backward (requires_grad flipped or a "
+                "param group added); change them between optimizer steps and call replan() on every "
+                "rank before the next backward (the zero strategy does this before each training step)"
+            )
+        self._opt_called = True  # what LR schedulers check to warn about call order
+        self.engine.step()
+        return loss
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # LR schedulers rebound to us check it
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full state, in ``torch.optim.AdamW``'s format, on rank ``to``. Call on all ranks.
+
+        Afterwards :meth:`state_dict` returns it on rank ``to`` (the protocol of torch's
+        ``ZeroRedundancyOptimizer``, which Lightning's checkpointing follows).
+        """
+        self.engine.wait_for_params()
+        self._consolidated = gather_full_state(self.engine, dst=to)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The full state gathered by :meth:`consolidate_state_dict` (on the destination rank).
+
+        Raises:
+            RuntimeError: if this rank holds no consolidated state.
+        """
+        state: dict[str, Any] | None = getattr(self, "_consolidated", None)
+        if state is None:
+            raise RuntimeError(
+                f"rank {self.engine.comm.rank} holds no consolidated optimizer state: "
+                "call consolidate_state_dict(to=...) "
+                "on every rank first, then state_dict() on the destination rank"
+            )
+        self._consolidated = None
+        return state
+
+    def group_hyperparameters(self) -> list[dict[str, Any]]:
+        """The param groups without their parameters, and with the parameters' plan indices."""
+        return self.engine.group_hyperparameters()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a full ``torch.optim.Adam``/``AdamW`` state (from any world size, or from plain torch).
+
+        Every rank passes the same full state and keeps its own pieces; no communication. Load the
+        model's parameters first: 16-bit parameters' fp32 master shards are re-read from them.
+        """
+        self.engine.wait_for_params()
+        scatter_full_state(self.engine, state_dict)
+
+
+def _check_hyper(*, lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
+    if isinstance(lr, Tensor):
+        lr = float(lr)
+    if not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    _check_hyper(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+    for flag in _REFUSED_FLAGS:
+        if group.get(flag):
+            raise ValueError(
+                f"{flag}=True is not supported by lightning_zero's sharded Adam; set it to False"
+            )
+    for p in group["params"]:
+        if not p.is_floating_point():
+            raise ValueError(f"only floating point parameters can be sharded, got {p.dtype}")
+    if "step" in group and isinstance(group["step"], Tensor):
+        raise ValueError("tensor-valued group steps are not supported")
