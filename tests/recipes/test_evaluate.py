@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from recipes.data import DataConfig, PretrainDataModule
-from recipes.evaluate import main, resolve_checkpoint
-from recipes.load import LoadError
-from recipes.model import GPTConfig
-from recipes.module import OptimConfig, PretrainModule
+from recipes.checkpoints.load import LoadError
+from recipes.checkpoints.locate import resolve_checkpoint
+from recipes.data.config import DataConfig
+from recipes.data.module import PretrainDataModule
+from recipes.evaluate import main
+from recipes.training.model import GPTConfig
+from recipes.training.module import OptimConfig, PretrainModule
 from tests.recipes.tiny_fit import quiet_trainer, write_text_corpus
 
 TINY = GPTConfig(vocab_size=256, max_seq_len=32, n_layer=1, n_head=2, d_model=32)
@@ -40,7 +42,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     trainer.fit(module, datamodule=datamodule)
     run_dir = root / "run"
     trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
-    resolved = {"data": {"_target_": "recipes.data.DataConfig", **asdict(data)}, "seed": 1234}
+    resolved = {"data": {"_target_": "recipes.data.config.DataConfig", **asdict(data)}, "seed": 1234}
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     return {
         "run_dir": run_dir,
