@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -172,3 +173,24 @@ def test_a_checkpoint_from_before_the_throughput_callback_still_loads(
     (tmp_path / "config.yaml").write_text((run["run_dir"] / "config.yaml").read_text())
     _, loss, _, _ = evaluate(capsys, str(tmp_path), "limit_batches=1")
     assert loss > 0
+
+
+def test_a_tokenizer_mismatch_is_refused_before_the_data_is_prepared(
+    run: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path, hf_tokenizer_file: Path
+) -> None:
+    """A tokenizer known without preparing (a file) is compared first: nothing is tokenized for it."""
+    cache = tmp_path / "cache"
+    err = refusal(
+        capsys, str(run["run_dir"]), f"data.tokenizer={hf_tokenizer_file}", f"data.cache_dir={cache}"
+    )
+    assert "the checkpoint was trained with tokenizer byte-v1 but" in err and not cache.exists()
+
+
+def test_token_ids_the_model_cannot_embed_are_refused(
+    run: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A `.bin` of byte-sized ids with one id the model lacks (its only record: one pass over it)."""
+    tokens = tmp_path / "other.bin"
+    np.r_[np.arange(3000) % 256, 300].astype(np.uint16).tofile(tokens)
+    err = refusal(capsys, str(run["run_dir"]), "data=pretokenized", f"data.path={tokens}", "data.seq_len=32")
+    assert f"data.path='{tokens}' holds token id 300, outside the model's vocabulary of 256" in err
