@@ -186,6 +186,10 @@ class PreparedTokens(DataSource):
 class BinTokens(DataSource):
     """One `.bin` of token ids, memory-mapped; its last `val_fraction` of tokens validate."""
 
+    def __init__(self, config: DataConfig) -> None:
+        super().__init__(config)
+        self.path = Path(config.path)  # type: ignore[arg-type]  # a file: `matches` checked it
+
     @classmethod
     def matches(cls, config: DataConfig) -> bool:
         return config.path is not None and Path(config.path).suffix == ".bin" and Path(config.path).is_file()
@@ -201,12 +205,11 @@ class BinTokens(DataSource):
     def _tokens(self, vocab_size: int) -> np.ndarray:
         """The whole file, mapped with the dtype the vocabulary implies."""
         dtype = token_dtype(vocab_size)
-        if Path(self.config.path).stat().st_size % dtype.itemsize != 0:  # type: ignore[arg-type]
+        if self.path.stat().st_size % dtype.itemsize != 0:
             raise CorpusError(
-                f"data.path={str(self.config.path)!r}: size is not a multiple of {dtype.itemsize} "
-                f"({dtype.name})"
+                f"data.path={self.config.path!r}: size is not a multiple of {dtype.itemsize} ({dtype.name})"
             )
-        return np.memmap(self.config.path, dtype=dtype, mode="r")  # type: ignore[arg-type]
+        return np.memmap(self.path, dtype=dtype, mode="r")
 
     def _splits(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
         n_train = int(len(tokens) * (1.0 - self.config.val_fraction))
