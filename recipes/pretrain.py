@@ -7,7 +7,7 @@ config, `ckpt_path=last` resumes the run in `run_dir` (Hydra's `hydra.run.dir`, 
 `outputs/<run_name>`: stable, not timestamped, so the same command with `ckpt_path=last` finds it).
 
 Flow: compose (Hydra, against the schema of `recipes.config.schema`) -> validate
-(`recipes.config.validate`, before any process starts; a bad setting prints one message and exits with
+(`recipes.config.validation`, before any process starts; a bad setting prints one message and exits with
 status 2) -> instantiate (`recipes.config.build`) -> `trainer.fit` -> on rank 0, print a text sample and
 where the results are.
 

@@ -22,7 +22,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from recipes.config.validate import RecipeConfigs
+from recipes.config.validation import RecipeConfigs
 from recipes.data.module import PretrainDataModule
 from recipes.training import PretrainModule, SlurmRequeue, TokenizerCopy, requeued_resume_path
 

@@ -13,7 +13,7 @@ argument of the installed version: `trainer` is every `Trainer` argument except 
 fills from groups (`TRAINER_ARGS_FROM_GROUPS`); each strategy file pulls its class's schema into its
 package with `@_here_`, and the shipped callback and logger files pull theirs into their entries.
 `logger` and `callbacks` are open mappings: `+callbacks.lr_monitor._target_=...` adds any callback, and
-`recipes.config.validate` checks such additions (and `+key=` additions to generated nodes) against their
+`recipes.config.validation` checks such additions (and `+key=` additions to generated nodes) against their
 class's signature before any process starts."""
 
 from __future__ import annotations

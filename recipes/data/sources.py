@@ -16,7 +16,7 @@ Kinds (`SOURCES`, asked in this order by `data_source`; the first whose `matches
   settings, so a second run reuses the shards after a `stat` per file and per shard; an edited file
   makes a new entry. `data.tokenizer=bpe` trains a BPE on the corpus into that directory.
 
-What every source answers (`DataSource`): before any process starts (`recipes.config.validate`) and
+What every source answers (`DataSource`): before any process starts (`recipes.config.validation`) and
 when a checkpoint is checked against data (`recipes.evaluate`), `vocab_size()` (the tokenizer's, known
 without tokenizing), `max_token_id(vocab_size)` (the largest id the run will read; -1 when the ids come
 from the tokenizer itself), `check(vocab_size)` (files and sizes as far as they are known without

@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from recipes.config.resolvers import tasks_per_node
-from recipes.config.validate import ConfigError, check_keys
+from recipes.config.validation import ConfigError, check_keys
 from recipes.sbatch import main as sbatch_main
 from recipes.sbatch import sbatch_script
 from tests.conf.compose import compose_pretrain, flatten, group_file_values, group_options

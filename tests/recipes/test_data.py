@@ -160,7 +160,7 @@ def test_fit_on_shards_prepared_with_a_sentencepiece_model(tmp_path: Path, sp_mo
     """The whole path in one process: prepare with the user's tokenizer -> data=tokens -> fit."""
     import lightning.pytorch as pl
 
-    from recipes.config.validate import validate
+    from recipes.config.validation import validate
     from recipes.training.module import PretrainModule
     from tests.conf.compose import compose_pretrain
 

@@ -170,7 +170,7 @@ def test_the_recipe_under_slurm_requeues_into_its_series(
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     from recipes.config.build import build_run
-    from recipes.config.validate import validate
+    from recipes.config.validation import validate
     from tests.conf.compose import compose_pretrain
 
     slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "lz"}

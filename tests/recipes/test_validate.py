@@ -1,4 +1,4 @@
-"""In-process checks of `recipes.config.validate` for the settings the command-line tests do not cover."""
+"""In-process checks of `recipes.config.validation` for the settings the command-line tests do not cover."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.config.validate import ConfigError, validate
+from recipes.config.validation import ConfigError, validate
 from tests.conf.compose import compose_pretrain
 
 
