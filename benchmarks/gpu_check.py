@@ -91,8 +91,8 @@ def part_parity(device: str) -> dict[str, Any]:
 
 
 def _module(size: str, seq: int, vocab_size: int) -> Any:
-    from recipes.model import GPTConfig
-    from recipes.module import OptimConfig, PretrainModule
+    from recipes.training.model import GPTConfig
+    from recipes.training.module import OptimConfig, PretrainModule
 
     class Module(PretrainModule):
         def test_step(self, batch: Any, batch_idx: int) -> None:
@@ -111,7 +111,7 @@ def _train_one(
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_zero
-    from recipes.throughput import TokenThroughput
+    from recipes.training.throughput import TokenThroughput
 
     # quick: a small vocabulary too; a 50304-row bf16 head on CPU costs ~1 s a step
     seq, batch, vocab_size = (64, 2, 512) if args.quick else (1024, 8, 50304)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 def make_corpus(directory: Path, target_mb: float, n_files: int = 8) -> int:
     """Write >= `target_mb` MB of shuffled stdlib source into `n_files` .jsonl files; returns bytes."""
-    from recipes.corpus import stdlib_corpus
+    from recipes.data.corpus import stdlib_corpus
 
     texts = [p.read_text(errors="replace") for p in stdlib_corpus(10_000).files]
     rng = random.Random(0)
@@ -114,7 +114,8 @@ def run_prepare(corpus: Path, out: Path, tokenizer: str, workers: int) -> dict[s
 
 def loader_rate(directory: Path, seconds: float = 5.0) -> float:
     """Samples/s of the default recipe's training DataLoader over `directory` (one process)."""
-    from recipes.data import DataConfig, PretrainDataModule
+    from recipes.data.config import DataConfig
+    from recipes.data.module import PretrainDataModule
 
     datamodule = PretrainDataModule(
         DataConfig(path=str(directory), tokenizer=None, seq_len=256, batch_size=8)
@@ -130,8 +131,8 @@ def loader_rate(directory: Path, seconds: float = 5.0) -> float:
 
 
 def train_bpe_file(corpus: Path, path: Path) -> None:
-    from recipes.sources import plan_file_units, read_piece, resolve_files
-    from recipes.tokenizer import train_bpe
+    from recipes.data.preparation.documents import plan_file_units, read_piece, resolve_files
+    from recipes.data.tokenizer import train_bpe
 
     units = plan_file_units(resolve_files((str(corpus),)), 64 * 2**20)
     budget, seen = 16 * 2**20, 0

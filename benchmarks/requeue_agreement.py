@@ -1,5 +1,5 @@
 """What the SLURM requeue check costs per optimizer step: before (a blocking one-element all-reduce on
-the training group, read on the host) and after (`recipes.callbacks.StopAgreement`: an asynchronous
+the training group, read on the host) and after (`recipes.training.callbacks.StopAgreement`: an asynchronous
 all-reduce on a gloo side group, launched at one step and read at the next).
 
     python benchmarks/requeue_agreement.py [--steps 2000] [--work-ms 5]
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recipes.callbacks import StopAgreement
+from recipes.training.callbacks import StopAgreement
 
 
 def _blocking_check(requested: bool) -> bool:

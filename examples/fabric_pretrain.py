@@ -23,7 +23,7 @@ import torch
 from lightning.fabric import Fabric
 
 import lightning_zero  # noqa: F401  # registers "zero", "zero1", "zero2" for Fabric
-from recipes.model import GPT, GPTConfig
+from recipes.training.model import GPT, GPTConfig
 
 
 def token_stream() -> torch.Tensor:

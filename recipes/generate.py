@@ -3,8 +3,8 @@
 Options are given as `key=value` (like the Hydra overrides of `recipes.pretrain`) or as `--key value`:
 `prompt` (default ""; an empty prompt starts from a newline), `max_new_tokens` (200), `temperature` (0.8;
 0 = greedy), `top_k` (50; 0 = all tokens), `seed` (0), `tokenizer` (auto | byte | PATH, see
-`recipes.load.find_tokenizer`), `device` (cpu | cuda, default cuda when available), `no_cache` (recompute
-the context at every step instead of using the KV cache; for comparison).
+`recipes.checkpoints.load.find_tokenizer`), `device` (cpu | cuda, default cuda when available),
+`no_cache` (recompute the context at every step instead of using the KV cache; for comparison).
 
 Prints the prompt and its continuation, then one line of figures on stderr: the new tokens, the wall time
 of the decoding loop and tokens/s (prefill included, model loading not).
@@ -13,24 +13,14 @@ of the decoding loop and tokens/s (prefill included, model loading not).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 
 import torch
 
-from recipes.load import LoadError, check_vocabulary, find_tokenizer, load_module
+from recipes.checkpoints import LoadError, check_vocabulary, find_tokenizer, hydra_style, load_module
 
 EXIT_ERROR = 1
-
-
-def hydra_style(argv: list[str]) -> list[str]:
-    """Turn `key=value` arguments into `--key=value` for argparse (`max_new_tokens` -> `--max-new-tokens`)."""
-    converted = []
-    for arg in argv:
-        match = re.fullmatch(r"([a-z_]+)=(.*)", arg, flags=re.DOTALL)
-        converted.append(f"--{match.group(1).replace('_', '-')}={match.group(2)}" if match else arg)
-    return converted
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -6,9 +6,10 @@ takes that group's values, experiments and debug setups are opt-in); `--cfg job`
 config, `ckpt_path=last` resumes the run in `run_dir` (Hydra's `hydra.run.dir`, by default
 `outputs/<run_name>`: stable, not timestamped, so the same command with `ckpt_path=last` finds it).
 
-Flow: compose (Hydra, against the schema of `recipes.schema`) -> validate (`recipes.validate`, before
-any process starts; a bad setting prints one message and exits with status 2) -> instantiate
-(`recipes.build`) -> `trainer.fit` -> on rank 0, print a text sample and where the results are.
+Flow: compose (Hydra, against the schema of `recipes.config.schema`) -> validate
+(`recipes.config.validation`, before any process starts; a bad setting prints one message and exits with
+status 2) -> instantiate (`recipes.config.build`) -> `trainer.fit` -> on rank 0, print a text sample and
+where the results are.
 
 Several processes: Lightning's launcher re-runs this command for ranks > 0 with
 `hydra.run.dir=<the same dir> hydra.output_subdir=null`, so all ranks share one run directory; Hydra
@@ -25,10 +26,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
-from recipes import schema  # noqa: F401  (registers `pretrain_schema` in the ConfigStore)
-from recipes.build import Run, build_run
-from recipes.plot import LossPlot
-from recipes.validate import ConfigError, validate
+from recipes.config import ConfigError, Run, build_run, validate  # registers `pretrain_schema`, resolvers
+from recipes.training import LossPlot
 
 EXIT_CONFIG_ERROR = 2
 

@@ -27,8 +27,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from recipes.compose import compose_recipe, tasks_per_node
-from recipes.validate import check_keys
+from recipes.config import check_keys, compose_recipe, tasks_per_node
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_CONFIG_ERROR = 2

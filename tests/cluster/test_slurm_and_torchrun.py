@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint import read_meta, shard_name
-from recipes.lineage import is_complete
-from recipes.sampling import global_batch
+from recipes.data.sampling import global_batch
 from recipes.sbatch import ROOT, compose_config, sbatch_script
+from recipes.training.lineage import is_complete
 
 SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
 TINY = ["trainer.max_steps=6", "trainer.val_check_interval=3", "sample.max_new_tokens=5"]

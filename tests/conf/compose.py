@@ -1,6 +1,6 @@
 """Compose `conf/pretrain.yaml` in-process as `python -m recipes.pretrain` does, for tests.
 
-`recipes.compose.compose_recipe` installs Hydra's runtime state like `@hydra.main`, so `run_name` and
+`recipes.config.compose.compose_recipe` installs Hydra's runtime state like `@hydra.main`, so `run_name` and
 `run_dir` (resolvers over the group choices and Hydra's job directory) resolve; it clears `GlobalHydra`
 around each call, so tests can compose repeatedly in one process.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.compose import CONF_DIR, compose_recipe
+from recipes.config.compose import CONF_DIR, compose_recipe
 
 REPO_ROOT = CONF_DIR.parent
 

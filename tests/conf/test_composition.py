@@ -10,10 +10,10 @@ import pytest
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from recipes.compose import tasks_per_node
+from recipes.config.resolvers import tasks_per_node
+from recipes.config.validation import ConfigError, check_keys
 from recipes.sbatch import main as sbatch_main
 from recipes.sbatch import sbatch_script
-from recipes.validate import ConfigError, check_keys
 from tests.conf.compose import compose_pretrain, flatten, group_file_values, group_options
 
 USER_CHOICES = [

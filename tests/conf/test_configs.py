@@ -19,10 +19,10 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, ValidationError
 
-from recipes import schema
-from recipes.data import DataConfig
-from recipes.model import GPT, GPTConfig
-from recipes.module import OptimConfig
+from recipes.config import schema
+from recipes.data.config import DataConfig
+from recipes.training.model import GPT, GPTConfig
+from recipes.training.module import OptimConfig
 from tests.conf.compose import CONF_DIR, compose_pretrain, group_options
 
 # Mandatory values some options leave open (`???`), filled the way a user would.

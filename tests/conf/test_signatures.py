@@ -1,4 +1,4 @@
-"""`recipes.signatures`: schemas and checks read from constructor signatures (no Hydra composition)."""
+"""`recipes.config.signatures`: schemas and checks read from constructor signatures (no Hydra composition)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,15 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.strategies import DDPStrategy
 
-from recipes.schema import TRAINER_ARGS_FROM_GROUPS, TrainerSchema
-from recipes.signatures import ArgumentError, check_arguments, field_type, matches, read_signature, schema_for
+from recipes.config.schema import TRAINER_ARGS_FROM_GROUPS, TrainerSchema
+from recipes.config.signatures import (
+    ArgumentError,
+    check_arguments,
+    field_type,
+    matches,
+    read_signature,
+    schema_for,
+)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """Fits whose data carries its sample indices, for the exact data-resume tests.
 
-`fit(...)` trains `TinyNet` (float64) on `IndexedSamples` through `recipes.resume.TrainDataResume` and
+`fit(...)` trains `TinyNet` (float64) on `IndexedSamples` through `recipes.data.resume.TrainDataResume` and
 returns the final parameters plus the sample indices this rank trained, one row per micro-batch
 `(global_step before the batch, index, ...)`, observed in `training_step` from the batch itself.
 
@@ -25,8 +25,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
-from recipes.resume import TrainDataResume
-from recipes.sampling import global_batch
+from recipes.data.resume import TrainDataResume
+from recipes.data.sampling import global_batch
 from tests.distributed.models import TinyNet
 
 NUM_SAMPLES = 123  # not a multiple of the global batch: each epoch drops a remainder
@@ -61,7 +61,7 @@ class IndexedSamples(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
 
 
 class IndexedData(L.LightningDataModule):
-    """Wires `TrainDataResume` the way `recipes.data.PretrainDataModule` does."""
+    """Wires `TrainDataResume` the way `recipes.data.module.PretrainDataModule` does."""
 
     def __init__(self, batch_size: int, seed: int = 7, num_workers: int = 0) -> None:
         super().__init__()
@@ -163,7 +163,7 @@ def fit(
             )
         )
     if requeue_at is not None:
-        from recipes.callbacks import RunCheckpoint, SlurmRequeue
+        from recipes.training.callbacks import RunCheckpoint, SlurmRequeue
 
         callbacks += [SlurmRequeue(), SignalAt(requeue_at), RunCheckpoint(checkpoint_dir, save_last=True)]
     if save_at_batch is not None:

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-import recipes.callbacks
-from recipes.callbacks import RunCheckpoint, SlurmRequeue, StopAgreement
+import recipes.training.callbacks
+from recipes.training.callbacks import RunCheckpoint, SlurmRequeue, StopAgreement
 from tests.distributed import resume_fit
 
 
@@ -78,12 +78,12 @@ class AgreementCount:
             return count._all_reduce(*args, **kwargs)
 
         StopAgreement.open = recording_open  # type: ignore[method-assign]
-        recipes.callbacks.dist.all_reduce = counting_all_reduce  # type: ignore[assignment]
+        recipes.training.callbacks.dist.all_reduce = counting_all_reduce  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
         StopAgreement.open = self._open  # type: ignore[method-assign]
-        recipes.callbacks.dist.all_reduce = self._all_reduce  # type: ignore[assignment]
+        recipes.training.callbacks.dist.all_reduce = self._all_reduce  # type: ignore[assignment]
 
 
 def plant_incomplete(dirpath: Path) -> None:
@@ -149,7 +149,8 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--cases", required=True, help="JSON list of keyword-argument dicts for fit()")
     args = parser.parse_args()
-    recipes.callbacks.subprocess.run = lambda *a, **k: subprocess.CompletedProcess(a, 0)  # no scontrol
+    # no scontrol
+    recipes.training.callbacks.subprocess.run = lambda *a, **k: subprocess.CompletedProcess(a, 0)
     results: list[Any] = []
     rank = int(os.environ.get("LOCAL_RANK", 0))
     for case in json.loads(args.cases):

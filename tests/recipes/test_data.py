@@ -9,18 +9,13 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from recipes.corpus import CorpusError, resolve_corpus, stdlib_corpus
-from recipes.data import (
-    DataConfig,
-    PretrainDataModule,
-    TokenWindows,
-    check_token_count,
-    prepare_config,
-    token_dtype,
-)
-from recipes.prepare import PrepareConfig, prepare
-from recipes.shards import ShardError, TokenStream, read_index
-from recipes.tokenizer import HFTokenizer
+from recipes.data.config import DataConfig, check_token_count
+from recipes.data.corpus import CorpusError, resolve_corpus, stdlib_corpus
+from recipes.data.module import PretrainDataModule, TokenWindows
+from recipes.data.preparation import PrepareConfig, prepare
+from recipes.data.shards import ShardError, TokenStream, read_index, token_dtype
+from recipes.data.sources import prepare_config
+from recipes.data.tokenizer import HFTokenizer
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 40
 
@@ -165,8 +160,8 @@ def test_fit_on_shards_prepared_with_a_sentencepiece_model(tmp_path: Path, sp_mo
     """The whole path in one process: prepare with the user's tokenizer -> data=tokens -> fit."""
     import lightning.pytorch as pl
 
-    from recipes.module import PretrainModule
-    from recipes.validate import validate
+    from recipes.config.validation import validate
+    from recipes.training.module import PretrainModule
     from tests.conf.compose import compose_pretrain
 
     corpus = write_corpus(tmp_path / "corpus", [f"def f{i}(x): return x * {i}\n" * 30 for i in range(20)])

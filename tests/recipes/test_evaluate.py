@@ -9,16 +9,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from recipes.data import DataConfig, PretrainDataModule
-from recipes.evaluate import main, resolve_checkpoint
-from recipes.load import LoadError
-from recipes.model import GPTConfig
-from recipes.module import OptimConfig, PretrainModule
+from recipes.checkpoints.load import LoadError
+from recipes.checkpoints.locate import resolve_checkpoint
+from recipes.data.config import DataConfig
+from recipes.data.module import PretrainDataModule
+from recipes.evaluate import main
+from recipes.training.model import GPTConfig
+from recipes.training.module import OptimConfig, PretrainModule
 from tests.recipes.tiny_fit import quiet_trainer, write_text_corpus
 
 TINY = GPTConfig(vocab_size=256, max_seq_len=32, n_layer=1, n_head=2, d_model=32)
@@ -40,7 +43,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     trainer.fit(module, datamodule=datamodule)
     run_dir = root / "run"
     trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
-    resolved = {"data": {"_target_": "recipes.data.DataConfig", **asdict(data)}, "seed": 1234}
+    resolved = {"data": {"_target_": "recipes.data.config.DataConfig", **asdict(data)}, "seed": 1234}
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     return {
         "run_dir": run_dir,
@@ -170,3 +173,24 @@ def test_a_checkpoint_from_before_the_throughput_callback_still_loads(
     (tmp_path / "config.yaml").write_text((run["run_dir"] / "config.yaml").read_text())
     _, loss, _, _ = evaluate(capsys, str(tmp_path), "limit_batches=1")
     assert loss > 0
+
+
+def test_a_tokenizer_mismatch_is_refused_before_the_data_is_prepared(
+    run: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path, hf_tokenizer_file: Path
+) -> None:
+    """A tokenizer known without preparing (a file) is compared first: nothing is tokenized for it."""
+    cache = tmp_path / "cache"
+    err = refusal(
+        capsys, str(run["run_dir"]), f"data.tokenizer={hf_tokenizer_file}", f"data.cache_dir={cache}"
+    )
+    assert "the checkpoint was trained with tokenizer byte-v1 but" in err and not cache.exists()
+
+
+def test_token_ids_the_model_cannot_embed_are_refused(
+    run: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A `.bin` of byte-sized ids with one id the model lacks (its only record: one pass over it)."""
+    tokens = tmp_path / "other.bin"
+    np.r_[np.arange(3000) % 256, 300].astype(np.uint16).tofile(tokens)
+    err = refusal(capsys, str(run["run_dir"]), "data=pretokenized", f"data.path={tokens}", "data.seq_len=32")
+    assert f"data.path='{tokens}' holds token id 300, outside the model's vocabulary of 256" in err

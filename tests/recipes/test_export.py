@@ -19,11 +19,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from recipes.export import ExportError, export, hf_tokenizer, llama_config, main
-from recipes.load import LoadError, find_tokenizer, load_module
-from recipes.model import GPTConfig
-from recipes.module import PretrainModule
-from recipes.tokenizer import ByteTokenizer, SentencePieceTokenizer, TiktokenTokenizer, train_bpe
+from recipes.checkpoints.hf import ExportError, export, hf_tokenizer, llama_config
+from recipes.checkpoints.load import LoadError, find_tokenizer, load_module
+from recipes.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, TiktokenTokenizer, train_bpe
+from recipes.export import main
+from recipes.training.model import GPTConfig
+from recipes.training.module import PretrainModule
 from tests.recipes.tiny_fit import TINY, fit_tiny
 
 ROOT = Path(__file__).resolve().parents[2]

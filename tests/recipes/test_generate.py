@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from recipes.data.tokenizer import ByteTokenizer
 from recipes.generate import main
-from recipes.model import GPT, GPTConfig, KVCache
-from recipes.tokenizer import ByteTokenizer
+from recipes.training.model import GPT, GPTConfig, KVCache
 from tests.recipes.tiny_fit import fit_tiny
 
 CONFIG = GPTConfig(vocab_size=64, max_seq_len=24, n_layer=2, n_head=4, n_kv_head=2, d_model=32)

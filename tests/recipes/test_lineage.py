@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero.checkpoint import FORMAT_VERSION, META
-from recipes.callbacks import (
+from recipes.training.callbacks import (
     RunCheckpoint,
     SlurmRequeue,
     StopAgreement,
@@ -20,7 +20,7 @@ from recipes.callbacks import (
     requeued_resume_path,
     unscheduled_save_problem,
 )
-from recipes.lineage import is_complete, newest_checkpoint
+from recipes.training.lineage import is_complete, newest_checkpoint
 
 
 def sharded(path: Path, mtime: float, shard: bytes = b"shard", listed_size: int | None = None) -> Path:
@@ -169,8 +169,8 @@ def test_the_recipe_under_slurm_requeues_into_its_series(
     copy are there, Lightning's auto-requeue is off, and the run resumes from its series."""
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    from recipes.build import build_run
-    from recipes.validate import validate
+    from recipes.config.build import build_run
+    from recipes.config.validation import validate
     from tests.conf.compose import compose_pretrain
 
     slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "lz"}

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recipes.model import GPT, GPTConfig
+from recipes.training.model import GPT, GPTConfig
 
 
 def small_config(**overrides: object) -> GPTConfig:
@@ -118,7 +118,7 @@ def test_builds_on_meta_device() -> None:
 
 
 def test_model_never_imports_torch_distributed() -> None:
-    source = Path(__file__).resolve().parents[2] / "recipes" / "model.py"
+    source = Path(__file__).resolve().parents[2] / "recipes" / "training" / "model.py"
     imported: set[str] = set()
     for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.Import):

@@ -16,13 +16,14 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
 
-import recipes.throughput as throughput
-from recipes.data import DataConfig, PretrainDataModule
-from recipes.model import GPT, GPTConfig
-from recipes.module import OptimConfig, PretrainModule, lr_factor, param_groups
-from recipes.plot import TRAIN_COLOR, VAL_COLOR, LossPlot
-from recipes.progress import RefreshProgressBar
-from recipes.throughput import TokenThroughput, compute_dtype, peak_flops, train_flops
+import recipes.training.throughput as throughput
+from recipes.data.config import DataConfig
+from recipes.data.module import PretrainDataModule
+from recipes.training.model import GPT, GPTConfig
+from recipes.training.module import OptimConfig, PretrainModule, lr_factor, param_groups
+from recipes.training.plot import TRAIN_COLOR, VAL_COLOR, LossPlot
+from recipes.training.progress import RefreshProgressBar
+from recipes.training.throughput import TokenThroughput, compute_dtype, peak_flops, train_flops
 from tests.recipes.tiny_fit import quiet_trainer, write_text_corpus
 
 TINY = GPTConfig(vocab_size=256, max_seq_len=32, n_layer=1, n_head=2, d_model=32)

@@ -9,12 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recipes.corpus import CorpusError
-from recipes.prepare import PrepareConfig, PrepareError, main, prepare, tokenizer_from_dir
-from recipes.prepare_units import is_val_document
-from recipes.shards import TokenStream, read_index, verify_shards
-from recipes.sources import SourceError
-from recipes.tokenizer import TokenizerError
+from recipes.data.corpus import CorpusError
+from recipes.data.preparation import PrepareConfig, PrepareError, prepare
+from recipes.data.preparation.documents import SourceError
+from recipes.data.preparation.units import is_val_document
+from recipes.data.shards import TokenStream, read_index, tokenizer_from_dir, verify_shards
+from recipes.data.tokenizer import TokenizerError
+from recipes.prepare import main
 from tests.recipes.conftest import LINES, write_jsonl, write_parquet
 
 UNIT_MB = 1500 / 2**20  # ~1.5 kB units: a small corpus gives many shards

@@ -16,7 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from recipes.module import lr_factor
+from recipes.training.module import lr_factor
 from tests.conf.compose import flatten, group_file_values
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

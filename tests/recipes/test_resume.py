@@ -18,8 +18,8 @@ import torch
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 
-import recipes.callbacks
-from recipes.sampling import BatchLayout, DataResumeError, GlobalBatchSampler
+import recipes.training.callbacks
+from recipes.data.sampling import BatchLayout, DataResumeError, GlobalBatchSampler
 from tests.distributed.resume_fit import IndexedSamples, expected_rows, fit
 
 ACCUM, BATCH = 2, 4  # G = 8: 15 steps per epoch of 123 samples
@@ -43,7 +43,7 @@ def assert_continues(first: dict[str, Any], resumed: dict[str, Any], full: dict[
 
 @pytest.fixture(autouse=True)
 def no_scontrol(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(recipes.callbacks.subprocess, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(recipes.training.callbacks.subprocess, "run", lambda *args, **kwargs: None)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.tokenizer import (
+from recipes.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     SentencePieceTokenizer,

@@ -1,4 +1,4 @@
-"""In-process checks of `recipes.validate` for the settings the command-line tests do not cover."""
+"""In-process checks of `recipes.config.validation` for the settings the command-line tests do not cover."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.validate import ConfigError, validate
+from recipes.config.validation import ConfigError, validate
 from tests.conf.compose import compose_pretrain
 
 
@@ -67,7 +67,7 @@ def test_corpus_smaller_than_two_windows_is_refused(tmp_path: Path) -> None:
 
 
 def test_prepared_directory_validates_against_the_model_vocabulary(tmp_path: Path) -> None:
-    from recipes.prepare import PrepareConfig, prepare
+    from recipes.data.preparation import PrepareConfig, prepare
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -132,7 +132,7 @@ def test_added_callbacks_and_loggers_are_built(tmp_path: Path) -> None:
     from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from recipes.build import build_callbacks, build_loggers
+    from recipes.config.build import build_callbacks, build_loggers
 
     cfg = compose_pretrain(
         [
@@ -159,7 +159,7 @@ def test_wandb_logger_is_offline_or_refused_clearly(monkeypatch: pytest.MonkeyPa
 
     overrides = ["logger=wandb", f"hydra.run.dir={tmp_path}", "+logger.wandb.tags=[demo]"]  # **kwargs
     if lightning_wandb._WANDB_AVAILABLE:
-        from recipes.build import build_loggers
+        from recipes.config.build import build_loggers
 
         validate(compose_pretrain(overrides))
         (logger,) = build_loggers(compose_pretrain(overrides))
@@ -217,7 +217,7 @@ def test_trainer_plugins_are_built_and_kept() -> None:
     """`trainer.plugins` reaches the Trainer (the recipe adds its SLURM environment next to them)."""
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
-    from recipes.build import build_plugins
+    from recipes.config.build import build_plugins
 
     target = "lightning.pytorch.plugins.environments.LightningEnvironment"
     cfg = compose_pretrain([f"trainer.plugins=[{{_target_:{target}}}]"])

@@ -16,8 +16,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from recipes.model import GPTConfig
-from recipes.module import OptimConfig, PretrainModule
+from recipes.training.model import GPTConfig
+from recipes.training.module import OptimConfig, PretrainModule
 
 TINY = GPTConfig(vocab_size=256, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32, mlp_hidden=48)
 """Grouped-query attention, tied embeddings and an explicit MLP width: every mapped field is exercised."""

@@ -1,11 +1,11 @@
-"""The global-batch sample order of `recipes.sampling`, without a process group or Lightning."""
+"""The global-batch sample order of `recipes.data.sampling`, without a process group or Lightning."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from recipes.sampling import (
+from recipes.data.sampling import (
     GLOBAL_BATCH_FORMULA,
     BatchLayout,
     DataPosition,

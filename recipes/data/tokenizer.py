@@ -35,6 +35,8 @@ from typing import Protocol
 
 import numpy as np
 
+from recipes.data.errors import DataError
+
 END_OF_TEXT = "<|endoftext|>"
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|end|>")
 """End-of-document tokens looked up, in order, in a Hugging Face vocabulary without a config."""
@@ -45,7 +47,7 @@ _DIR_FILES = ("tokenizer.json", "tokenizer.model")
 Document = str | bytes
 
 
-class TokenizerError(ValueError):
+class TokenizerError(DataError):
     """A tokenizer that cannot be used; the message names the file or setting and what is valid."""
 
 

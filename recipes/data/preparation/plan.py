@@ -21,14 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recipes.shards import FORMAT, file_sha256, temporary_name
-from recipes.sources import HFSource, Unit, read_piece
-from recipes.tokenizer import Document, TokenizerSpec, train_bpe
+from recipes.data.errors import DataError
+from recipes.data.preparation.documents import HFSource, Unit, read_piece
+from recipes.data.shards import FORMAT, file_sha256, temporary_name
+from recipes.data.tokenizer import Document, TokenizerSpec, train_bpe
 
 PLAN_NAME = ".plan.json"
 
 
-class PrepareError(ValueError):
+class PrepareError(DataError):
     """A preparation that cannot run; the message names the setting or directory."""
 
 

@@ -22,10 +22,9 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from recipes.callbacks import SlurmRequeue, TokenizerCopy, requeued_resume_path
-from recipes.data import PretrainDataModule
-from recipes.module import PretrainModule
-from recipes.validate import RecipeConfigs
+from recipes.config.validation import RecipeConfigs
+from recipes.data.module import PretrainDataModule
+from recipes.training import PretrainModule, SlurmRequeue, TokenizerCopy, requeued_resume_path
 
 
 @dataclass
@@ -85,7 +84,7 @@ def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
     """
     quiet_other_ranks()
     pl.seed_everything(cfg.seed, workers=True)
-    datamodule = PretrainDataModule(configs.data, corpus=configs.corpus)
+    datamodule = PretrainDataModule(configs.data, source=configs.source)
     module = PretrainModule(configs.model, configs.optim)
     loggers = build_loggers(cfg)
     callbacks, plugins = [*build_callbacks(cfg), TokenizerCopy(cfg.run_dir)], build_plugins(cfg)

@@ -1,7 +1,7 @@
 """Where the training text comes from: the embedded default corpus, user files, or a pre-tokenized file.
 
 Three kinds of source, chosen by `data.path` (a directory prepared by `recipes.prepare` is recognised
-by its `index.json` before this module is asked, see `recipes.data`):
+by its `index.json` before this module is asked, see `recipes.data.sources`):
 
 * `null` (default): the Python standard library's own `.py` files, found through
   `sysconfig.get_paths()["stdlib"]` - always present, no download. Test suites, `site-packages` and
@@ -9,8 +9,8 @@ by its `index.json` before this module is asked, see `recipes.data`):
   mixes modules) and taken until `data.max_corpus_mb` is reached, so the subset is deterministic for a
   given Python installation.
 * user files: a file, a directory (every regular non-hidden file below it) or a glob (`**` allowed), in
-  sorted path order; `recipes.sources` reads them by format (text: one document per file; `.jsonl`,
-  `.parquet`: one per row).
+  sorted path order; `recipes.data.preparation.documents` reads them by format (text: one document
+  per file; `.jsonl`, `.parquet`: one per row).
 * one pre-tokenized `.bin` file of token ids (uint16, or uint32 for vocabularies above 65,536).
 
 A corpus is identified by `fingerprint()`: paths, sizes and modification times, one `stat` per file and
@@ -27,11 +27,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from recipes.data.errors import DataError
+
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 _GLOB_CHARS = frozenset("*?[")
 
 
-class CorpusError(ValueError):
+class CorpusError(DataError):
     """A data source that cannot be used; the message names the setting and what would be valid."""
 
 

@@ -20,8 +20,8 @@ or `trainer.callback_metrics`) under keys like `train/device/items_per_sec`, and
 reads the step's metrics anyway - so the interval's wall time is exact; validation time is left out.
 
 Logged (all ranks alike, rank 0's reach the loggers): `tokens_per_s` (global: this rank's rate x world
-size; shown by `recipes.progress.RefreshProgressBar`) and `mfu` (model FLOPs/s per device / peak),
-averaged over the last `window` logging intervals; the first figure comes after `window` + 1 logging
+size; shown by `recipes.training.progress.RefreshProgressBar`) and `mfu` (model FLOPs/s per device /
+peak), averaged over the last `window` logging intervals; the first figure comes after `window` + 1 logging
 steps (the first interval holds start-up costs).
 """
 
@@ -39,7 +39,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from recipes.model import GPT, GPTConfig
+from recipes.training.model import GPT, GPTConfig
 
 DEFAULT_CPU_PEAK_FLOPS = 1.5e11
 """FLOP/s assumed per CPU process when `peak_flops_per_device` is null (one core, fp32, AVX-512 FMA, as

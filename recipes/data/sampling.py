@@ -24,7 +24,7 @@ refuses a resume that cannot continue the same order (another `G`, dataset size 
 
 Limits: each iteration materialises its epoch's permutation (8 bytes per sample, per rank).
 
-This module depends on torch and numpy only (no process group, no Lightning); `recipes.resume`
+This module depends on torch and numpy only (no process group, no Lightning); `recipes.data.resume`
 connects it to a Lightning data module.
 """
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.shards import ShardRecord, ShardWriter, shard_is_intact, write_json_atomic
-from recipes.sources import HFSource, Unit, read_piece
-from recipes.tokenizer import Document, Tokenizer, TokenizerSpec, load_tokenizer_spec
+from recipes.data.preparation.documents import HFSource, Unit, read_piece
+from recipes.data.shards import ShardRecord, ShardWriter, shard_is_intact, write_json_atomic
+from recipes.data.tokenizer import Document, Tokenizer, TokenizerSpec, load_tokenizer_spec
 
 BATCH_NBYTES = 1 << 20
 """Documents are tokenized in batches of about this much text (the tokenizers parallelize a batch)."""

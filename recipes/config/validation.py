@@ -1,14 +1,15 @@
 """Checks of a composed config that the schema cannot express, run before any process starts.
 
-The schema (`recipes.schema`) already rejects unknown keys and wrong types at compose time, and Hydra
-rejects unknown group options (`model=huge`) listing the valid ones. `check_keys` catches what
+The schema (`recipes.config.schema`) already rejects unknown keys and wrong types at compose time, and
+Hydra rejects unknown group options (`model=huge`) listing the valid ones. `check_keys` catches what
 composition lets through without looking at data or machine (`recipes.sbatch` runs it too): keys added
 with `+key=` to a recipe node, values left `???`, a hand-set `run_dir`, and every Lightning `_target_`
 node (trainer, strategy, each logger and callback, nested ones) against its class's signature
-(`recipes.signatures`: an argument it does not take, with the closest valid names; a value outside its
-annotation's union or `Literal` choices). `check_objects` builds the strategy, loggers and callbacks
-once, so a constructor's own check or a missing package (`logger=wandb` without wandb) fails here.
-`validate` then catches what needs the values together or the machine: a data path that matches
+(`recipes.config.signatures`: an argument it does not take, with the closest valid names; a value
+outside its annotation's union or `Literal` choices). `check_objects` builds the strategy, loggers and
+callbacks once, so a constructor's own check or a missing package (`logger=wandb` without wandb) fails
+here. `validate` then catches what needs the values together or the machine, asking the data source
+that `data.path` designates (`recipes.data.sources`) for what it knows: a data path that matches
 nothing or holds no text (or a .jsonl / .parquet without the text field), a prepared directory that is
 incomplete or too small, a window longer than the model's context, token ids the model's vocabulary
 cannot cover (from the prepared index's `max_token_id`; for a `.bin` by one pass over it), more devices
@@ -33,16 +34,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.corpus import Corpus, CorpusError, resolve_corpus
-from recipes.data import DataConfig, bin_split, check_token_count, load_pretokenized
-from recipes.lineage import newest_checkpoint
-from recipes.model import GPTConfig
-from recipes.module import OptimConfig
-from recipes.schema import RUN_DIR_DEFAULT, TRAINER_ARGS_FROM_GROUPS
-from recipes.shards import ShardError, check_shard_sizes, read_index
-from recipes.signatures import SIGNATURE_SCHEMA, ArgumentError, check_arguments
-from recipes.sources import check_files, file_format
-from recipes.tokenizer import TokenizerError, load_tokenizer_spec, resolve_tokenizer
+from recipes.config.schema import RUN_DIR_DEFAULT, TRAINER_ARGS_FROM_GROUPS
+from recipes.config.signatures import SIGNATURE_SCHEMA, ArgumentError, check_arguments
+from recipes.data import Corpus, DataConfig, DataError, DataSource, TokenizerError, data_source
+from recipes.training import GPTConfig, OptimConfig, newest_checkpoint
 
 
 class ConfigError(ValueError):
@@ -62,8 +57,13 @@ class RecipeConfigs:
     model: GPTConfig
     data: DataConfig
     optim: OptimConfig
-    corpus: Corpus | None
-    """The text corpus to prepare; None for a prepared directory or a `.bin`."""
+    source: DataSource
+    """Where `data` reads its tokens, as checked (`recipes.data.sources`)."""
+
+    @property
+    def corpus(self) -> Corpus | None:
+        """The text corpus to prepare; None for a prepared directory or a `.bin`."""
+        return self.source.corpus
 
 
 def _build(node: DictConfig, **kwargs: Any) -> Any:
@@ -74,53 +74,25 @@ def _build(node: DictConfig, **kwargs: Any) -> Any:
         raise ConfigError(str(error.__cause__ or error)) from error
 
 
-def tokenizer_vocab_size(data: DataConfig) -> int:
+def data_vocab_size(source: DataSource) -> int:
     """Vocabulary of the configured tokenizer: a prepared directory's index, or the tokenizer itself."""
-    if data.prepared:
-        if data.tokenizer is not None:
-            raise ConfigError(
-                f"data.path={data.path!r} is a prepared token directory: use data=tokens (data.tokenizer="
-                "null); its tokenizer is the one recorded in its index.json"
-            )
-        return read_index(data.path).vocab_size  # type: ignore[arg-type]
-    if data.tokenizer is None:
-        raise ConfigError(
-            f"data.tokenizer=null needs data.path to be a directory written by `python -m recipes.prepare` "
-            f"(one with index.json); data.path={data.path!r} is not. Prepare it first, or name a tokenizer."
-        )
-    if data.pretokenized and data.tokenizer == "bpe":
-        raise ConfigError(
-            f"data.path={data.path!r} is pre-tokenized: data.tokenizer=bpe would train a new BPE; give the "
-            "tokenizer that made it (byte or its tokenizer.json / .model / .tiktoken file)"
-        )
-    if data.vocab_size is not None:
-        return data.vocab_size
     try:
-        return load_tokenizer_spec(resolve_tokenizer(data.tokenizer, data.eos_token)).vocab_size
+        return source.vocab_size()
     except TokenizerError as error:
         raise ConfigError(f"data.{error}") from error
+    except DataError as error:
+        raise ConfigError(str(error)) from error
 
 
-def max_token_id(data: DataConfig, vocab_size: int) -> int:
-    """Largest token id the run will read: from the index of a prepared directory, or by one pass
-    over a `.bin` (its only record); -1 for text, whose ids come from the tokenizer itself."""
-    if data.prepared:
-        return read_index(data.path).max_token_id  # type: ignore[arg-type]
-    if not data.pretokenized:
-        return -1
-    tokens = load_pretokenized(data.path, vocab_size)  # type: ignore[arg-type]
-    step = 1 << 24
-    return max((int(tokens[i : i + step].max()) for i in range(0, len(tokens), step)), default=-1)
-
-
-def check_vocabulary(data: DataConfig, data_vocab: int, model_vocab: int) -> None:
+def check_vocabulary(source: DataSource, data_vocab: int, model_vocab: int) -> None:
     """Refuse token ids the model's embedding cannot look up (on CUDA: a device-side assert)."""
+    data = source.config
     if model_vocab < data_vocab:
         raise ConfigError(
             f"model.vocab_size={model_vocab} is smaller than the tokenizer's {data_vocab} "
             f"(data.tokenizer={data.tokenizer}); set model.vocab_size>={data_vocab} or null"
         )
-    top = max_token_id(data, data_vocab)
+    top = source.max_token_id(data_vocab)
     if top >= model_vocab:
         raise ConfigError(
             f"data.path={data.path!r} holds token id {top}, outside model.vocab_size={model_vocab} "
@@ -129,31 +101,12 @@ def check_vocabulary(data: DataConfig, data_vocab: int, model_vocab: int) -> Non
         )
 
 
-def check_corpus(data: DataConfig, vocab_size: int) -> Corpus | None:
-    """Resolve `data.path` and check its size where that is known without tokenizing.
-
-    A prepared directory: its index's token counts and a `stat` of each shard. Returns the text corpus
-    to prepare, or None for a prepared directory and a `.bin`.
-    """
+def check_data(source: DataSource, vocab_size: int) -> None:
+    """The source's own checks (files, sizes, token counts; `recipes.data.sources`) as `ConfigError`."""
     try:
-        if data.prepared:
-            index = read_index(data.path)  # type: ignore[arg-type]
-            check_shard_sizes(data.path, index)  # type: ignore[arg-type]
-            check_token_count(index.tokens["train"], index.tokens["val"], data)
-            return None
-        if data.pretokenized:
-            tokens = load_pretokenized(data.path, vocab_size)  # type: ignore[arg-type]
-            check_token_count(*map(len, bin_split(tokens, data.val_fraction)), data)
-            return None
-        corpus = resolve_corpus(data.path, data.max_corpus_mb)
-        check_files(list(corpus.files), data.text_field)
-        if data.tokenizer == "byte" and all(file_format(p) == "text" for p in corpus.files):
-            n_tokens = corpus.nbytes + 2 * len(corpus.files)
-            n_train = int(n_tokens * (1.0 - data.val_fraction))  # about: validation is chosen by documents
-            check_token_count(n_train, n_tokens - n_train, data)
-    except (CorpusError, ShardError) as error:
+        source.check(vocab_size)
+    except DataError as error:
         raise ConfigError(str(error)) from error
-    return corpus
 
 
 def check_devices(accelerator: str, devices: Any) -> None:
@@ -228,8 +181,8 @@ def check_strategy(strategy: DictConfig) -> None:
 
 def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
     """Keys added with Hydra's `+key=value` to a node typed by a recipe dataclass (model, data, optim,
-    cluster, sample, the root). Nodes typed from a signature (`recipes.signatures`) and the open `logger`
-    and `callbacks` entries are checked against their class instead (`check_target_nodes`)."""
+    cluster, sample, the root). Nodes typed from a signature (`recipes.config.signatures`) and the open
+    `logger` and `callbacks` entries are checked against their class instead (`check_target_nodes`)."""
     found: list[str] = []
     node_type = OmegaConf.get_type(node)
     if getattr(node_type, SIGNATURE_SCHEMA, False) or "_target_" in node and node_type is dict:
@@ -258,7 +211,7 @@ def check_run_dir(cfg: DictConfig) -> None:
 
 
 def check_target_nodes(cfg: DictConfig) -> None:
-    """Every `_target_` node of the Lightning side against its class's signature (`recipes.signatures`)."""
+    """Every `_target_` node of the Lightning side against its class's signature (`signatures`)."""
     for name in TRAINER_ARGS_FROM_GROUPS:
         if name in cfg.trainer:
             raise ConfigError(f"trainer.{name} is set by {TRAINER_ARGS_FROM_GROUPS[name]}")
@@ -332,15 +285,13 @@ def validate(cfg: DictConfig) -> RecipeConfigs:
     check_keys(cfg)
     check_objects(cfg)
     data: DataConfig = _build(cfg.data)
-    try:
-        data_vocab = tokenizer_vocab_size(data)
-    except ShardError as error:
-        raise ConfigError(str(error)) from error
+    source = data_source(data)
+    data_vocab = data_vocab_size(source)
     model_vocab = cfg.model.vocab_size if cfg.model.vocab_size is not None else data_vocab
     model: GPTConfig = _build(cfg.model, vocab_size=model_vocab)
     optim: OptimConfig = _build(cfg.optim)
-    corpus = check_corpus(data, data_vocab)
-    check_vocabulary(data, data_vocab, model.vocab_size)
+    check_data(source, data_vocab)
+    check_vocabulary(source, data_vocab, model.vocab_size)
     if data.seq_len > model.max_seq_len:
         raise ConfigError(
             f"data.seq_len={data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; "
@@ -349,4 +300,4 @@ def validate(cfg: DictConfig) -> RecipeConfigs:
     check_devices(str(cfg.trainer.accelerator), cfg.trainer.devices)
     check_slurm_launch()
     check_ckpt_path(cfg.ckpt_path, Path(cfg.run_dir), cfg.run_name)
-    return RecipeConfigs(model=model, data=data, optim=optim, corpus=corpus)
+    return RecipeConfigs(model=model, data=data, optim=optim, source=source)

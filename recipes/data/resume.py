@@ -1,4 +1,4 @@
-"""Exact data-position resume for a Lightning data module (the glue around `recipes.sampling`).
+"""Exact data-position resume for a Lightning data module (the glue around `recipes.data.sampling`).
 
 `TrainDataResume` is held by a `LightningDataModule`, which delegates three things to it:
 
@@ -12,7 +12,7 @@
     consumed samples, global batch and its split, dataset size, seed), saved by Lightning in every
     checkpoint under the data module's class name.
   * `load_state_dict(state)` in the module's `load_state_dict()`: keeps the record; the next
-    `loader()` call checks it against this run (`recipes.sampling.check_resume`): another global
+    `loader()` call checks it against this run (`recipes.data.sampling.check_resume`): another global
     batch `devices x num_nodes x accumulate_grad_batches x batch_size`, dataset size or seed is refused
     with a `DataResumeError` before the first batch; another world size with the same global batch
     continues exactly.
@@ -34,7 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from recipes.sampling import BatchLayout, DataPosition, DataResumeError, GlobalBatchSampler, check_resume
+from recipes.data.sampling import BatchLayout, DataPosition, DataResumeError, GlobalBatchSampler, check_resume
 
 
 def batch_layout(trainer: pl.Trainer | None, micro_batch_size: int) -> BatchLayout:

@@ -20,8 +20,8 @@ from typing import Any
 
 import lightning.pytorch.core.saving as saving
 
-from recipes.module import PretrainModule
-from recipes.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer_spec, resolve_tokenizer
+from recipes.data import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer_spec, resolve_tokenizer
+from recipes.training import PretrainModule
 
 
 class LoadError(RuntimeError):

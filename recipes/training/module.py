@@ -7,10 +7,11 @@ module never sees the difference. The learning rate follows a `LambdaLR` stepped
 linear warmup over `optim.warmup_steps`, then a cosine from `optim.lr` down to
 `optim.lr * optim.min_lr_ratio` at the trainer's last step.
 
-Throughput and MFU are not the module's business: `recipes.throughput.TokenThroughput` (a callback in
-the recipe's default callbacks) measures them with Lightning's tools. The module logs `train/loss` as a
-device tensor without `prog_bar` (Lightning reads every `prog_bar` tensor to the host after every batch;
-`recipes.progress.RefreshProgressBar` shows it when it redraws, the loggers read it every
+Throughput and MFU are not the module's business: `recipes.training.throughput.TokenThroughput` (a
+callback in the recipe's default callbacks) measures them with Lightning's tools. The module logs
+`train/loss` as a device tensor without `prog_bar` (Lightning reads every `prog_bar` tensor to the host
+after every batch;
+`recipes.training.progress.RefreshProgressBar` shows it when it redraws, the loggers read it every
 `log_every_n_steps`), so no step waits for the device; and `lr`, a Python number.
 """
 
@@ -27,7 +28,7 @@ from torch import nn
 from torchmetrics.text import Perplexity
 
 import lightning_zero  # noqa: F401  (load_from_checkpoint reads sharded checkpoint directories)
-from recipes.model import GPT, GPTConfig
+from recipes.training.model import GPT, GPTConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +104,7 @@ class PretrainModule(pl.LightningModule):
             model_config = GPTConfig(**model_config)
         if isinstance(optim, dict):
             optim = OptimConfig(**optim)
-        # The loggers get the whole resolved config from `recipes.build`; these are for checkpoints.
+        # The loggers get the whole resolved config from `recipes.config.build`; these are for checkpoints.
         self.save_hyperparameters(
             {
                 "model_config": asdict(model_config),

@@ -6,8 +6,8 @@
     still saves its final step, with one full write (`save_step`), so the next command continues
     where this one ended;
   * `ckpt_path=last` resumes from the newest *complete* checkpoint of the directory, whichever
-    callback wrote it (`recipes.lineage`), not only a `last*.ckpt`: a `last` left behind by a crash
-    between the step file and its copy, a dangling `last` link or a half-written file is skipped.
+    callback wrote it (`recipes.training.lineage`), not only a `last*.ckpt`: a `last` left behind by a
+    crash between the step file and its copy, a dangling `last` link or a half-written file is skipped.
 
 `SlurmRequeue` is the recipe's one requeue mechanism under SLURM: on SIGUSR1 the ranks agree at an
 optimizer-step boundary (`StopAgreement`, off the training path), save through `RunCheckpoint` (the
@@ -33,7 +33,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from recipes.lineage import newest_checkpoint
+from recipes.training.lineage import newest_checkpoint
 
 
 def unscheduled_save_problem(callback: ModelCheckpoint) -> str | None:
@@ -261,7 +261,8 @@ class TokenizerCopy(Callback):
     """Copies the run's tokenizer file into the run directory (rank 0) once the data is set up.
 
     Before the first step, so every checkpoint of the run - a periodic save, a requeue, one left by a
-    crash - can be exported or sampled from (`recipes.load.find_tokenizer` looks beside `checkpoints/`).
+    crash - can be exported or sampled from (`recipes.checkpoints.load.find_tokenizer` looks beside
+    `checkpoints/`).
     Tokenizers without a file (bytes) have nothing to copy.
     """
 

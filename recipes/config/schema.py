@@ -8,12 +8,12 @@ directory content is created.
 Open where users add things on purpose, checked all the same. The recipe's own nodes (model, data,
 optim, cluster, sample) are hand-written dataclasses that mirror `GPTConfig`, `DataConfig` and
 `OptimConfig` field for field (a test checks it; value checks stay in their `__post_init__`). The
-Lightning side is generated from constructor signatures (`recipes.signatures`), so it offers every
+Lightning side is generated from constructor signatures (`recipes.config.signatures`), so it offers every
 argument of the installed version: `trainer` is every `Trainer` argument except the three the recipe
 fills from groups (`TRAINER_ARGS_FROM_GROUPS`); each strategy file pulls its class's schema into its
 package with `@_here_`, and the shipped callback and logger files pull theirs into their entries.
 `logger` and `callbacks` are open mappings: `+callbacks.lr_monitor._target_=...` adds any callback, and
-`recipes.validate` checks such additions (and `+key=` additions to generated nodes) against their
+`recipes.config.validation` checks such additions (and `+key=` additions to generated nodes) against their
 class's signature before any process starts."""
 
 from __future__ import annotations
@@ -27,13 +27,10 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import MISSING
 
-import recipes.compose  # noqa: F401  (registers the recipe.* resolvers the YAML files use)
-from recipes.callbacks import RunCheckpoint
-from recipes.plot import LossPlot
-from recipes.progress import RefreshProgressBar
-from recipes.resume import TrainedSamples
-from recipes.signatures import schema_for
-from recipes.throughput import TokenThroughput
+import recipes.config.resolvers  # noqa: F401  (registers the recipe.* resolvers the YAML files use)
+from recipes.config.signatures import schema_for
+from recipes.data.resume import TrainedSamples
+from recipes.training import LossPlot, RefreshProgressBar, RunCheckpoint, TokenThroughput
 
 TRAINER_ARGS_FROM_GROUPS = {
     "strategy": "the strategy group: strategy=zero|zero1|zero2|ddp, strategy.<argument>=...",
@@ -74,7 +71,7 @@ GROUP_ENTRY_SCHEMAS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class ModelSchema:
-    _target_: str = "recipes.model.GPTConfig"
+    _target_: str = "recipes.training.model.GPTConfig"
     vocab_size: int | None = None  # None: the tokenizer's vocabulary size
     max_seq_len: int = MISSING
     n_layer: int = MISSING
@@ -91,7 +88,7 @@ class ModelSchema:
 
 @dataclass
 class DataSchema:
-    _target_: str = "recipes.data.DataConfig"
+    _target_: str = "recipes.data.config.DataConfig"
     path: str | None = MISSING  # MISSING, not None: a YAML `???` cannot override a default when merged
     tokenizer: str | None = "byte"  # byte | bpe | tokenizer file; null: a prepared directory's own
     eos_token: str | None = None
@@ -108,7 +105,7 @@ class DataSchema:
 
 @dataclass
 class OptimSchema:
-    _target_: str = "recipes.module.OptimConfig"
+    _target_: str = "recipes.training.module.OptimConfig"
     lr: float = MISSING  # from the model file: it depends on the model's size
     min_lr_ratio: float = 0.1
     warmup_steps: int = MISSING  # from the model file

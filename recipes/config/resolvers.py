@@ -1,4 +1,4 @@
-"""Values the recipe's config takes from Hydra's own state, and composition outside `@hydra.main`.
+"""Values the recipe's config takes from Hydra's own state: the `recipe.*` OmegaConf resolvers.
 
 Three settings are not YAML scalars, because a scalar would be wrong as soon as the user chooses
 something else (a default `cpu_demo` name or a fixed task count silently laid over `model=llama_1b
@@ -16,8 +16,9 @@ trainer=gpu` was issue 11). They are OmegaConf resolvers, registered when this m
 - `${recipe.tasks_per_node:accelerator,devices,gpus_per_node}`: SLURM tasks per node, one per device
   (`tasks_per_node`, shared with `recipes.sbatch`).
 
-`compose_recipe` composes `conf/pretrain.yaml` as the command does and installs Hydra's runtime state
-(`HydraConfig`) the way `@hydra.main` does, so these resolvers work in `recipes.sbatch` and in tests.
+They read Hydra's runtime state (`HydraConfig`), which `@hydra.main` installs, and so does
+`recipes.config.compose.compose_recipe` outside it. This module imports no other recipe module: the
+schema (`recipes.config.schema`) imports it so that the YAML files' interpolations resolve.
 """
 
 from __future__ import annotations
@@ -25,13 +26,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 DEMO_CHOICES = {"model": "tiny", "data": "stdlib", "trainer": "cpu"}
 DEMO_RUN_NAME = "cpu_demo"
 GPU_ACCELERATORS = ("gpu", "cuda")
@@ -106,24 +104,6 @@ def register_resolvers() -> None:
         ("recipe.tasks_per_node", tasks_per_node),
     ):
         OmegaConf.register_new_resolver(name, function, replace=True)
-
-
-def compose_recipe(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
-    """`conf/pretrain.yaml` with `overrides`, as `python -m recipes.pretrain` composes it.
-
-    Raises Hydra's and OmegaConf's errors for an unknown key, a wrong type or an unknown group option,
-    each naming it.
-    """
-    import recipes.schema  # noqa: F401  (registers `pretrain_schema` and the resolvers)
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="pretrain"):
-        cfg = compose(config_name="pretrain", overrides=overrides, return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
-    if not return_hydra_config:
-        with open_dict(cfg):
-            del cfg["hydra"]
-    return cfg
 
 
 register_resolvers()

@@ -5,8 +5,8 @@ loggers and callbacks are configured with every argument of their `__init__`, re
 from the installed versions. Two layers use it:
 
 - Compose time. `schema_for(cls)` makes a dataclass with one field per keyword argument, registered in
-  Hydra's ConfigStore by `recipes.schema`: a misspelt key or a wrong simple type fails while Hydra
-  composes, naming the full key. OmegaConf 2.3 checks `int`, `float`, `bool`, `str`, their `Optional`,
+  Hydra's ConfigStore by `recipes.config.schema`: a misspelt key or a wrong simple type fails while
+  Hydra composes, naming the full key. OmegaConf 2.3 checks `int`, `float`, `bool`, `str`, their `Optional`,
   and lists of them; a `Literal` of strings becomes `str`, `str | Path` becomes `str`, everything else
   (`int | float`, classes, callables) is `Any`. A default OmegaConf cannot hold is written as a
   `_target_` node when it is a `timedelta` (`{_target_: datetime.timedelta, seconds: 1800}`), else

@@ -1,7 +1,7 @@
 """Input documents for data preparation, cut into units of work that do not depend on the worker count.
 
 Inputs: local files (text, `.jsonl`/`.ndjson`, `.parquet`, by file name, directory or glob; see
-`recipes.corpus.expand_path`) or one Hugging Face `datasets` source (`load_dataset(name, config,
+`recipes.data.corpus.expand_path`) or one Hugging Face `datasets` source (`load_dataset(name, config,
 data_files=..., split=..., streaming=True)`: local builders such as `json`, `parquet`, `text` work
 offline; hub names where the network allows).
 
@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.corpus import CorpusError, expand_path, fingerprint_files
-from recipes.tokenizer import Document
+from recipes.data.corpus import CorpusError, expand_path, fingerprint_files
+from recipes.data.tokenizer import Document
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)

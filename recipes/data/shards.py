@@ -22,8 +22,9 @@ Reading: every rank opens `index.json` and, lazily, a `np.memmap` of each shard 
 reads from it; start-up costs one `stat` per shard (`check_shard_sizes`), never a read or hash of the
 corpus (`verify_shards` hashes everything, for `prepare` and an explicit check). A split is read as one
 `TokenStream`: its shards concatenated in index order, sliced through an offset table, so a training
-window (`recipes.data.TokenWindows`) may span two or more shards and no token is lost at shard ends.
-This module imports numpy only (no torch): preparation workers start fast.
+window (`recipes.data.module.TokenWindows`) may span two or more shards and no token is lost at shard
+ends. The tokenizer a directory holds is `tokenizer_from_dir`'s. This module imports numpy only (no
+torch): preparation workers start fast.
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ from typing import Any
 
 import numpy as np
 
+from recipes.data.errors import DataError
+from recipes.data.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer_spec
+
 FORMAT = "lightning-zero-tokens-v1"
 INDEX_NAME = "index.json"
 SPLITS = ("train", "val")
 
 
-class ShardError(ValueError):
+class ShardError(DataError):
     """A token directory that cannot be used; the message names the file and how to fix it."""
 
 
@@ -134,6 +138,14 @@ def read_index(directory: str | Path) -> TokenIndex:
     if payload.get("format") != FORMAT:
         raise ShardError(f"{path}: format {payload.get('format')!r} is not {FORMAT!r}; prepare it again")
     return TokenIndex.from_json(payload)
+
+
+def tokenizer_from_dir(directory: str | Path, index: TokenIndex | None = None) -> Tokenizer:
+    """The tokenizer recorded in a prepared directory's index (its file is inside the directory)."""
+    index = index if index is not None else read_index(directory)
+    info = index.tokenizer
+    path = None if info["file"] is None else str(Path(directory).expanduser() / info["file"])
+    return load_tokenizer_spec(TokenizerSpec(info["kind"], path, info["eos_token"]))
 
 
 def check_shard_sizes(directory: str | Path, index: TokenIndex) -> None:

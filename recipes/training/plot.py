@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from recipes.throughput import is_logged_step
+from recipes.training.throughput import is_logged_step
 
 Series = list[list[float]]
 """[[step, value], ...]: plain lists, so a checkpoint holding them loads with `weights_only=True`."""

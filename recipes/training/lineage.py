@@ -13,8 +13,9 @@ Complete means, without reading tensors:
 
   * a lightning-zero sharded directory: `meta.pt` readable (rank 0 writes it last, then commits the
     directory with an atomic rename, so a crash mid-save leaves only a hidden `.NAME.tmp-*` sibling
-    that is not a `*.ckpt`) and every file it lists present with its recorded size (a copied or
-    truncated directory fails here; `lightning-zero verify` also checks the sha256 digests);
+    that is not a `*.ckpt`) and every file it lists present with its recorded size (the library's
+    `verify_files(..., digests=False)`: a copied or truncated directory fails here;
+    `lightning-zero verify` also checks the sha256 digests);
   * a file: a zip archive with its central directory (`torch.save`'s format; a file cut short has
     none);
   * a `last` link: its target is complete (a link left dangling by pruning is not).
@@ -26,7 +27,7 @@ import os
 import zipfile
 from pathlib import Path
 
-from lightning_zero.checkpoint import CheckpointError, is_sharded_checkpoint, read_meta
+from lightning_zero.checkpoint import CheckpointError, is_sharded_checkpoint, read_meta, verify_files
 
 LAST_PREFIX = "last"
 """`ModelCheckpoint.CHECKPOINT_NAME_LAST`: `last.ckpt`, `last-v1.ckpt`, ..."""
@@ -42,10 +43,7 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
             meta = read_meta(path)
         except CheckpointError:
             return False
-        return all(
-            (path / name).is_file() and (path / name).stat().st_size == entry["size"]
-            for name, entry in meta["files"].items()
-        )
+        return not verify_files(path, meta, digests=False)  # presence and sizes; no file is read
     return path.is_file() and zipfile.is_zipfile(path)
 
 
