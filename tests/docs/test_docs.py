@@ -42,6 +42,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -264,11 +265,31 @@ def make_workdir() -> Path:
     return workdir
 
 
-def run_session(blocks: list[Block]) -> tuple[list[str], float]:
-    """Run the blocks in order; returns the failures (empty when all passed) and the seconds taken."""
-    start = time.perf_counter()
+def run_command(command: list[str], workdir: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run one block; on a timeout its whole process group (launched ranks included) is killed."""
+    proc = subprocess.Popen(
+        command,
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=BLOCK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        stderr += f"\n(killed after {BLOCK_TIMEOUT_S} s)"
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def run_session(blocks: list[Block]) -> tuple[list[str], list[str]]:
+    """Run the blocks in order; returns the failures (empty when all passed) and the time per block."""
     workdir = make_workdir()
     env = environment(workdir)
+    timings: list[str] = []
     try:
         for index, block in enumerate(blocks):
             name = block.get("file")
@@ -276,7 +297,7 @@ def run_session(blocks: list[Block]) -> tuple[list[str], float]:
                 (workdir / name).write_text(block.code)
                 later = " ".join(b.code for b in blocks[index + 1 :] if b.lang != "python")
                 if name not in later:
-                    return [f"{block.where}: no later block of its session runs the file {name}"], 0.0
+                    return [f"{block.where}: no later block of its session runs the file {name}"], timings
                 continue
             if block.lang == "python":
                 script = workdir / f"_docs_block_{block.line}.py"
@@ -284,29 +305,21 @@ def run_session(blocks: list[Block]) -> tuple[list[str], float]:
                 command = [sys.executable, script.name]
             else:
                 command = ["bash", "-e", "-o", "pipefail", "-c", shell_script(block)]
-            try:
-                proc = subprocess.run(
-                    command,
-                    cwd=workdir,
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=BLOCK_TIMEOUT_S,
-                )
-            except subprocess.TimeoutExpired as err:
-                return [f"{block.where}: timed out after {BLOCK_TIMEOUT_S} s\n{err.output or ''}"], 0.0
+            start = time.perf_counter()
+            proc = run_command(command, workdir, env)
+            timings.append(f"{block.where}: {time.perf_counter() - start:.1f} s")
             shown = shlex.join(command) if block.lang == "python" else command[-1]
             report = (
                 f"--- ran:\n{shown}\n--- stdout (tail):\n{proc.stdout[-3000:]}\n"
                 f"--- stderr (tail):\n{proc.stderr[-5000:]}"
             )
             if proc.returncode != 0:
-                return [f"{block.where}: exit status {proc.returncode}\n{report}"], 0.0
+                return [f"{block.where}: exit status {proc.returncode}\n{report}"], timings
             printed = {line.strip() for line in proc.stdout.splitlines()}
             missing = [line for line in expected_output(block) if line not in printed]
             if missing:
-                return [f"{block.where}: expected output not printed: {missing}\n{report}"], 0.0
-        return [], time.perf_counter() - start
+                return [f"{block.where}: expected output not printed: {missing}\n{report}"], timings
+        return [], timings
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -366,6 +379,6 @@ def test_excerpts_appear_in_a_run_block() -> None:
 @pytest.mark.parametrize("session", list(SESSIONS))
 def test_session(session: str, running: dict[str, Future]) -> None:
     """The session's blocks run, in document order, with exit status 0."""
-    failures, seconds = running[session].result()
-    assert not failures, "\n".join(failures)
-    print(f"{session}: {seconds:.0f} s")
+    failures, timings = running[session].result()
+    print("\n".join(timings))
+    assert not failures, "\n".join(failures + ["--- time per block:", *timings])
