@@ -28,6 +28,8 @@ The rules (also in ``docs/README.md``):
 
 * Every executable block is run or carries one of those not-run markers; the test of the page
   structure fails on any block that is neither, so a new unmarked block fails CI.
+* Relative links of these pages, and their ``#anchors``, resolve (``PENDING`` names a page being
+  written; the test fails once it exists, so the allowance cannot go stale).
 * Where blocks run: each session gets a fresh temporary directory holding a copy of the repository's
   code (``lightning_zero/``, ``recipes/``, ``conf/``, ``examples/``), i.e. what the root of a fresh
   checkout looks like, so ``python -m recipes.pretrain`` works there and its ``outputs/`` never touch
