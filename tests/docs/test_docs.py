@@ -26,8 +26,11 @@ The rules (also in ``docs/README.md``):
     for the reason given (a reason is required). ``ci-only`` is for the README's own ``make train``
     / ``make test``, which cannot run inside the test suite they start.
 
-* Every executable block is run or carries one of those not-run markers; the test of the page
-  structure fails on any block that is neither, so a new unmarked block fails CI.
+* Every executable block is run or carries one of those not-run markers. Commands recognised as
+  needing a cluster (``sbatch``, ``srun``, ``salloc``, ``scancel``, ``scontrol`` at the start of a
+  command, ``hydra/launcher=slurm``, ``torchrun --nnodes`` > 1) or a GPU (``recipes.pretrain`` with
+  ``trainer=gpu`` or a GPU experiment) must carry ``cluster-only`` / ``gpu-only``: a block without
+  its marker fails the page check, and no block runs while the page check fails.
 * Relative links of these pages, and their ``#anchors``, resolve (``PENDING`` names a page being
   written; the test fails once it exists, so the allowance cannot go stale).
 * Where blocks run: each session gets a fresh temporary directory holding a copy of the repository's
@@ -63,6 +66,16 @@ TEXT_LANGS = {"text"}
 NOT_RUN = {"gpu-only", "cluster-only", "network-only", "ci-only"}
 BLOCK_TIMEOUT_S = 420
 FENCE = re.compile(r"^(\s*)```(.*)$")
+# Commands recognised as needing a cluster or a GPU: a block holding one must say so with a marker,
+# so that deleting a marker fails the page check instead of submitting a job or failing for lack of
+# a GPU.
+NEEDS = {
+    "cluster-only": re.compile(
+        r"(^|[;&|(]\s*)(sbatch|srun|salloc|scancel|scontrol)\s|hydra/launcher=slurm|--nnodes=(?!1\b)\d",
+        re.MULTILINE,
+    ),
+    "gpu-only": re.compile(r"recipes\.pretrain\b.*(trainer=gpu|experiment=\S*(gpu|multinode))"),
+}
 MARKER = re.compile(r"^<!-- docs: (.*?) -->$")
 
 
@@ -169,6 +182,10 @@ def check_block(block: Block) -> list[str]:
         problems.append(f"{where}: at most one of file / excerpt / a not-run marker, got {exclusive}")
     if block.not_run and any(k in {"session", "append"} for k, _ in block.directives):
         problems.append(f"{where}: a block that is not run takes no session or append")
+    if block.lang in RUN_LANGS and block.not_run is None and block.get("excerpt") is None:
+        for kind, pattern in NEEDS.items():
+            if pattern.search(block.code):
+                problems.append(f"{where}: this block needs a {kind} marker (it would not run here)")
     return problems
 
 
@@ -350,6 +367,8 @@ def running(request: pytest.FixtureRequest) -> dict[str, Future]:
         for item in request.session.items
         if item.originalname == "test_session" and hasattr(item, "callspec")
     ]
+    if PROBLEMS:  # a damaged marker could let a cluster command run: fix the pages first
+        wanted = []
     pool = ThreadPoolExecutor(max_workers=2)
     futures = {
         key: pool.submit(run_session, SESSIONS[key])
@@ -427,6 +446,7 @@ def test_links_resolve() -> None:
 @pytest.mark.parametrize("session", list(SESSIONS))
 def test_session(session: str, running: dict[str, Future]) -> None:
     """The session's blocks run, in document order, with exit status 0."""
+    assert not PROBLEMS, "not run: the page check failed (test_every_block_is_run_or_marked)"
     failures, timings = running[session].result()
     print("\n".join(timings))
     assert not failures, "\n".join(failures + ["--- time per block:", *timings])
