@@ -36,7 +36,8 @@ class ZeroConfig:
     find_unused_parameters: bool = False
     """Agree across ranks, every step, which parameters got a gradient (one small all-reduce), so a
     parameter that no rank used is skipped by the optimizer exactly as ``torch.optim.AdamW`` skips a
-    parameter whose ``.grad`` is ``None``. When ``False``, a missing gradient counts as zero."""
+    parameter whose ``.grad`` is ``None``. When ``False``, a missing gradient counts as zero (weight
+    decay and momentum still move the parameter) and a warning says so once — on one rank as on N."""
     align_numel: int = 1
     """Buckets are padded to a multiple of ``world_size * align_numel`` elements."""
 

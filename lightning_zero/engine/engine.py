@@ -228,7 +228,7 @@ class ShardEngine:
 
     def finish_grad_sync(self) -> list[bool] | None:
         """Complete this step's gradient communication (idempotent; all ranks). Returns which
-        parameters some rank used when unused parameters are tracked (or at world size 1), else ``None``."""
+        parameters some rank used when unused parameters are tracked, else ``None``."""
         return self.reducer.finalize()
 
     def zero_grad(self) -> None:

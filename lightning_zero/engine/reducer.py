@@ -120,8 +120,9 @@ class GradReducer:
         self.adopted = 0
         """Gradients that became their bucket's accumulation buffer (no copy, no slot)."""
         self._sync = True
-        # at world size 1 the local mask is the global one: torch's exact semantics for free
-        self._skip_unused = config.find_unused_parameters or comm.world_size == 1
+        # the same semantics on 1 and N ranks: without find_unused_parameters a parameter that got no
+        # gradient counts as a zero gradient (with a one-time warning), also at world size 1
+        self._skip_unused = config.find_unused_parameters
         self._used = [False] * len(self.params)  # got a gradient on this rank in this step
         self._used_global: list[bool] | None = None
         self._has_data = [False] * len(self.params)  # accumulated in this round's buffers
@@ -311,7 +312,7 @@ class GradReducer:
             self._fill_missing(bucket_index)
             self._launch(bucket_index)
         used, used_handle = None, None  # launched after every bucket: the same collective order everywhere
-        if self.comm.world_size == 1:
+        if self._skip_unused and self.comm.world_size == 1:
             self._used_global = list(self._used)  # local is global: no tensor, no host synchronisation
         elif self._skip_unused:  # find_unused_parameters=True: the user asked for one small all-reduce
             used = torch.tensor(self._used, dtype=torch.int32, device=self.comm.device)
@@ -336,7 +337,7 @@ class GradReducer:
         Must be called on all ranks (that ran a backward pass since the last :meth:`reset`; a rank
         that ran none communicates nothing, as under torch DDP, whose collectives run in backward,
         so every rank must run backward or none). Returns a list, one bool per parameter: whether some
-        rank used it, when ``find_unused_parameters`` is on (or at world size 1); else ``None``.
+        rank used it, when ``find_unused_parameters`` is on; else ``None``.
         """
         if self.idle:  # no backward since the last step: torch's step with every .grad None
             for shard in self.grad_shards:

@@ -227,6 +227,16 @@ _add(
     callbacks=[["WriteWeightsAt", {"step": 2}]],
 )
 
+# fp32: the sharded update runs the kernel family of the user's AdamW, so it equals "ddp" bit for bit
+# (torch's fused kernel and its for-loop/foreach update round differently, and Adam amplifies that)
+for _kernel in (None, "foreach", "fused"):
+    _add(
+        f"fp32_adamw_{_kernel or 'default'}",
+        module={"adam_kernel": _kernel},
+        trainer={"max_steps": 8, "precision": "32-true"},
+        tol=0.0,
+    )
+
 STAGE1 = {
     "manual_plain",
     "manual_accumulate",
