@@ -43,6 +43,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.integrations.arguments import check_lightning_arguments
 from lightning_zero.integrations.fabric.checkpointing import FabricCheckpointing
 from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions, sharded_of
 from lightning_zero.integrations.loss_scale import update_scale, with_mixin
@@ -92,7 +93,17 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
     ) -> None:
-        options = ZeroOptions.from_arguments(locals())  # validates our arguments first
+        check_lightning_arguments(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        options = ZeroOptions.from_arguments(locals())  # every argument checked first
         options.refuse(
             ("log_comm_stats", "async_checkpoint"),
             "the Trainer strategy only: a Fabric loop has no end-of-fit hook to report a background "

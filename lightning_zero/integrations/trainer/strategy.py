@@ -45,6 +45,7 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_zero.config import ZeroConfig
+from lightning_zero.integrations.arguments import check_lightning_arguments
 from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions
 from lightning_zero.integrations.names import register_names
 from lightning_zero.integrations.trainer.checkpointing import ShardedCheckpointing
@@ -107,7 +108,18 @@ class ZeroStrategy(ShardedCheckpointing):
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
     ) -> None:
-        self._zero = ZeroFrontEnd(ZeroOptions.from_arguments(locals()))  # validates our arguments first
+        check_lightning_arguments(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision_plugin,
+            precision_name="precision_plugin",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._zero = ZeroFrontEnd(ZeroOptions.from_arguments(locals()))  # every argument checked first
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
