@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.communicator import Comm, CommError
 from lightning_zero.engine.engine import ShardEngine
 
 FORMAT_VERSION = 1
@@ -161,6 +161,19 @@ class StagedSave:
                 status.append(_write(self.extra, self.tmp / EXTRA))
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             status = f"rank {self.rank} (host {host}): {type(err).__name__}: {err}"
+        try:
+            errors = self._agree_and_commit(comm, host, status)
+        except CommError as err:  # a peer died or hung: no commit without every rank's word
+            errors = [str(err)]
+        if errors:
+            shutil.rmtree(self.tmp, ignore_errors=True)  # every rank: node-local temporaries too
+            raise CheckpointError(
+                f"saving checkpoint {self.target} failed; the previous one (if any) is kept:\n"
+                + "\n".join(sorted(set(errors), key=errors.index))
+            )
+
+    def _agree_and_commit(self, comm: Comm, host: str, status: Any) -> list[str]:
+        """Exchange every rank's outcome; rank 0 checks what it sees and commits. The errors, on all ranks."""
         everyone = comm.all_gather_object((host, status))  # a failed rank sends its error text
         errors = [s for _, s in everyone if isinstance(s, str)]
         if not errors and self.rank == 0:
@@ -176,12 +189,7 @@ class StagedSave:
                 errors.append(f"rank 0 (host {host}): {type(err).__name__}: {err}")
         if self.world_size > 1:  # rank 0's commit outcome reaches everyone
             errors = [e for rank_errors in comm.all_gather_object(errors) for e in rank_errors]
-        if errors:
-            shutil.rmtree(self.tmp, ignore_errors=True)  # every rank: node-local temporaries too
-            raise CheckpointError(
-                f"saving checkpoint {self.target} failed; the previous one (if any) is kept:\n"
-                + "\n".join(sorted(set(errors), key=errors.index))
-            )
+        return errors
 
 
 def _unseen(tmp: Path, everyone: list[tuple[str, Any]], host: str) -> list[str]:

@@ -73,10 +73,11 @@ class WireCodec:
         """Start sending ``accum`` (``(padded_numel,)``, scratch afterwards) towards ``shard``."""
         wire = self.encode(accum, comm.world_size)
         if self.stage == 1:
-            return InFlight(comm.all_reduce(wire), wire, None, wire is accum)
+            return InFlight(comm.all_reduce(wire, what="gradient all-reduce"), wire, None, wire is accum)
         direct = first_round and shard.dtype == wire.dtype  # the shard holds nothing of this step yet
         output = shard if direct else torch.empty(shard.numel(), dtype=wire.dtype, device=shard.device)
-        return InFlight(comm.reduce_scatter(output, wire), wire, output, wire is accum)
+        handle = comm.reduce_scatter(output, wire, what="gradient reduce-scatter")
+        return InFlight(handle, wire, output, wire is accum)
 
     def collect(self, comm: Comm, sent: InFlight, shard: Tensor, first_round: bool) -> None:
         """Wait for ``sent`` and fold this rank's part into ``shard``."""

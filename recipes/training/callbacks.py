@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -106,10 +107,14 @@ class StopAgreement:
         self._group: dist.ProcessGroup | None = None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
-    def open(self) -> None:
-        """Create the side group if running distributed. Call on all ranks."""
+    def open(self, timeout: timedelta | None = None) -> None:
+        """Create the side group if running distributed. Call on all ranks.
+
+        ``timeout``: the training group's (the strategy's), so that a dead or hung peer ends the wait
+        for the agreement as it ends a training collective; ``None`` is torch's 30-minute default.
+        """
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
 
     def poll(self, requested: bool) -> bool:
         """Whether all ranks stop at this boundary (some rank had `requested` at the previous one)."""
@@ -178,7 +183,8 @@ class SlurmRequeue(Callback):
         if checkpoint is None or problem is not None:
             raise ValueError(f"SlurmRequeue saves through the run's checkpoint callback, but {problem}")
         self._checkpoint = checkpoint
-        self._agreement.open()
+        # lightning-zero's strategies say their timeout; Lightning's "ddp" keeps it private
+        self._agreement.open(getattr(trainer.strategy, "timeout", None))
         if trainer.is_global_zero:
             print(
                 f"SLURM job {os.environ.get('SLURM_JOB_ID')}: world size {trainer.world_size}; on SIGUSR1 "

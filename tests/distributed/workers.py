@@ -132,7 +132,7 @@ class _Deferred:
 
 def _defer_gathers(comm: Any) -> None:
     original = comm.all_gather
-    comm.all_gather = lambda out, inp: _Deferred(lambda: original(out, inp))
+    comm.all_gather = lambda out, inp, **kw: _Deferred(lambda: original(out, inp, **kw))
 
 
 def _xy_extra(step: int, micro: int, rank: int, size: int, dtype: torch.dtype):  # noqa: ANN202

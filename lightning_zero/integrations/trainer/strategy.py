@@ -130,10 +130,16 @@ class ZeroStrategy(ShardedCheckpointing):
             timeout=timeout,
             start_method=start_method,  # type: ignore[arg-type]
         )
-        self._async_writer = AsyncCheckpointWriter() if async_checkpoint else None
+        self._async_writer = AsyncCheckpointWriter(timeout) if async_checkpoint else None
         self._fit_running = False  # between setup and teardown of a fit: a later wait reports failures
         self._unwinding = False  # on_exception was called: teardown must not wait for the other ranks
         self._pending_load = None
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """How long a collective may wait for a peer: the training process group's timeout, which
+        every group the strategy creates uses too (the background checkpoint writer's)."""
+        return self._timeout
 
     @property
     def zero_config(self) -> ZeroConfig:

@@ -1,0 +1,88 @@
+"""A dead or hung peer ends every other rank within the process group's timeout, with an error naming
+the operation, and never leaves a half checkpoint committed.
+
+Each fault runs two fresh processes (``tests.distributed.faults``) on a gloo group with a 6 s timeout;
+rank 1 dies (SIGKILL) or hangs at step 2, or dies while its background writer writes its shard. The
+test measures, on rank 0, the seconds from the start of the faulty step to the end of its run, and
+bounds them by the timeout plus a margin (torch's default would be 30 minutes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 6.0
+MARGIN_S = 20.0  # process exit and a loaded 2-core machine; far below any default timeout
+
+
+def _run(fault: str, tmp: Path) -> dict[int, dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    init = tmp / "rendezvous"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.distributed.faults",
+                str(tmp),
+                fault,
+                str(r),
+                "2",
+                str(init),
+                str(TIMEOUT_S),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
+    deadline = time.monotonic() + 120
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    results = {}
+    for r in range(2):
+        file = tmp / f"rank{r}.json"
+        if file.exists():
+            results[r] = json.loads(file.read_text())
+    return results
+
+
+@pytest.mark.parametrize(
+    ("fault", "operation"),
+    [
+        ("kill_mid_step", "reduce-scatter"),
+        ("hang_mid_step", "reduce-scatter"),
+        ("kill_mid_async_save", "all-gather of a Python object"),
+    ],
+)
+def test_a_dead_or_hung_peer_ends_the_other_rank_within_the_timeout(
+    fault: str, operation: str, tmp_path: Path
+) -> None:
+    results = _run(fault, tmp_path)
+    assert 0 in results, f"rank 0 did not end within the test's deadline ({fault})"
+    survivor = results[0]
+    assert survivor["error"] is not None, f"rank 0 finished without noticing the fault ({fault})"
+    assert "CommError" in survivor["error"] or "CheckpointError" in survivor["error"], survivor["error"]
+    assert operation in survivor["error"], survivor["error"]
+    assert "rank 0 of 2" in survivor["error"], survivor["error"]
+    assert survivor["seconds_after_fault"] <= TIMEOUT_S + MARGIN_S, survivor
+    if fault == "hang_mid_step":  # the hung rank wakes up to a broken group and ends too
+        assert 1 in results and results[1]["error"] is not None, results
+    if fault == "kill_mid_async_save":
+        assert not (tmp_path / "ckpt").exists(), "a save missing a rank's shard was committed"
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")], "temporaries left"
