@@ -160,7 +160,7 @@ class StagedSave:
             if self.rank == 0:
                 status.append(_write(self.extra, self.tmp / EXTRA))
         except Exception as err:  # noqa: BLE001 - reported to every rank below
-            status = f"rank {self.rank} (host {host}): {type(err).__name__}: {err}"
+            status = f"rank {self.rank}: {type(err).__name__}: {err} (host {host})"
         try:
             errors = self._agree_and_commit(comm, host, status)
         except CommError as err:  # a peer died or hung: no commit without every rank's word
@@ -186,7 +186,7 @@ class StagedSave:
                 _write({**self.meta, "files": files}, self.tmp / META)
                 _commit(self.tmp, self.target)
             except Exception as err:  # noqa: BLE001
-                errors.append(f"rank 0 (host {host}): {type(err).__name__}: {err}")
+                errors.append(f"rank 0: {type(err).__name__}: {err} (host {host})")
         if self.world_size > 1:  # rank 0's commit outcome reaches everyone
             errors = [e for rank_errors in comm.all_gather_object(errors) for e in rank_errors]
         return errors

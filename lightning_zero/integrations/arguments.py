@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.precision import Precision
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -65,3 +65,39 @@ def check_lightning_arguments(
         )
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {list(START_METHODS)}, got {start_method!r}")
+
+
+def check_sharded_io(checkpoint_io: Any, sharded_checkpoint: bool, owner: str) -> None:
+    """Refuse a checkpoint IO plugin that sharded checkpoints would not use (never accept and ignore).
+
+    Sharded directories are written by every rank with ``torch.save`` to a local or shared file system
+    path, not through Lightning's ``CheckpointIO``; a plugin other than the default
+    ``TorchCheckpointIO`` (a custom one, ``AsyncCheckpointIO``) works with ``sharded_checkpoint=False``.
+    """
+    if sharded_checkpoint and checkpoint_io is not None and type(checkpoint_io) is not TorchCheckpointIO:
+        raise ValueError(
+            f"{owner}: checkpoint_io={type(checkpoint_io).__name__} is not used by sharded checkpoints "
+            "(every rank writes its own shard with torch.save to a local or shared file system path); "
+            "pass sharded_checkpoint=False to save one file through it, or drop the plugin "
+            "(async_checkpoint=True saves sharded checkpoints in the background)"
+        )
+
+
+def check_sharded_path(path: Any) -> None:
+    """Refuse a URL as a sharded checkpoint's path (``s3://bucket/run`` would become ``s3:/bucket/run``).
+
+    ``file://`` URLs are local paths and accepted by the caller after :func:`local_path`.
+    """
+    text = str(path)
+    if "://" in text and not text.startswith("file://"):
+        raise ValueError(
+            f"sharded checkpoints are written to a local or shared file system path, got the URL {text!r}; "
+            "use a mounted path, or sharded_checkpoint=False to save one file through a CheckpointIO "
+            "that supports the URL"
+        )
+
+
+def local_path(path: Any) -> Any:
+    """``file:///a/b`` -> ``/a/b``; any other path unchanged (after :func:`check_sharded_path`)."""
+    text = str(path)
+    return text.removeprefix("file://") if text.startswith("file://") else path

@@ -43,7 +43,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.integrations.arguments import check_lightning_arguments
+from lightning_zero.integrations.arguments import check_lightning_arguments, check_sharded_io
 from lightning_zero.integrations.fabric.checkpointing import FabricCheckpointing
 from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions, sharded_of
 from lightning_zero.integrations.loss_scale import update_scale, with_mixin
@@ -109,6 +109,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
             "the Trainer strategy only: a Fabric loop has no end-of-fit hook to report a background "
             "save's failure, nor a logger of the strategy's own",
         )
+        check_sharded_io(checkpoint_io, sharded_checkpoint, "ZeroFabricStrategy")
         self._zero = ZeroFrontEnd(options)
         super().__init__(
             accelerator=accelerator,
@@ -152,6 +153,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
                 "strategy 'zero' shards one model and its optimizer per Fabric; fabric.setup was "
                 "already called with an optimizer"
             )
+        check_sharded_io(self.checkpoint_io, self._zero.options.sharded_checkpoint, "ZeroFabricStrategy")
         module = self.setup_module(module)
         sharded = self._zero.shard(optimizers[0], module, [] if scheduler is None else [scheduler])
         self._module = module

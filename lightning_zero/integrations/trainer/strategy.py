@@ -45,7 +45,11 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_zero.config import ZeroConfig
-from lightning_zero.integrations.arguments import check_lightning_arguments
+from lightning_zero.integrations.arguments import (
+    check_lightning_arguments,
+    check_sharded_io,
+    check_sharded_path,
+)
 from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions
 from lightning_zero.integrations.names import register_names
 from lightning_zero.integrations.trainer.checkpointing import ShardedCheckpointing
@@ -120,6 +124,7 @@ class ZeroStrategy(ShardedCheckpointing):
             start_method=start_method,
         )
         self._zero = ZeroFrontEnd(ZeroOptions.from_arguments(locals()))  # every argument checked first
+        check_sharded_io(checkpoint_io, sharded_checkpoint, "ZeroStrategy")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -164,6 +169,7 @@ class ZeroStrategy(ShardedCheckpointing):
             if any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.model.modules()):
                 raise ValueError("SyncBatchNorm layers only work with GPU modules")  # torch DDP's own refusal
         self._fit_running, self._unwinding = fitting, False
+        self._check_checkpoint_targets(trainer)
         if fitting:
             self.setup_optimizers(trainer)
             self._shard_optimizer()  # compares bucket plans first: a mismatch is an error, not a hang
@@ -184,6 +190,16 @@ class ZeroStrategy(ShardedCheckpointing):
         else:
             ZeroFrontEnd.sync_module_states(self.model)
         self.setup_precision_plugin()
+
+    def _check_checkpoint_targets(self, trainer: pl.Trainer) -> None:
+        """Before any work: a checkpoint IO plugin or a URL that sharded saves could not honour."""
+        sharded = self._zero.options.sharded_checkpoint
+        check_sharded_io(self.checkpoint_io, sharded, "ZeroStrategy")
+        if sharded:
+            for callback in trainer.checkpoint_callbacks:
+                dirpath = getattr(callback, "dirpath", None)
+                if dirpath is not None:
+                    check_sharded_path(dirpath)
 
     def _shard_optimizer(self) -> None:
         if len(self.optimizers) != 1:
