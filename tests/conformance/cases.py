@@ -213,6 +213,8 @@ _add(
 _add(
     "clip_norm_accumulate", trainer={"max_steps": 5, "accumulate_grad_batches": 3, "gradient_clip_val": 0.05}
 )
+# a global norm below the threshold must leave the gradients alone (never scale them up)
+_add("clip_norm_not_reached", trainer={"max_steps": 5, "gradient_clip_val": 100.0})
 _add("val_check_interval", trainer={"max_steps": 8, "val_check_interval": 3, "limit_val_batches": 2})
 _add("limit_train_batches", trainer={"max_epochs": 3, "limit_train_batches": 2})
 _add("fast_dev_run", trainer={"fast_dev_run": 2})

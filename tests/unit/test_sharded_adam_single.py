@@ -57,6 +57,34 @@ def test_fp32_equals_torch_bit_for_bit_with_the_users_kernel(kernel: dict) -> No
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3], ids=["norm_above_max", "norm_below_max"])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clipping_equals_torch_on_both_sides_of_max_norm(max_norm: float, norm_type: float) -> None:
+    """Clipping scales gradients down when the global norm exceeds ``max_norm`` and leaves them alone
+    when it does not (never up), as ``torch.nn.utils.clip_grad_norm_``; the returned norm is torch's."""
+    torch.manual_seed(0)
+    model = TinyNet().double()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(param_groups(reference), lr=1e-2)
+    opt = ShardedAdamW.from_optimizer(
+        torch.optim.AdamW(param_groups(model), lr=1e-2),
+        config=ZeroConfig(bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002),
+    )
+    for _ in range(4):
+        x = torch.randn(6, 7, dtype=torch.float64)
+        model(x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+        total = opt.clip_grad_norm_(max_norm, norm_type)
+        ref_total = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type)
+        torch.testing.assert_close(total, ref_total, rtol=1e-12, atol=0)
+        assert (ref_total > max_norm) == (max_norm == 1e-3), "the case must cross the threshold as named"
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
 def test_an_unused_parameter_counts_as_zero_on_one_rank_as_on_n_unless_tracked() -> None:
     """Without ``find_unused_parameters`` a parameter that got no gradient is stepped with a zero
     gradient (weight decay moves it) and a warning names the option, at world size 1 exactly as on N
