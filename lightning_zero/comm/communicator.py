@@ -221,6 +221,16 @@ class Comm:
         self._run("all-gather of integers", self.backend.all_gather_tensor, out, local)
         return out.view(self.world_size, len(values)).tolist()
 
+    def all_gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Gather a short list of floats from every rank (a blocking control collective, float64)."""
+        if self.world_size == 1:
+            return [values]
+        local = torch.tensor(values, dtype=torch.float64, device=self.device)
+        out = torch.empty(self.world_size * len(values), dtype=torch.float64, device=self.device)
+        self.stats.count(self._ring(out.numel()), out.dtype, control=True)
+        self._run("all-gather of floats", self.backend.all_gather_tensor, out, local)
+        return out.view(self.world_size, len(values)).tolist()
+
     def gather(self, tensor: Tensor, dst: int = 0) -> Tensor | None:
         """Every rank's ``tensor`` concatenated on rank ``dst`` (``None`` elsewhere). Blocking."""
         if self.world_size == 1:

@@ -308,6 +308,10 @@ class ShardEngine:
         """Add the device-measured waits so far to :attr:`comm_stats` (synchronises the device)."""
         self.comm.flush_timings()
 
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` (e.g. its step time), in rank order. All ranks; one small collective."""
+        return self.comm.all_gather_floats(values)
+
     def min_elements_per_step(self) -> int:
         """Stage 2's lower bound on the elements a rank sends per step: ``2·Ψ·(N−1)/N`` (padded Ψ)."""
         numel = sum(b.padded_numel for b in self.plan.buckets)

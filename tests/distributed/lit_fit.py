@@ -127,6 +127,7 @@ def fit(
     checkpoint_dir: str | None = None,
     save_last: bool | str = True,
     die_at_save: int | None = None,
+    log_every: int = 1,
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """Fit TinyLit; ``batch_size`` is per rank; ``save``: checkpoint path written at the end; ``csv_dir``:
     log to CSV there, with the strategy's communication figures; ``precision="16-mixed-cpu"``: fp16 autocast
@@ -136,6 +137,7 @@ def fit(
     Returns (global rank, final parameters and, with a scaler, ``"loss_scale"``)."""
     if die_at_save is not None:
         _kill_rank1_while_writing(die_at_save)
+    flushes = _count_flushes()
     plugins = []
     if precision == "16-mixed-cpu":
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
@@ -151,7 +153,7 @@ def fit(
         gradient_clip_val=clip,
         gradient_clip_algorithm=clip_algorithm,
         logger=CSVLogger(csv_dir, name="", version="") if csv_dir else False,
-        log_every_n_steps=1,
+        log_every_n_steps=log_every,
         enable_checkpointing=checkpoint_dir is not None,
         callbacks=[
             ModelCheckpoint(
@@ -177,7 +179,24 @@ def fit(
     result = {n: p.detach().clone() for n, p in model.named_parameters()}
     if plugins:
         result["loss_scale"] = torch.tensor(plugins[0].scaler.get_scale())
+    if csv_dir:  # the communication figures were logged: how often they synchronised
+        result["flushes"] = torch.tensor(flushes[0])
     return trainer.global_rank, result
+
+
+def _count_flushes() -> list[int]:
+    """How often the engine's device timings are read (a device synchronisation on CUDA)."""
+    from lightning_zero.engine import ShardEngine
+
+    count = [0]
+    original = ShardEngine.flush_timings
+
+    def flush(self: Any) -> None:
+        count[0] += 1
+        original(self)
+
+    ShardEngine.flush_timings = flush  # type: ignore[method-assign]
+    return count
 
 
 def validate(validate_ckpt: str) -> tuple[int, dict[str, torch.Tensor]]:

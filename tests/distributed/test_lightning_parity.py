@@ -87,6 +87,9 @@ def named_cases(tmp: Path) -> dict[str, dict[str, Any]]:
         named[f"{precision}_zero2"] = dict(base, strategy="zero2")
         named[f"{precision}_ddp"] = dict(base, strategy="ddp")
     named["comm_stats"] = {"devices": 2, "stage": 2, "steps": 3, "unused_every": 0, "csv_dir": str(tmp)}
+    named["comm_stats_every_3"] = dict(
+        named["comm_stats"], steps=9, accum=2, log_every=3, csv_dir=str(tmp / "every_3")
+    )
     named["fp16_zero2"] = dict(FP16, strategy="zero2")
     named["fp16_ddp"] = dict(FP16, strategy="ddp")
     named["fp16_clean"] = dict(FP16, strategy="zero2", inf_at_step=None)
@@ -156,6 +159,31 @@ def test_comm_stats_are_logged(launched: tuple[Path, dict]) -> None:
     assert [float(v) for v in ratio if v] == [1.0, 1.0, 1.0]
     waits = [float(r.split(",")[header.index("zero/comm_wait_frac")]) for r in rows[1:] if r.split(",")[0]]
     assert all(0.0 <= w < 1.0 for w in waits)
+
+
+def test_comm_stats_synchronise_only_at_logging_steps(launched: tuple[Path, dict]) -> None:
+    """With ``log_every_n_steps=3`` (9 steps, 2 micro-batches each) the device timings are read at the
+    logged batches only, and the logged figures are means over the interval: still 1.0x the minimum."""
+    rows = (launched[0] / "every_3" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    logged = [r.split(",") for r in rows[1:] if r.split(",")[header.index("zero/elements_sent_vs_min")]]
+    assert [int(r[header.index("step")]) for r in logged] == [2, 5, 8]
+    assert [float(r[header.index("zero/elements_sent_vs_min")]) for r in logged] == [1.0, 1.0, 1.0]
+    bytes_per_element = [
+        float(r[header.index("zero/bytes_sent")]) / float(r[header.index("zero/elements_sent")])
+        for r in logged
+    ]
+    assert bytes_per_element == [8.0, 8.0, 8.0]  # float64 parameters and gradients on the wire
+    for r in logged:  # the ranks' mean batch times over the interval, across ranks
+        for name in ("step_time", "busy_time"):
+            low, mid, high = (float(r[header.index(f"zero/{name}_{k}_s")]) for k in ("min", "median", "max"))
+            assert 0.0 < low <= mid <= high, (name, low, mid, high)
+        assert float(r[header.index("zero/busy_time_max_s")]) <= float(
+            r[header.index("zero/step_time_max_s")]
+        )
+        assert float(r[header.index("zero/slowest_rank")]) in (0.0, 1.0)
+    flushes = int(launched[1]["comm_stats_every_3"]["flushes"])
+    assert flushes == len(logged), "timings read outside the logged steps (a device sync each)"
 
 
 def test_fp16_loss_scaling_overflow_on_one_rank_skips_everywhere(launched: tuple[Path, dict]) -> None:
