@@ -194,6 +194,25 @@ class ShardEngine:
         """Whether every planned parameter still is a view of the flat buffers."""
         return self.flat.is_bound(self.params_in_order)
 
+    @torch.no_grad()
+    def follow_parameters(self) -> None:
+        """After the parameters were given new storage, perhaps on another device (Lightning's teardown
+        moves the module to the CPU): new flat buffers on their device holding their values, bound to
+        them again, and every record's state moved there, so a later save writes the same sharded
+        format and reads no stale buffer. Local: no communication. For saving and reading after
+        training; the gradient hooks stay removed (call after :meth:`remove_hooks`)."""
+        if self.is_bound():
+            return
+        self.flat = FlatParams(self.params_in_order, self.plan, self.comm.rank)
+        device = self.flat.device
+        for record in self.state.records:
+            separate = record.separate_master
+            record.param = self.flat.shard(record.bucket)
+            record.master = record.master.to(device) if separate else record.param
+            record.grad = record.grad.to(device)
+            record.moments = {name: t.to(device) for name, t in record.moments.items()}
+        self.gather = ParamGather(self.plan, self.flat, self.comm, self.config.overlap_param_gather)
+
     def refresh_master(self) -> None:
         """Re-read separate (fp32) master shards from the parameters, after parameters were loaded."""
         self.wait_for_params()

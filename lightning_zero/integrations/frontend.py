@@ -180,6 +180,12 @@ class ZeroFrontEnd:
         if self.engine is not None:
             self.engine.remove_hooks()
 
+    def follow_module(self) -> None:
+        """After the framework moved the module (a GPU teardown gives parameters new CPU storage), the
+        sharded state follows it, so a save after ``fit`` still writes the sharded directory."""
+        if self.engine is not None:
+            self.engine.follow_parameters()
+
     # ---- checkpoints ------------------------------------------------------------------------
 
     def bound(self) -> bool:

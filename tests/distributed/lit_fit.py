@@ -128,6 +128,7 @@ def fit(
     save_last: bool | str = True,
     die_at_save: int | None = None,
     log_every: int = 1,
+    gpu_like_teardown: bool = False,
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """Fit TinyLit; ``batch_size`` is per rank; ``save``: checkpoint path written at the end; ``csv_dir``:
     log to CSV there, with the strategy's communication figures; ``precision="16-mixed-cpu"``: fp16 autocast
@@ -166,6 +167,8 @@ def fit(
             )
         ]
         if checkpoint_dir
+        else [MoveLikeGPUTeardown()]
+        if gpu_like_teardown
         else None,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -182,6 +185,19 @@ def fit(
     if csv_dir:  # the communication figures were logged: how often they synchronised
         result["flushes"] = torch.tensor(flushes[0])
     return trainer.global_rank, result
+
+
+class MoveLikeGPUTeardown(L.Callback):
+    """What Lightning's teardown does to a module on a GPU (``module.cpu()``): every parameter gets new
+    storage. Installed before the strategy's teardown, which calls ``cpu()``."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        def cpu() -> L.LightningModule:
+            for p in pl_module.parameters():
+                p.data = p.data.clone()
+            return pl_module
+
+        pl_module.cpu = cpu  # type: ignore[method-assign]
 
 
 def _count_flushes() -> list[int]:

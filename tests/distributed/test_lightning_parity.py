@@ -94,6 +94,13 @@ def named_cases(tmp: Path) -> dict[str, dict[str, Any]]:
     named["fp16_ddp"] = dict(FP16, strategy="ddp")
     named["fp16_clean"] = dict(FP16, strategy="zero2", inf_at_step=None)
     named["optimizer_state"] = dict(OPTIMIZER_STATE, save=str(tmp / "zero.ckpt"))
+    named["save_after_gpu_teardown"] = {
+        "devices": 2,
+        "stage": 2,
+        "steps": 4,
+        "gpu_like_teardown": True,
+        "save": str(tmp / "after_teardown.ckpt"),
+    }
     return named
 
 
@@ -150,6 +157,22 @@ def test_checkpoint_optimizer_state_is_torch_adamw_state(launched: tuple[Path, d
             torch.testing.assert_close(ours["state"][i][name], entry[name], rtol=0, atol=1e-10)
     assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in ref["param_groups"]]
     assert [g["lr"] for g in ours["param_groups"]] == [g["lr"] for g in ref["param_groups"]]
+
+
+def test_a_save_after_a_gpu_teardown_writes_the_sharded_directory(launched: tuple[Path, dict]) -> None:
+    """Lightning's teardown on a GPU gives the parameters new (CPU) storage; the sharded state follows
+    them, so ``trainer.save_checkpoint`` after ``fit`` still writes the directory, holding the final
+    parameters (and the Adam state of the fit)."""
+    from lightning_zero.checkpoint import is_sharded_checkpoint, read_meta
+    from lightning_zero.checkpoint.consolidate import load_module_checkpoint
+
+    path = launched[0] / "after_teardown.ckpt"
+    assert is_sharded_checkpoint(path), "the save after fit switched to a single file"
+    saved = load_module_checkpoint(path)["state_dict"]
+    final = launched[1]["save_after_gpu_teardown"]
+    for name, value in final.items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
+    assert int(read_meta(path)["steps"].max()) == 4
 
 
 def test_comm_stats_are_logged(launched: tuple[Path, dict]) -> None:

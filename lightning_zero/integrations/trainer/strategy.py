@@ -262,7 +262,8 @@ class ZeroStrategy(ShardedCheckpointing):
             self._pending_load = None
             if self.model is not None and self._fitting() and self._layer_sync:
                 self.model = self._layer_sync.revert(self.model)
-            super().teardown()
+            super().teardown()  # moves the module to the CPU (new storage, when it was on a GPU)
+            self._zero.follow_module()
 
     @classmethod
     @override
