@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,8 @@ import torch
 
 from recipes.config.validation import ConfigError, validate
 from tests.conf.compose import compose_pretrain
+from tests.recipes.conftest import write_parquet
+from tests.recipes.tiny_fit import write_text_corpus
 
 
 def test_default_config_validates_and_resolves_the_vocabulary() -> None:
@@ -35,7 +38,7 @@ def test_default_config_validates_and_resolves_the_vocabulary() -> None:
 def test_invalid_settings_are_named(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         validate(compose_pretrain(overrides))
-    assert message in str(info.value)
+    assert all(part in str(info.value) for part in message.split("..."))  # (...): the import's own error
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
@@ -223,3 +226,89 @@ def test_trainer_plugins_are_built_and_kept() -> None:
     cfg = compose_pretrain([f"trainer.plugins=[{{_target_:{target}}}]"])
     validate(cfg)
     assert [type(plugin) for plugin in build_plugins(cfg)] == [LightningEnvironment]
+
+
+def hide_package(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
+    """`import package` (and its submodules) fails from now on, as when it is not installed (imported
+    already or not; `torch.utils.tensorboard` imports `tensorboard`)."""
+    dependents = ("torch.utils.tensorboard",) if package == "tensorboard" else ()
+    for name in [m for m in sys.modules if m.partition(".")[0] == package or m in dependents]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, package, None)
+
+
+@pytest.mark.parametrize(
+    ("package", "overrides", "message"),
+    [
+        (
+            "matplotlib",
+            [],
+            "callbacks.loss_plot (recipes.training.plot.LossPlot): LossPlot draws the loss curves with "
+            "matplotlib (in the `recipes` extra), which cannot be imported here (...); install it, or "
+            "leave it out with callbacks.loss_plot=null",
+        ),
+        (
+            "wandb",
+            ["logger=wandb"],
+            "logger.wandb (lightning.pytorch.loggers.WandbLogger) needs the Python package 'wandb', which "
+            "cannot be imported here (...); install it (`pip install -e '.[recipes]'`), or choose another "
+            "logger",
+        ),
+        (
+            "tensorboard",
+            ["logger=tensorboard"],
+            "logger.tensorboard (lightning.pytorch.loggers.TensorBoardLogger) needs the Python package "
+            "'tensorboard'",
+        ),
+        ("tokenizers", ["data.tokenizer=bpe"], "data.tokenizer=bpe needs the Python package 'tokenizers'"),
+        (
+            "sentencepiece",
+            ["data.tokenizer=SP"],
+            "data.tokenizer=SP needs the Python package 'sentencepiece'",
+        ),
+        ("pyarrow", ["data.path=PARQUET"], "data.path='PARQUET' needs the Python package 'pyarrow'"),
+        (
+            "tokenizers",
+            ["data=tokens", "data.path=PREPARED"],
+            "data.path='PREPARED' (its tokenizer) needs the Python package 'tokenizers'",
+        ),
+    ],
+    ids=["plot", "wandb", "tensorboard", "bpe", "sentencepiece-file", "parquet", "prepared-hf"],
+)
+def test_a_missing_optional_package_is_refused_before_any_process_starts(
+    package: str,
+    overrides: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    sp_model_file: Path,
+    hf_tokenizer_file: Path,
+) -> None:
+    """Each is imported later than start-up otherwise: the plot at the end of training, a logger's client
+    at its first log, `tokenizers` when `prepare_data` trains the BPE on one rank per node, a prepared
+    directory's tokenizer once every process runs. With the package there, the same config validates."""
+    from recipes.data.preparation import PrepareConfig, prepare
+
+    text = write_text_corpus(tmp_path / "text")
+    paths = {
+        "SP": str(sp_model_file),
+        "PARQUET": str(tmp_path / "docs.parquet"),
+        "PREPARED": str(tmp_path / "tok"),
+    }
+    if "PARQUET" in str(overrides):
+        write_parquet(tmp_path / "docs.parquet", [f"document {i} " * 50 for i in range(40)])
+    if "PREPARED" in str(overrides):
+        prepare(
+            PrepareConfig(
+                out=paths["PREPARED"], inputs=(str(text),), tokenizer=str(hf_tokenizer_file), progress=False
+            )
+        )
+    for key, path in paths.items():
+        overrides = [o.replace(key, path) for o in overrides]
+        message = message.replace(key, path)
+    overrides = [f"data.path={text}", f"hydra.run.dir={tmp_path / 'run'}", "data.seq_len=32", *overrides]
+    validate(compose_pretrain(overrides))
+    hide_package(monkeypatch, package)
+    with pytest.raises(ConfigError) as info:
+        validate(compose_pretrain(overrides))
+    assert all(part in str(info.value) for part in message.split("..."))  # (...): the import's own error
