@@ -3,20 +3,20 @@
 The schema (`recipes.config.schema`) already rejects unknown keys and wrong types at compose time, and
 Hydra rejects unknown group options (`model=huge`) listing the valid ones. `check_keys` catches what
 composition lets through without looking at data or machine (`recipes.sbatch` runs it too): keys added
-with `+key=` to a recipe node, values left `???`, a hand-set `run_dir`, and every Lightning `_target_`
-node (trainer, strategy, each logger and callback, nested ones) against its class's signature
-(`recipes.config.signatures`: an argument it does not take, with the closest valid names; a value
-outside its annotation's union or `Literal` choices). `check_objects` builds the strategy, loggers and
-callbacks once, so a constructor's own check or a missing package (`logger=wandb` without wandb, the
-loss plot without matplotlib) fails here. `validate` then catches what needs the values together or the
-machine, asking the data source that `data.path` designates (`recipes.data.sources`) for what it
-knows: a data path that matches
-nothing or holds no text (or a .jsonl / .parquet without the text field), a prepared directory that is
-incomplete or too small, a window longer than the model's context, token ids the model's vocabulary
-cannot cover (from the prepared index's `max_token_id`; for a `.bin` by one pass over it), more devices
-than the machine has, a `ckpt_path` with nothing to resume, and the value checks of the recipe
-dataclasses. Each failure is a `ConfigError` whose message names the setting and what
-would be valid; the entry point prints it and exits non-zero without touching earlier runs.
+with `+key=` to a recipe node, values left `???`, a hand-set `run_dir`, a `trainer.num_nodes` other than
+`cluster.nodes` (what SLURM is asked for), and every Lightning `_target_` node (trainer, strategy, each
+logger and callback, nested ones) against its class's signature (`recipes.config.signatures`: an argument
+it does not take, with the closest valid names; a value outside its annotation's union or `Literal`
+choices). `check_objects` builds the strategy, loggers and callbacks once, so a constructor's own check or
+a missing package (`logger=wandb` without wandb, the loss plot without matplotlib) fails here. `validate`
+then catches what needs the values together or the machine, asking the data source that `data.path`
+designates (`recipes.data.sources`) for what it knows: a data path that matches nothing or holds no text
+(or a .jsonl / .parquet without the text field), a prepared directory that is incomplete or too small, a
+window longer than the model's context, token ids the model's vocabulary cannot cover (from the prepared
+index's `max_token_id`; for a `.bin` by one pass over it), more devices than the machine has, a
+`ckpt_path` with nothing to resume, and the value checks of the recipe dataclasses. Each failure is a
+`ConfigError` whose message names the setting and what would be valid; the entry point prints it and exits
+non-zero without touching earlier runs.
 
 Optional packages fail here, never after training (`check_objects`, `data_vocab_size`, `check_data`):
 everything the config asks for that imports a package only when first used - a logger's client (its
@@ -46,6 +46,7 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig, OmegaConf
 
+from recipes.config.resolvers import slurm_nodes
 from recipes.config.schema import RUN_DIR_DEFAULT, TRAINER_ARGS_FROM_GROUPS
 from recipes.config.signatures import SIGNATURE_SCHEMA, ArgumentError, check_arguments
 from recipes.data import Corpus, DataConfig, DataError, DataSource, TokenizerError, data_source
@@ -275,8 +276,9 @@ def check_target_nodes(cfg: DictConfig) -> None:
 
 
 def check_keys(cfg: DictConfig) -> None:
-    """What composition lets through: `+key=` additions, values left `???`, a `run_dir` set by hand,
-    and the arguments of every Lightning object. Needs no data and no machine (`recipes.sbatch` too).
+    """What composition lets through: `+key=` additions, values left `???`, a `run_dir` set by hand, a
+    `trainer.num_nodes` that disagrees with `cluster.nodes`, and the arguments of every Lightning object.
+    Needs no data and no machine (`recipes.sbatch` too).
 
     Raises:
         ConfigError: naming the key and what would be valid.
@@ -290,6 +292,10 @@ def check_keys(cfg: DictConfig) -> None:
             f"missing mandatory value(s): {', '.join(missing)}; set them as key=value overrides"
         )
     check_run_dir(cfg)
+    try:  # one number of nodes: SLURM's (`recipes.sbatch`, the submitit launcher) is cluster.nodes
+        slurm_nodes(cfg.cluster.nodes, cfg.trainer.num_nodes)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
     check_strategy(cfg.strategy)
     check_target_nodes(cfg)
 
