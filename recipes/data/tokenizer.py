@@ -67,7 +67,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`; ids outside `0 .. vocab_size - 1` are left out. A model's vocabulary may be
+        larger than its tokenizer's (`model.vocab_size` only has to cover it), so a sample can hold
+        ids no token has."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,7 @@ class HFTokenizer:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids)
+        return self._tokenizer.decode([i for i in ids if 0 <= i < self.vocab_size])
 
 
 BPETokenizer = HFTokenizer
@@ -200,7 +204,8 @@ class SentencePieceTokenizer:
         return self._model.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self._model.decode(ids)
+        size = self._model.get_piece_size()  # SentencePiece raises IndexError on any id past its pieces
+        return self._model.decode([i for i in ids if 0 <= i < size])
 
 
 def _tiktoken_params(path: Path) -> dict:
@@ -279,7 +284,7 @@ class TiktokenTokenizer:
         return self._encoding.encode_ordinary(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self._encoding.decode([i for i in ids if i < self._encoding.n_vocab])
+        return self._encoding.decode([i for i in ids if 0 <= i < self._encoding.n_vocab])
 
 
 def _check_eos(

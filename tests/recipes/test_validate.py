@@ -33,6 +33,7 @@ def test_default_config_validates_and_resolves_the_vocabulary() -> None:
         (["ckpt_path=/nonexistent/x.ckpt"], "ckpt_path='/nonexistent/x.ckpt' does not exist"),
         (["data.tokenizer=/nonexistent.json"], "data.tokenizer='/nonexistent.json' does not exist"),
         (["data.tokenizer=null"], "data.tokenizer=null needs data.path to be a directory written by"),
+        (["data.seq_len=257"], "data.seq_len=257 exceeds model.max_seq_len=256"),  # 256: the default
     ],
 )
 def test_invalid_settings_are_named(overrides: list[str], message: str) -> None:
@@ -61,6 +62,38 @@ def test_pretokenized_input_checks(tmp_path: Path) -> None:
     message = r"holds token id 50256, outside model.vocab_size=256 \(tokenizer vocabulary 256\)"
     with pytest.raises(ConfigError, match=message):
         validate(compose_pretrain(["data=pretokenized", f"data.path={gpt2}"]))
+
+
+def test_token_ids_cross_the_vocabulary_boundary_exactly(tmp_path: Path) -> None:
+    """Valid ids are 0 .. model.vocab_size - 1 (id vocab_size is an embedding lookup out of range: a
+    device-side assert on CUDA): the last one is accepted, the next one refused. And the model's
+    vocabulary may equal the tokenizer's, not be one smaller."""
+
+    def tokens_up_to(top: int) -> Path:
+        path = tmp_path / f"top{top}.bin"
+        np.r_[np.arange(20000) % 256, top].astype(np.uint16).tofile(path)  # byte ids, then `top`
+        return path
+
+    pretokenized = ["data=pretokenized", "model.vocab_size=300"]
+    configs = validate(compose_pretrain([*pretokenized, f"data.path={tokens_up_to(299)}"]))
+    assert configs.model.vocab_size == 300
+    message = r"holds token id 300, outside model.vocab_size=300 .*set model.vocab_size>=301"
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_pretrain([*pretokenized, f"data.path={tokens_up_to(300)}"]))
+    text = [f"data.path={write_text_corpus(tmp_path / 'text')}", "data.seq_len=32"]
+    assert validate(compose_pretrain([*text, "model.vocab_size=256"])).model.vocab_size == 256
+    with pytest.raises(ConfigError, match="model.vocab_size=255 is smaller than the tokenizer's 256"):
+        validate(compose_pretrain([*text, "model.vocab_size=255"]))
+
+
+def test_every_core_may_be_used_and_not_one_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    from recipes.config.validation import check_devices
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    check_devices("cpu", 4)
+    check_devices("cpu", [0, 1, 2, 3])
+    with pytest.raises(ConfigError, match=r"trainer.devices=5 but this machine has 4 CPU cores"):
+        check_devices("cpu", 5)
 
 
 def test_corpus_smaller_than_two_windows_is_refused(tmp_path: Path) -> None:
