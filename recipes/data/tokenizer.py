@@ -47,6 +47,10 @@ _DIR_FILES = ("tokenizer.json", "tokenizer.model")
 Document = str | bytes
 
 
+MIN_BPE_VOCAB_SIZE = 257
+"""A byte-level BPE holds the 256 bytes and the end-of-text token (`train_bpe`)."""
+
+
 class TokenizerError(DataError):
     """A tokenizer that cannot be used; the message names the file or setting and what is valid."""
 
@@ -345,8 +349,10 @@ def train_bpe(documents: Iterable[Document], vocab_size: int, path: Path) -> HFT
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 257:
-        raise ValueError(f"data.bpe_vocab_size must be >= 257 (256 bytes + end-of-text), got {vocab_size}")
+    if vocab_size < MIN_BPE_VOCAB_SIZE:
+        raise ValueError(
+            f"data.bpe_vocab_size must be >= {MIN_BPE_VOCAB_SIZE} (256 bytes + end-of-text), got {vocab_size}"
+        )
     tokenizer = RustTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

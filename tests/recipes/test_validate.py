@@ -34,6 +34,7 @@ def test_default_config_validates_and_resolves_the_vocabulary() -> None:
         (["data.tokenizer=/nonexistent.json"], "data.tokenizer='/nonexistent.json' does not exist"),
         (["data.tokenizer=null"], "data.tokenizer=null needs data.path to be a directory written by"),
         (["data.seq_len=257"], "data.seq_len=257 exceeds model.max_seq_len=256"),  # 256: the default
+        (["data.tokenizer=bpe", "data.bpe_vocab_size=256"], "data.bpe_vocab_size must be >= 257 (256 bytes"),
     ],
 )
 def test_invalid_settings_are_named(overrides: list[str], message: str) -> None:
@@ -84,6 +85,13 @@ def test_token_ids_cross_the_vocabulary_boundary_exactly(tmp_path: Path) -> None
     assert validate(compose_pretrain([*text, "model.vocab_size=256"])).model.vocab_size == 256
     with pytest.raises(ConfigError, match="model.vocab_size=255 is smaller than the tokenizer's 256"):
         validate(compose_pretrain([*text, "model.vocab_size=255"]))
+
+
+def test_the_smallest_bpe_is_accepted_before_it_is_trained() -> None:
+    """257 ids (the bytes and end-of-text) is the smallest BPE; 256 is refused above, at validation, not
+    when `prepare_data` trains it on one rank per node while the others wait."""
+    configs = validate(compose_pretrain(["data.tokenizer=bpe", "data.bpe_vocab_size=257"]))
+    assert configs.model.vocab_size == 257
 
 
 def test_every_core_may_be_used_and_not_one_more(monkeypatch: pytest.MonkeyPatch) -> None:
