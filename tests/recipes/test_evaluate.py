@@ -165,14 +165,22 @@ def test_a_bare_checkpoint_file_still_gets_the_vocabulary_check(
 def test_a_checkpoint_from_before_the_throughput_callback_still_loads(
     run: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """Its hyper-parameters name `peak_flops_per_device`, which the module no longer takes."""
+    """Its hyper-parameters name `peak_flops_per_device`, which the module no longer takes: it loads the
+    same weights (the loss of the first batch is the trained model's, computed here by hand), and
+    `limit_batches=1` evaluates one batch of 4 windows."""
     checkpoint = torch.load(run["run_dir"] / "checkpoints" / "last.ckpt", weights_only=True)
     checkpoint["hyper_parameters"]["peak_flops_per_device"] = None
     (tmp_path / "checkpoints").mkdir()
     torch.save(checkpoint, tmp_path / "checkpoints" / "old.ckpt")
     (tmp_path / "config.yaml").write_text((run["run_dir"] / "config.yaml").read_text())
-    _, loss, _, _ = evaluate(capsys, str(tmp_path), "limit_batches=1")
-    assert loss > 0
+    split, loss, _, tokens = evaluate(capsys, str(tmp_path), "limit_batches=1")
+    val_set = run["datamodule"].val_set
+    inputs, targets = (torch.stack(t) for t in zip(*(val_set[i] for i in range(4)), strict=True))
+    with torch.no_grad():
+        logits = run["module"].model(inputs)  # (4, 32, 256)
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert split == "val" and tokens == 4 * 32  # one batch of data.batch_size=4 windows of 32
+    assert loss == pytest.approx(expected, rel=1e-6, abs=2e-6)
 
 
 def test_a_tokenizer_mismatch_is_refused_before_the_data_is_prepared(
