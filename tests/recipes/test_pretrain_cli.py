@@ -31,12 +31,14 @@ class Result:
     stderr: str
 
 
-def pretrain(*overrides: str, timeout_s: int = TIMEOUT_S) -> Result:
+def pretrain(*overrides: str, timeout_s: int = TIMEOUT_S, without: tuple[str, ...] = ()) -> Result:
+    """`python -m recipes.pretrain OVERRIDES`; `without`: in an environment lacking those packages."""
     # A test run inside a SLURM job or a launcher must not make Lightning join that job instead.
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in LAUNCH_VARS}
     env = {**inherited, "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"}
+    launch = ["-m", "tests.recipes.without_packages", ",".join(without)] if without else ["-m"]
     proc = subprocess.run(
-        [sys.executable, "-m", "recipes.pretrain", *overrides],
+        [sys.executable, *launch, "recipes.pretrain", *overrides],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -222,3 +224,21 @@ def test_debug_fdr_runs_one_batch_in_one_process_writing_no_checkpoint(tmp_path:
     assert "Starting with 1 processes" in result.stderr  # debug: one process
     assert "finished at step 1" in result.stdout
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]  # no checkpoints, no logs
+
+
+def test_a_missing_optional_package_stops_the_run_before_its_first_step(tmp_path: Path) -> None:
+    """Without matplotlib (as far as any code can tell: `tests.recipes.without_packages`) the default loss
+    plot is refused before any process starts, naming the override that goes without it; that override
+    then trains. (The recipe used to train to the end and fail drawing, before its final save.)"""
+    run_dir = tmp_path / "e2e"
+    overrides = small_run(tmp_path, tmp_path / "cache", "trainer.devices=1", "trainer.max_steps=2")
+    refused = pretrain(*overrides, without=("matplotlib",), timeout_s=90)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "error: callbacks.loss_plot (recipes.training.plot.LossPlot): " in refused.stderr
+    assert "matplotlib" in refused.stderr and "leave it out with callbacks.loss_plot=null" in refused.stderr
+    assert "Traceback" not in refused.stderr and "Starting with" not in refused.stderr  # no process
+    assert not run_dir.exists()  # not a step, not a log, not a config.yaml
+    trained = pretrain(*overrides, "callbacks.loss_plot=null", without=("matplotlib",))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "finished at step 2" in trained.stdout and "loss curves" not in trained.stdout
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml", "logs"]
