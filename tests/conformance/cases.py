@@ -229,14 +229,16 @@ _add(
     callbacks=[["WriteWeightsAt", {"step": 2}]],
 )
 
-# fp32: the sharded update runs the kernel family of the user's AdamW, so it equals "ddp" bit for bit
-# (torch's fused kernel and its for-loop/foreach update round differently, and Adam amplifies that)
-for _kernel in (None, "foreach", "fused"):
+# fp32: the sharded update runs the kernel family of the user's AdamW (torch's fused kernel and its
+# for-loop/foreach update round differently, and Adam amplifies that): the default and foreach equal
+# "ddp" bit for bit. The fused CPU kernel rounds the last elements of a tensor (its vectorised loop's
+# tail) differently, and a shard piece ends elsewhere than the whole parameter: measured 3.7e-9 here
+for _kernel, _tol in ((None, 0.0), ("foreach", 0.0), ("fused", 1e-7)):
     _add(
         f"fp32_adamw_{_kernel or 'default'}",
         module={"adam_kernel": _kernel},
         trainer={"max_steps": 8, "precision": "32-true"},
-        tol=0.0,
+        tol=_tol,
     )
 
 STAGE1 = {
