@@ -55,7 +55,13 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
 
     Args:
         stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
-        find_unused_parameters, align_numel: see :class:`~lightning_zero.ZeroConfig`.
+        find_unused_parameters, align_numel, skip_nonfinite_steps: see
+            :class:`~lightning_zero.ZeroConfig`. With ``skip_nonfinite_steps=K > 0``,
+            ``optimizer.step()`` skips a step whose gradients hold inf/NaN on any rank, on every rank
+            (``optimizer.skipped_steps`` counts them), and the ``K``-th skipped step in a row raises
+            :class:`~lightning_zero.NonFiniteGradientError`, naming the step (counted from
+            ``fabric.setup``) and the ranks; ``fabric.clip_gradients`` then leaves a non-finite norm
+            to the skip instead of raising.
         sharded_checkpoint: ``fabric.save`` writes a directory of per-rank shards (the Trainer
             strategy's format); ``False``: one file written by rank 0, as ``"ddp"`` does.
         broadcast_buffers: as :class:`~lightning_zero.ZeroStrategy`.
@@ -79,6 +85,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         reduce_dtype: str | None = None,
         find_unused_parameters: bool = False,
         align_numel: int = 1,
+        skip_nonfinite_steps: int = 0,
         log_comm_stats: bool = False,
         sharded_checkpoint: bool = True,
         async_checkpoint: bool = False,
@@ -193,7 +200,8 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         sharded = sharded_of(optimizer)
         self.precision.unscale_gradients(optimizer)
         total = sharded.clip_grad_norm_(float(max_norm), float(norm_type))
-        if error_if_nonfinite and not bool(torch.isfinite(total)):  # every rank holds the same total
+        skips = self.zero_config.skip_nonfinite_steps > 0  # the step will be skipped: no need to raise
+        if error_if_nonfinite and not skips and not bool(torch.isfinite(total)):  # the same total everywhere
             raise RuntimeError(
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                 "non-finite, so it cannot be clipped. To disable this error and scale the gradients by "
