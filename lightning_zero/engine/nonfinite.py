@@ -8,9 +8,11 @@ With ``ZeroConfig.skip_nonfinite_steps = K > 0`` (:class:`NonFiniteGuard`):
      (no host synchronisation per bucket). A NaN or inf after the reduction can only come from a
      local one (Megatron-Core checks the same place), except on a wire narrower than the
      accumulation dtype, where a sum of finite means can overflow: there the codec also inspects the
-     reduced part this rank keeps (:mod:`lightning_zero.engine.codecs`), counted on that rank.
-  2. **Agree once per step, all ranks.** Each rank's verdict becomes a ``(world_size,)`` int vector
-     with its own entry set; a max all-reduce tells every rank *which* ranks saw non-finite values.
+     reduced part this rank keeps (:mod:`lightning_zero.engine.codecs`, :meth:`inspect_reduced`).
+  2. **Agree once per step, all ranks.** Each rank's verdicts become a ``(2, world_size)`` int vector
+     with its own entries set (non-finite before sending; after the reduction); a max all-reduce tells
+     every rank *which* ranks saw non-finite values: those that sent them, or, when none did, those
+     holding a reduced sum that overflowed the wire dtype.
      With ``find_unused_parameters=True`` the vector rides on the used-parameter mask's all-reduce
      (no extra collective, no extra host synchronisation); otherwise :meth:`NonFiniteGuard.agree`
      makes one small control all-reduce and one host synchronisation at the step (world size 1:
@@ -70,39 +72,57 @@ class NonFiniteGuard:
         """The ranks that saw inf/NaN in the latest skipped step."""
         self.first_of_run: int | None = None
         """The optimizer step that started the current run of skipped steps."""
-        self._extremes: list[Tensor] = []  # (2,) float64 min and max of each inspected tensor, on device
+        # (2,) float64 min and max of each inspected tensor, on the device: before sending | reduced
+        self._extremes: tuple[list[Tensor], list[Tensor]] = ([], [])
         self._agreed: list[int] | None = None  # the ranks that saw inf/NaN, once agreed
+        self._in_reduction = False  # the agreed ranks only hold an overflowed sum
 
     @property
     def enabled(self) -> bool:
         return self.limit > 0
 
-    @torch.no_grad()
     def inspect(self, tensor: Tensor) -> None:
-        """Note whether ``tensor`` holds inf/NaN: one pass, results kept on the device (no sync)."""
+        """Note whether ``tensor``, this rank's gradients about to be sent, holds inf/NaN: one pass,
+        the result kept on the device (no host synchronisation)."""
+        self._note(tensor, self._extremes[0])
+
+    def inspect_reduced(self, tensor: Tensor) -> None:
+        """The same for a reduced part this rank keeps (a narrower wire's sum may overflow)."""
+        self._note(tensor, self._extremes[1])
+
+    @torch.no_grad()
+    def _note(self, tensor: Tensor, into: list[Tensor]) -> None:
         low, high = torch.aminmax(tensor)  # NaN propagates into both; +-inf shows in one of them
-        self._extremes.append(torch.stack((low, high)).to(torch.float64))  # exact for every float dtype
+        into.append(torch.stack((low, high)).to(torch.float64))  # exact for every float dtype
         self._agreed = None
 
     @torch.no_grad()
     def local_flags(self) -> Tensor:
-        """``(world_size,)`` int32 on the communication device: 1 at this rank's entry if anything it
-        inspected since the last :meth:`reset` held inf/NaN, 0 elsewhere. No host synchronisation
-        (on the compute device's own backend)."""
-        flags = torch.zeros(self.comm.world_size, dtype=torch.int32, device=self.comm.device)
-        if self._extremes:
-            seen = torch.cat(self._extremes)  # (2 * inspected,)
-            self._extremes = [seen]  # later rounds of the same step add to it
-            flags[self.comm.rank] = (~torch.isfinite(seen).all()).to(flags.device, torch.int32)
+        """``(2 * world_size,)`` int32 on the communication device: at this rank's entry of the first
+        half 1 if anything it sent since the last :meth:`reset` held inf/NaN, of the second half 1 if
+        a reduced part did; 0 elsewhere. No host synchronisation (on the compute device's backend)."""
+        world_size = self.comm.world_size
+        flags = torch.zeros(2 * world_size, dtype=torch.int32, device=self.comm.device)
+        for half, extremes in enumerate(self._extremes):
+            if extremes:
+                seen = torch.cat(extremes)  # (2 * inspected,)
+                extremes[:] = [seen]  # later rounds of the same step add to it
+                bad = (~torch.isfinite(seen).all()).to(flags.device, torch.int32)
+                flags[half * world_size + self.comm.rank] = bad
         return flags
 
     def agreed(self, flags: Sequence[int]) -> None:
-        """Take the reduced flag vector (e.g. from the used-parameter mask's all-reduce)."""
-        self._agreed = [rank for rank, flag in enumerate(flags) if flag]
+        """Take the all-reduced flags (e.g. from the used-parameter mask's all-reduce)."""
+        world_size = self.comm.world_size
+        sent = [rank for rank in range(world_size) if flags[rank]]
+        reduced = [rank for rank in range(world_size) if flags[world_size + rank]]
+        self._in_reduction = not sent and bool(reduced)
+        self._agreed = sent or reduced
 
     def known_finite(self) -> None:
         """Every rank's gradients are known to be finite (loss scaling checked every shard)."""
         self._agreed = []
+        self._in_reduction = False
 
     def agree(self) -> list[int]:
         """The ranks that saw inf/NaN in this step's gradients, the same list on every rank.
@@ -119,7 +139,7 @@ class NonFiniteGuard:
 
     def reset(self) -> None:
         """A new step: forget what was inspected."""
-        self._extremes = []
+        self._extremes = ([], [])
         self._agreed = None
 
     def updated(self) -> None:
@@ -140,9 +160,10 @@ class NonFiniteGuard:
             self.first_of_run = step
         if self.consecutive >= self.limit:
             since = "" if self.consecutive == 1 else f" (steps {self.first_of_run} to {step})"
+            where = " (in the reduced sum: too large for the wire dtype)" if self._in_reduction else ""
             raise NonFiniteGradientError(
                 f"non-finite gradients (inf/NaN) at optimizer step {step} on rank(s) "
-                f"{', '.join(map(str, ranks))}: {self.consecutive} step(s) in a row skipped{since}, "
+                f"{', '.join(map(str, ranks))}{where}: {self.consecutive} step(s) in a row skipped{since}, "
                 f"the limit set by skip_nonfinite_steps={self.limit}. Parameters and optimizer state "
                 "are those before the first skipped step.",
                 step,

@@ -113,6 +113,7 @@ class GradReducer:
         self.config = config
         self._guard = guard if guard is not None and guard.enabled else None
         self._inspect = None if self._guard is None else self._guard.inspect
+        self._inspect_reduced = None if self._guard is None else self._guard.inspect_reduced
         self._where = plan.locate()
         self.grad_shards: list[Tensor] = [
             torch.zeros(plan.shard_numel(b), dtype=master_dtype(b.dtype), device=flat.device)
@@ -350,10 +351,10 @@ class GradReducer:
 
     def _launch_used_mask(self) -> tuple[Tensor, object]:
         """Start the max all-reduce of this rank's used-parameter mask (``(num_params,)`` int32),
-        followed by the non-finite guard's ``(world_size,)`` flags when the guard is on."""
+        followed by the non-finite guard's ``(2 * world_size,)`` flags when the guard is on."""
         used = torch.tensor(self._used, dtype=torch.int32, device=self.comm.device)
         if self._guard is not None:
-            used = torch.cat([used, self._guard.local_flags()])  # (num_params + world_size,)
+            used = torch.cat([used, self._guard.local_flags()])  # (num_params + 2 * world_size,)
         return used, self.comm.all_reduce(used, op="max", control=True)
 
     def finalize(self) -> list[bool] | None:
@@ -375,7 +376,7 @@ class GradReducer:
         state = self._buckets[bucket_index]
         assert state.sent is not None
         state.codec.collect(
-            self.comm, state.sent, self.grad_shards[bucket_index], self._rounds == 0, self._inspect
+            self.comm, state.sent, self.grad_shards[bucket_index], self._rounds == 0, self._inspect_reduced
         )
         self._release(state)
 
