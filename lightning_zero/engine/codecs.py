@@ -53,6 +53,7 @@ class InFlight:
     narrower: bool = False
     """The wire dtype has less range than the accumulation dtype: the reduction itself may overflow."""
 
+
 Inspect = Callable[[Tensor], None]
 """Called with a tensor that must be checked for inf/NaN (device-side; it must not synchronise)."""
 

@@ -99,8 +99,10 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
     ("SGD"), two_optimizers, separate_setup (refusals), save_at + save (a path), resume (a path),
     resume_trainer (a Trainer checkpoint: model and optimizer, step from its global_step),
     skip_nonfinite_steps, nan_at ([step, micro] pairs where rank 1's loss is NaN), skip_step (no
-    backward and no optimizer step then; the scheduler still steps), consolidate (a path: rank 0 consolidates ``save`` there after the loop), load_raw (a
-    consolidated file: model and optimizer state extracted from it, loaded with ``fabric.load_raw``)."""
+    backward and no optimizer step then; the scheduler still steps), consolidate (a path: rank 0
+    consolidates ``save`` there after the loop), load_raw (a consolidated file: model and optimizer
+    state extracted from it, loaded with ``fabric.load_raw``), every_rank (with expect_error: every
+    rank's error message, gathered on rank 0)."""
     fabric = make_fabric(case, devices)
     dtype = torch.float64 if case.get("precision", "64-true") == "64-true" else torch.float32
     model = Holder(batchnorm=case.get("batchnorm", False))
@@ -270,6 +272,10 @@ def main() -> None:
             if not case.get("expect_error"):
                 raise
             results.append({"error": f"{type(err).__name__}: {err}"})
+            if case.get("every_rank") and torch.distributed.is_initialized():  # each rank's error, on rank 0
+                every_rank = [None] * torch.distributed.get_world_size()
+                torch.distributed.all_gather_object(every_rank, results[-1]["error"])
+                results[-1]["every_rank"] = every_rank
         rank = int(torch.distributed.get_rank()) if torch.distributed.is_initialized() else 0
     if rank == 0:
         torch.save(results, args.out)

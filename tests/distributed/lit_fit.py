@@ -27,7 +27,8 @@ from tests.distributed.models import TinyNet, param_groups
 class TinyLit(L.LightningModule):
     """TinyNet with AdamW in two groups, a step-wise LR schedule and a parameter unused on steps
     ``2 mod unused_every`` (never unused when 0). ``nan_at``: ``[step, micro-batch]`` pairs where rank
-    1's loss is NaN; ``skip_step``: every rank's ``training_step`` returns ``None`` at that step."""
+    1's loss is NaN; ``skip_step``: that step's gradients are computed, then dropped on every rank
+    before an optimizer step that changes nothing (Lightning refuses a ``None`` loss when distributed)."""
 
     def __init__(
         self,
@@ -48,9 +49,7 @@ class TinyLit(L.LightningModule):
         self.net = TinyNet()
         self.unused_every = unused_every
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
-        if self.global_step == self.skip_step:
-            return None  # Lightning skips backward; the optimizer steps with no gradient at all
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = torch.nn.functional.mse_loss(
             self.net(x, use_extra=not self.unused_every or self.global_step % self.unused_every != 2), y
@@ -62,6 +61,20 @@ class TinyLit(L.LightningModule):
             loss = loss * float("nan")
         self.log("loss", loss)
         return loss
+
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
+    ) -> None:
+        if self.global_step != self.skip_step:
+            optimizer.step(closure=optimizer_closure)
+            return
+
+        def discard() -> Any:  # the step runs (Lightning counts it, schedulers step) with no gradient
+            loss = optimizer_closure()
+            optimizer.zero_grad()
+            return loss
+
+        optimizer.step(closure=discard)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
@@ -258,8 +271,15 @@ def main() -> None:
         except Exception as err:  # noqa: BLE001 - an expected error is this case's result, on every rank
             if not expect_error:
                 raise
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            results.append({"error": f"{type(err).__name__}: {err}"})
+            message = f"{type(err).__name__}: {err}"
+            distributed = torch.distributed.is_initialized()
+            rank = torch.distributed.get_rank() if distributed else 0
+            every_rank = [None] * (torch.distributed.get_world_size() if distributed else 1)
+            if distributed:  # every rank must have raised, or this blocks and the launch times out
+                torch.distributed.all_gather_object(every_rank, message)
+            else:
+                every_rank = [message]
+            results.append({"error": message, "every_rank": every_rank})
             continue
         results.append(params)
     if rank == 0:

@@ -20,8 +20,22 @@ DEADLINE_S = 240.0
 EXACT = {
     2: [
         {"stage": 1, "dtype": "float64", "accum": 2, "bad": (1, 2, 0)},
-        {"stage": 2, "dtype": "float64", "accum": 3, "bad": (0, 1, 2), "kind": "inf_grad", "find_unused": False},
-        {"stage": 1, "dtype": "float32", "accum": 2, "bad": (0, 3, 1), "kind": "neg_inf_grad", "find_unused": False},
+        {
+            "stage": 2,
+            "dtype": "float64",
+            "accum": 3,
+            "bad": (0, 1, 2),
+            "kind": "inf_grad",
+            "find_unused": False,
+        },
+        {
+            "stage": 1,
+            "dtype": "float32",
+            "accum": 2,
+            "bad": (0, 3, 1),
+            "kind": "neg_inf_grad",
+            "find_unused": False,
+        },
         {"stage": 2, "dtype": "float32", "accum": 2, "bad": (1, 2, 1)},
     ],
     3: [
@@ -36,9 +50,30 @@ EXACT = {
 MATRIX = {
     2: [
         {"stage": 2, "dtype": "bfloat16", "accum": 2, "bad": (1, 0, 0)},
-        {"stage": 1, "dtype": "bfloat16", "accum": 2, "bad": (0, 4, 1), "kind": "inf_grad", "find_unused": False},
-        {"stage": 2, "dtype": "float32", "accum": 2, "bad": (1, 2, 1), "kind": "neg_inf_grad", "reduce_dtype": "bf16"},
-        {"stage": 2, "dtype": "float32", "accum": 1, "bad": (-1, 2, 0), "kind": "fp16_overflow", "reduce_dtype": "fp16"},
+        {
+            "stage": 1,
+            "dtype": "bfloat16",
+            "accum": 2,
+            "bad": (0, 4, 1),
+            "kind": "inf_grad",
+            "find_unused": False,
+        },
+        {
+            "stage": 2,
+            "dtype": "float32",
+            "accum": 2,
+            "bad": (1, 2, 1),
+            "kind": "neg_inf_grad",
+            "reduce_dtype": "bf16",
+        },
+        {
+            "stage": 2,
+            "dtype": "float32",
+            "accum": 1,
+            "bad": (-1, 2, 0),
+            "kind": "fp16_overflow",
+            "reduce_dtype": "fp16",
+        },
         {
             "stage": 1,
             "dtype": "float32",
@@ -54,7 +89,14 @@ MATRIX = {
     3: [
         {"stage": 2, "dtype": "bfloat16", "accum": 2, "bad": (2, 3, 1), "find_unused": False},
         {"stage": 1, "dtype": "bfloat16", "accum": 1, "bad": (1, 1, 0), "kind": "neg_inf_grad"},
-        {"stage": 2, "dtype": "float32", "accum": 2, "bad": (-1, 2, 1), "kind": "fp16_overflow", "reduce_dtype": "fp16"},
+        {
+            "stage": 2,
+            "dtype": "float32",
+            "accum": 2,
+            "bad": (-1, 2, 1),
+            "kind": "fp16_overflow",
+            "reduce_dtype": "fp16",
+        },
         {"stage": 1, "dtype": "float32", "accum": 2, "bad": (-1, 0, 0), "find_unused": False},
         {"stage": 2, "dtype": "float64", "accum": 1, "bad": None, "find_unused": False},
     ],

@@ -31,7 +31,9 @@ def _inject(model: TinyNet, kind: str, world_size: int) -> Any:
     """A hook that makes this backward's gradients non-finite (or, ``"fp16_overflow"``, finite but too
     large for an fp16 wire's sum); returns its handle (``None``: the loss is scaled instead)."""
     if kind == "inf_grad":  # one element of the first layer's weight: the last bucket to launch
-        return model.inp.weight.register_hook(lambda g: g.index_put((torch.tensor([0]),), g[0] * 0 + torch.inf))
+        return model.inp.weight.register_hook(
+            lambda g: g.index_put((torch.tensor([0]),), g[0] * 0 + torch.inf)
+        )
     if kind == "neg_inf_grad":  # one element of the output bias: the first bucket
         return model.out.bias.register_hook(lambda g: g.index_put((torch.tensor([1]),), g[1] * 0 - torch.inf))
     if kind == "fp16_overflow":  # every rank sends 40000 (finite in fp16); the sum of the means is not
@@ -113,7 +115,9 @@ def skip_case(
         "state_equal": all(torch.equal(a, b) for a, b in zip(_state(opt), _state(twin_opt), strict=True)),
         "unchanged_over_bad_step": unchanged_over_bad_step,
         "finite": all(bool(torch.isfinite(p).all()) for p in params),
-        "moved": max((a.double() - b.double()).abs().max().item() for a, b in zip(params, start, strict=True)),
+        "moved": max(
+            (a.double() - b.double()).abs().max().item() for a, b in zip(params, start, strict=True)
+        ),
         "skipped": opt.skipped_steps,
         "ranks": opt.engine.guard.last_ranks,
         "steps": opt.engine.state.steps,
