@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.distributed.harness import ranks, run_ranks_each
-from tests.distributed.workers_nonfinite import consecutive_cases, skip_cases
+from tests.distributed.workers_nonfinite import collectives_per_step, consecutive_cases, skip_cases
 
 DEADLINE_S = 240.0
 """A launch that hangs fails the tests instead of blocking them (the harness kills every rank)."""
@@ -128,9 +128,10 @@ def runs() -> dict[str, list[Any] | RuntimeError]:
             (skip_cases, (EXACT[world_size],)),
             (skip_cases, (MATRIX[world_size],)),
             (consecutive_cases, (CONSECUTIVE[world_size],)),
+            (collectives_per_step, ()),
         ]
         out = run_ranks_each(calls, world_size, timeout_s=DEADLINE_S)
-        for name, result in zip(("exact", "matrix", "consecutive"), out, strict=True):
+        for name, result in zip(("exact", "matrix", "consecutive", "collectives"), out, strict=True):
             results[f"{name}_{world_size}"] = result
     return results
 
@@ -196,3 +197,20 @@ def test_consecutive_skips_raise_on_every_rank_naming_step_and_ranks(world_size:
                 assert f"(steps {first} to {step})" in result["message"], where
             assert result["unchanged"], where  # the state before the run of skipped steps
             assert not result["idle_after"], where  # the gradients were dropped
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_one_small_control_collective_per_step_at_most(world_size: int, runs: dict) -> None:
+    """The flags ride on find_unused_parameters' mask (no extra collective), take one small
+    all-reduce otherwise, and none after ``unscale_`` found every shard finite."""
+    for counts in ranks(runs, f"collectives_{world_size}"):
+        for unscale in (False, True):
+            on = counts[f"unused=True,unscale={unscale},guard=True"]
+            assert on == counts[f"unused=True,unscale={unscale},guard=False"], counts
+        assert (
+            counts["unused=False,unscale=False,guard=True"]
+            == counts["unused=False,unscale=False,guard=False"] + 1
+        )
+        assert (
+            counts["unused=False,unscale=True,guard=True"] == counts["unused=False,unscale=True,guard=False"]
+        )

@@ -32,6 +32,14 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
         "raises": dict(TRAINER, skip_nonfinite_steps=2, nan_at=[[1, 0], [3, 1], [4, 0]], expect_error=True),
         "fp16_guarded": dict(FP16, skip_nonfinite_steps=1),
         "fp16": FP16,
+        "first_steps": dict(TRAINER, steps=3, save=str(tmp / "at3.ckpt")),
+        "resumed_raises": dict(
+            TRAINER,
+            resume=str(tmp / "at3.ckpt"),
+            skip_nonfinite_steps=2,
+            nan_at=[[3, 0], [4, 1]],
+            expect_error=True,
+        ),
     }
     out = trainer_launch.launch(list(named.values()), tmp, timeout_s=300)
     return tmp, dict(zip(named, out, strict=True))
@@ -89,6 +97,14 @@ def test_trainer_consecutive_skips_raise_on_every_rank(trainer_runs: tuple[Path,
         in error["error"]
     )
     assert "(steps 3 to 4)" in error["error"]
+
+
+def test_trainer_error_names_the_global_step_after_a_resume(trainer_runs: tuple[Path, dict]) -> None:
+    """Resumed at step 3, NaN at steps 3 and 4: the error names Lightning's step 4, not the fresh
+    optimizer's second step."""
+    error = trainer_runs[1]["resumed_raises"]
+    assert len(set(error["every_rank"])) == 1, error
+    assert "at optimizer step 4 on rank(s) 1" in error["error"] and "(steps 3 to 4)" in error["error"]
 
 
 def test_trainer_fp16_loss_scaling_skip_is_unchanged_and_not_counted(trainer_runs: tuple[Path, dict]) -> None:

@@ -176,3 +176,32 @@ def consecutive(
 
 def consecutive_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [consecutive(rank, world_size, **case) for case in cases]
+
+
+def collectives_per_step(rank: int, world_size: int) -> dict[str, int]:
+    """Collectives of one optimizer step with the guard off and on: with ``find_unused_parameters``
+    (the flags ride on its mask), without it, and after ``unscale_`` (loss scaling already agreed)."""
+    counts: dict[str, int] = {}
+    for find_unused in (True, False):
+        for unscale in (False, True):
+            for limit in (0, 2):
+                torch.manual_seed(0)
+                model = TinyNet()
+                config = ZeroConfig(
+                    bucket_cap_mb=0.0004,
+                    first_bucket_cap_mb=0.0002,
+                    find_unused_parameters=find_unused,
+                    skip_nonfinite_steps=limit,
+                )
+                opt = _optimizer(model, config)
+                for step in range(2):
+                    opt.engine.comm_stats.reset()
+                    x, y = batch(step, 0, rank, 4, torch.float32)
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    if unscale:
+                        assert not opt.unscale_(1.0)
+                    opt.step()
+                    opt.zero_grad()
+                key = f"unused={find_unused},unscale={unscale},guard={limit > 0}"
+                counts[key] = opt.engine.comm_stats.collectives
+    return counts
