@@ -27,11 +27,8 @@ dtype, the collective, the accumulation back) is the bucket's wire codec
 bucket, keep the owned slice) and stage 2 (reduce-scatter it) differ. Either way the optimizer sees
 only ``grad_shards[b]``: ``(padded_numel // world_size,)`` in the master dtype.
 
-With ``skip_nonfinite_steps`` on, every bucket is shown to the engine's
-:class:`~lightning_zero.engine.nonfinite.NonFiniteGuard` just before it is sent (device-side, no
-host synchronisation), and the guard's ``(world_size,)`` flag vector rides on the used-parameter
-mask's all-reduce when ``find_unused_parameters`` makes one; that all-reduce is then launched after
-the buckets are collected, so that a narrower wire's reduced part is inspected first.
+``skip_nonfinite_steps``: each bucket is shown to the :class:`NonFiniteGuard` as it is sent (and
+collected); the guard's flags ride on the used-parameter mask, then launched after the collects.
 
 Memory: a bucket's accumulation buffer is a slot of a small pool (:class:`WirePool`: three
 buffers as long as the longest bucket within the cap, plus one as long as the longest bucket above
@@ -273,13 +270,8 @@ class GradReducer:
 
     def _launch(self, bucket_index: int) -> None:
         state = self._buckets[bucket_index]
-        sent = state.codec.launch(
-            self.comm,
-            self._accum(bucket_index),
-            self.grad_shards[bucket_index],
-            self._rounds == 0,
-            self._inspect,
-        )
+        accum, shard = self._accum(bucket_index), self.grad_shards[bucket_index]
+        sent = state.codec.launch(self.comm, accum, shard, self._rounds == 0, self._inspect)
         if not sent.uses_accum:
             self._release(state)  # the wire copy is all that is needed from here on
         state.sent = sent
@@ -333,8 +325,8 @@ class GradReducer:
         for bucket_index in range(len(self._buckets)):
             if self._buckets[bucket_index].sent is not None:
                 self._collect(bucket_index)
-        if self.comm.world_size > 1 and self._skip_unused and self._guard is not None:
-            used, used_handle = self._launch_used_mask()  # after collecting: carries the guard's flags
+        if used is None and self._skip_unused and self.comm.world_size > 1:  # with the guard's flags
+            used, used_handle = self._launch_used_mask()
         if used is not None and used_handle is not None:
             self.comm.wait(used_handle)
             values = used.tolist()  # a host sync, once per round

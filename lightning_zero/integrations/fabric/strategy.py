@@ -14,6 +14,9 @@ wrapper, exactly as :class:`~lightning_zero.ZeroStrategy` is for the Trainer:
   * ``fabric.clip_gradients`` clips by the global norm (or value) over all ranks' shards; with a
     ``GradScaler`` (``16-mixed``) the shards are unscaled, overflow is agreed across ranks and the
     step is skipped on every rank or none (the precision plugin's class gets a shard-aware mixin);
+  * ``skip_nonfinite_steps``: ``optimizer.step()`` skips a step with inf/NaN gradients on every
+    rank (``optimizer.skipped_steps``), and ``fabric.clip_gradients`` leaves a non-finite norm to
+    that skip instead of raising;
   * buffers are broadcast from rank 0 before exactly the forwards where DDP's
     ``broadcast_buffers=True`` does it; a changed trainable set (``requires_grad``,
     ``add_param_group``) is re-planned before the next forward with gradients;

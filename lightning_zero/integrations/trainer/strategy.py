@@ -17,6 +17,9 @@ Lightning integration points:
     ``broadcast_buffers=True`` does it; ``sync_batchnorm`` is applied as DDP does;
   * a changed trainable set (``requires_grad``, ``add_param_group``) is re-planned before the next
     training step;
+  * ``skip_nonfinite_steps``: the engine skips a step with inf/NaN gradients on every rank;
+    :class:`SkippedStepsMonitor` logs ``zero/skipped_steps``, and the engine's step count follows
+    ``trainer.global_step`` (so an error names Lightning's step, also after a resume);
   * ``overlap_param_gather``: forward waits on the modules and :class:`ParamReadBarrier` first
     among the callbacks (:mod:`lightning_zero.integrations.trainer.param_barrier`);
   * checkpoints: :mod:`lightning_zero.integrations.trainer.checkpointing` (sharded directories, any
