@@ -211,9 +211,8 @@ class ZeroStrategy(ShardedCheckpointing):
         module = self.lightning_module
         assert module is not None
         self._zero.replan_if_changed(module, where=f"global step {module.trainer.global_step}")
-        self._zero.count_steps_from(
-            module.trainer.global_step
-        )  # errors name Lightning's step, also on resume
+        # a non-finite-gradient error names Lightning's step, also after a resume
+        self._zero.count_steps_from(module.trainer.global_step)
         self._zero.before_forward(module)
         if self._zero.engine is not None:  # training_step, not the root's forward: its pre-hook won't fire
             self._zero.engine.wait_for_params(root_only=True)
