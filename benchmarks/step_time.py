@@ -51,9 +51,19 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_zero  # noqa: E402
 
-STRATEGIES = ("zero2", "zero2-overlap", "zero2-5MB", "zero1", "ddp", "ddp+ZeroRedundancyOptimizer")
+STRATEGIES = (
+    "zero2",
+    "zero2-overlap",
+    "zero2-5MB",
+    "zero2-nonfinite",
+    "zero1",
+    "ddp",
+    "ddp+ZeroRedundancyOptimizer",
+)
 """``zero2-overlap``: with ``overlap_param_gather`` (the all-gather left in flight into the next
-forward). ``zero2-5MB``: 5 MiB buckets (at 25 MiB a 68 MB model is three buckets)."""
+forward). ``zero2-5MB``: 5 MiB buckets (at 25 MiB a 68 MB model is three buckets).
+``zero2-nonfinite``: with ``skip_nonfinite_steps`` (a min/max pass per bucket before it is sent, one
+small all-reduce and one host synchronisation per step)."""
 MODELS = {
     "small": {"layers": 6, "dim": 384, "vocab": 8192},
     "large": {"layers": 4, "dim": 512, "vocab": 32768},
@@ -243,7 +253,10 @@ def run_one(name: str, args: argparse.Namespace) -> None:
     if name.startswith("zero"):
         cap = 5.0 if name.endswith("5MB") else args.bucket_cap_mb
         strategy = lightning_zero.ZeroStrategy(
-            stage=int(name[4]), bucket_cap_mb=cap, overlap_param_gather=name.endswith("overlap")
+            stage=int(name[4]),
+            bucket_cap_mb=cap,
+            overlap_param_gather=name.endswith("overlap"),
+            skip_nonfinite_steps=3 if name.endswith("nonfinite") else 0,
         )
     trainer = L.Trainer(
         strategy=strategy,

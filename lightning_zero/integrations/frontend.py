@@ -170,6 +170,12 @@ class ZeroFrontEnd:
         assert self.optimizer is not None
         self.optimizer.replan(module.parameters(), {p: n for n, p in module.named_parameters()})
 
+    def count_steps_from(self, optimizer_steps: int) -> None:
+        """The optimizer steps taken so far (e.g. ``trainer.global_step``, restored on resume): the
+        step a non-finite-gradient error names."""
+        if self.engine is not None:
+            self.engine.optimizer_steps = optimizer_steps
+
     def wait_for_params(self) -> None:
         """Complete the parameter all-gathers left in flight by ``overlap_param_gather``."""
         if self.engine is not None:

@@ -210,7 +210,11 @@ class ShardedAdamW(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Reduce gradients (if backward has not already), update the owned shards, all-gather.
 
-        Must be called on all ranks.
+        With ``config.skip_nonfinite_steps``, a step in which any rank's gradients hold inf/NaN is
+        skipped on every rank (counted in :attr:`skipped_steps`). Must be called on all ranks.
+
+        Raises:
+            NonFiniteGradientError: the ``skip_nonfinite_steps``-th skipped step in a row (every rank).
         """
         loss = None
         if closure is not None:
@@ -227,6 +231,12 @@ class ShardedAdamW(torch.optim.Optimizer):
         return loss
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # LR schedulers rebound to us check it
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for inf/NaN gradients (``skip_nonfinite_steps``) since this optimizer was
+        built; the same on every rank, read without communication."""
+        return self.engine.skipped_steps
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full state, in ``torch.optim.AdamW``'s format, on rank ``to``. Call on all ranks.

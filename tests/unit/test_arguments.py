@@ -22,6 +22,7 @@ BAD = {
     "reduce_dtype": "fp8",
     "find_unused_parameters": "no",
     "align_numel": 0,
+    "skip_nonfinite_steps": -1,
     "log_comm_stats": "yes",
     "sharded_checkpoint": "no",
     "async_checkpoint": 1,

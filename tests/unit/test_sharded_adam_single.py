@@ -135,6 +135,10 @@ def test_bf16_params_keep_fp32_master() -> None:
         ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a number > 0"),
         ({"reduce_dtype": "int8"}, "reduce_dtype must be None or one of"),
         ({"overlap_comm": "yes"}, "overlap_comm"),
+        ({"skip_nonfinite_steps": -1}, r"skip_nonfinite_steps must be an integer >= 0 .*got -1"),
+        ({"skip_nonfinite_steps": 2.5}, r"skip_nonfinite_steps must be an integer >= 0 .*got 2.5"),
+        ({"skip_nonfinite_steps": True}, r"skip_nonfinite_steps must be an integer >= 0 .*got True"),
+        ({"skip_nonfinite_steps": "3"}, r"skip_nonfinite_steps must be an integer >= 0 .*got '3'"),
     ],
 )
 def test_bad_config_names_the_value(kwargs: dict, match: str) -> None:
@@ -164,6 +168,11 @@ def test_refuses_other_optimizers_and_options() -> None:
         ({"async_checkpoint": 1}, "async_checkpoint must be True or False, got 1"),
         ({"log_comm_stats": "yes"}, "log_comm_stats must be True or False, got 'yes'"),
         ({"broadcast_buffers": None}, "broadcast_buffers must be True or False, got None"),
+        (
+            {"skip_nonfinite_steps": -2},
+            r"skip_nonfinite_steps must be an integer >= 0 \(0: off; K > 0: .*got -2",
+        ),
+        ({"skip_nonfinite_steps": None}, "skip_nonfinite_steps must be an integer >= 0 .*got None"),
     ],
 )
 @pytest.mark.parametrize("strategy", ["ZeroStrategy", "ZeroFabricStrategy"])

@@ -1,4 +1,10 @@
-"""``CommStatsMonitor``: communication figures of the ``zero`` strategy, as logged metrics.
+"""``CommStatsMonitor`` and ``SkippedStepsMonitor``: figures of the ``zero`` strategy, as logged metrics.
+
+``SkippedStepsMonitor`` (added by ``skip_nonfinite_steps > 0``) logs ``zero/skipped_steps``: the
+optimizer steps skipped for inf/NaN gradients so far (a host integer the step already agreed on:
+no communication, no host synchronisation).
+
+``CommStatsMonitor`` (added by ``log_comm_stats=True``):
 
 Logged at Lightning's logging steps (``log_every_n_steps``), as means per training batch over the
 batches since the previous log (rank-local values; rank 0's reach the logger):
@@ -94,6 +100,20 @@ def _spread(name: str, values: list[float]) -> dict[str, float]:
         f"{name}_median_s": statistics.median(values),
         f"{name}_max_s": max(values),
     }
+
+
+class SkippedStepsMonitor(pl.Callback):
+    """Added by ``ZeroStrategy(skip_nonfinite_steps=K)``; logs ``zero/skipped_steps`` every batch."""
+
+    reads_parameters_between_steps = False  # overlap_param_gather need not wait for it
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        engine = _engine_of(trainer)
+        if engine is not None:
+            pl_module.log("zero/skipped_steps", float(engine.skipped_steps), on_step=True, on_epoch=False)
 
 
 def _engine_of(trainer: pl.Trainer) -> ShardEngine | None:

@@ -17,6 +17,9 @@ Lightning integration points:
     ``broadcast_buffers=True`` does it; ``sync_batchnorm`` is applied as DDP does;
   * a changed trainable set (``requires_grad``, ``add_param_group``) is re-planned before the next
     training step;
+  * ``skip_nonfinite_steps``: the engine skips a step with inf/NaN gradients on every rank;
+    :class:`SkippedStepsMonitor` logs ``zero/skipped_steps``, and the engine's step count follows
+    ``trainer.global_step`` (so an error names Lightning's step, also after a resume);
   * ``overlap_param_gather``: forward waits on the modules and :class:`ParamReadBarrier` first
     among the callbacks (:mod:`lightning_zero.integrations.trainer.param_barrier`);
   * checkpoints: :mod:`lightning_zero.integrations.trainer.checkpointing` (sharded directories, any
@@ -54,7 +57,7 @@ from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions
 from lightning_zero.integrations.names import register_names
 from lightning_zero.integrations.trainer.checkpointing import ShardedCheckpointing
 from lightning_zero.integrations.trainer.load import install as install_loader
-from lightning_zero.integrations.trainer.monitor import CommStatsMonitor
+from lightning_zero.integrations.trainer.monitor import CommStatsMonitor, SkippedStepsMonitor
 from lightning_zero.integrations.trainer.param_barrier import ParamReadBarrier
 from lightning_zero.integrations.trainer.precision import shard_aware
 from lightning_zero.optim import ShardedAdamW
@@ -65,7 +68,11 @@ class ZeroStrategy(ShardedCheckpointing):
 
     Args:
         stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
-        find_unused_parameters, align_numel: see :class:`~lightning_zero.ZeroConfig` (validated there).
+        find_unused_parameters, align_numel, skip_nonfinite_steps: see :class:`~lightning_zero.ZeroConfig`
+            (validated there). With ``skip_nonfinite_steps=K > 0`` a step whose gradients hold inf/NaN
+            on any rank is skipped on every rank, ``zero/skipped_steps`` is logged, and the ``K``-th
+            skipped step in a row raises :class:`~lightning_zero.NonFiniteGradientError` naming
+            ``trainer.global_step`` and the ranks.
         log_comm_stats: log per step the seconds spent waiting on communication, their share of the
             step, and the elements and bytes sent (``zero/*`` metrics).
         sharded_checkpoint: ``save_checkpoint`` writes a directory, one shard file per rank
@@ -99,6 +106,7 @@ class ZeroStrategy(ShardedCheckpointing):
         reduce_dtype: str | None = None,
         find_unused_parameters: bool = False,
         align_numel: int = 1,
+        skip_nonfinite_steps: int = 0,
         log_comm_stats: bool = False,
         sharded_checkpoint: bool = True,
         async_checkpoint: bool = False,
@@ -183,6 +191,10 @@ class ZeroStrategy(ShardedCheckpointing):
                 isinstance(cb, CommStatsMonitor) for cb in callbacks
             ):
                 callbacks.append(CommStatsMonitor())
+            if self.zero_config.skip_nonfinite_steps and not any(
+                isinstance(cb, SkippedStepsMonitor) for cb in callbacks
+            ):
+                callbacks.append(SkippedStepsMonitor())
             if self.zero_config.overlap_param_gather:
                 engine.install_forward_waits(self.lightning_module)
                 callbacks[:] = [cb for cb in callbacks if not isinstance(cb, ParamReadBarrier)]
@@ -233,6 +245,8 @@ class ZeroStrategy(ShardedCheckpointing):
         module = self.lightning_module
         assert module is not None
         self._zero.replan_if_changed(module, where=f"global step {module.trainer.global_step}")
+        # a non-finite-gradient error names Lightning's step, also after a resume
+        self._zero.count_steps_from(module.trainer.global_step)
         self._zero.before_forward(module)
         if self._zero.engine is not None:  # training_step, not the root's forward: its pre-hook won't fire
             self._zero.engine.wait_for_params(root_only=True)
