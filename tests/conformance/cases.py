@@ -17,6 +17,7 @@ Fields of a case (all optional):
              cases in ``STAGE1`` add zero1)
   refused    a substring of the error our strategies must raise (the reference must succeed)
   object     use strategy objects (``ZeroStrategy(...)``, ``DDPStrategy()``) instead of names
+  strategy_kwargs  arguments both strategy objects take (``object`` cases), e.g. ``broadcast_buffers``
   compile_module  fit ``torch.compile(model, backend="aot_eager")`` (Lightning unwraps and recompiles)
   tol        tolerance of the comparison (default 1e-10, for float64)
   both_fail  the reference fails too (e.g. SyncBatchNorm on CPU); ours must fail with the same error
@@ -125,6 +126,14 @@ _add(
 
 # buffers, parameter readers and writers, gradient norms
 _add("batchnorm_buffers", module={"batchnorm": True}, trainer={"max_steps": 6, "limit_val_batches": 2})
+# each rank keeps its own running statistics, as DDP(broadcast_buffers=False) does
+_add(
+    "batchnorm_no_broadcast",
+    module={"batchnorm": True},
+    trainer={"max_steps": 6, "limit_val_batches": 2},
+    object=True,
+    strategy_kwargs={"broadcast_buffers": False},
+)
 # DDP skips the broadcast after a no_sync micro-batch and after every forward in manual optimization
 _add(
     "batchnorm_accumulate",

@@ -33,6 +33,7 @@ def _parity_case(
     no_sync: bool = True,
     param_overlap: bool = False,
     width: int = 13,
+    align_numel: int = 1,
 ) -> dict[str, Any]:
     """``no_sync=False``: every micro-batch's backward communicates (accumulation by hand, as a
     manual-optimization loop does under DDP); the sum must be the same. ``param_overlap``: the
@@ -50,6 +51,7 @@ def _parity_case(
         find_unused_parameters=True,
         reduce_dtype=reduce_dtype,
         overlap_param_gather=param_overlap,
+        align_numel=align_numel,
     )
     names = {p: n for n, p in model.named_parameters()}
     opt = ShardedAdamW(
