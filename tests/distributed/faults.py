@@ -7,7 +7,10 @@ end). Rank 1 is the faulty one:
 
   * ``kill_mid_step``: SIGKILLs itself during backward of step 2 (a reduce-scatter is in flight);
   * ``hang_mid_step``: sleeps ``4 x TIMEOUT_S`` where step 2's gradient collective would start;
-  * ``kill_mid_async_save``: SIGKILLs itself while the background writer writes its shard.
+  * ``kill_mid_async_save``: SIGKILLs itself while the background writer writes its shard;
+  * ``kill_mid_load`` / ``hang_mid_load``: every rank saves at step 1 and loads that checkpoint back
+    at step 2 (a resume); rank 1 SIGKILLs itself, or sleeps ``4 x TIMEOUT_S``, while it reads a shard
+    file. Rank 0 records whether the checkpoint still verifies (every file's size and sha256).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero import ShardedAdamW, ZeroConfig
+from lightning_zero.checkpoint import read_meta, save_sharded, verify_files
 from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
+from lightning_zero.checkpoint.reshard import ShardFiles, load_sharded, preflight
 from tests.distributed.models import TinyNet, batch
 
 FAULT_STEP = 2
@@ -58,6 +63,30 @@ def _arm(fault: str, rank: int, opt: ShardedAdamW, timeout_s: float, marks: dict
             return write(obj, path)
 
         checkpoint_format._write = dying_write  # type: ignore[assignment]
+    if fault in ("kill_mid_load", "hang_mid_load"):
+        read = ShardFiles.__getitem__
+
+        def failing_read(files: ShardFiles, saved_rank: int) -> Any:
+            if fault == "kill_mid_load":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if not marks.get("hung"):  # once: the reads that follow are the ordinary ones
+                marks["hung"] = 1.0
+                time.sleep(4 * timeout_s)
+            return read(files, saved_rank)
+
+        ShardFiles.__getitem__ = failing_read  # type: ignore[method-assign]
+
+
+def _resume(opt: ShardedAdamW, path: Path, result: dict[str, Any]) -> None:
+    """Load ``path`` back into ``opt`` as a resume does; rank 0 then (also after a failure) records
+    the checkpoint's problems, which must be none: a failed load reads, never writes."""
+    try:
+        meta = read_meta(path)
+        preflight(opt.engine, path, meta)
+        load_sharded(opt.engine, path, meta)
+    finally:
+        if opt.engine.comm.rank == 0:
+            result["checkpoint_problems"] = verify_files(path, read_meta(path))
 
 
 def run(out_dir: Path, fault: str, rank: int, world_size: int, init_file: str, timeout_s: float) -> None:
@@ -80,11 +109,15 @@ def run(out_dir: Path, fault: str, rank: int, world_size: int, init_file: str, t
     try:
         for step in range(4):
             marks["step"] = step
+            if step == FAULT_STEP - 1 and fault.endswith("_mid_load"):
+                save_sharded(opt.engine, out_dir / "ckpt", {"global_step": step}, {}, 2)
             if step == FAULT_STEP:
                 marks["fault_at"] = time.monotonic()
                 if fault == "kill_mid_async_save":
                     writer.save(opt.engine, out_dir / "ckpt", {"global_step": step}, {}, 2)
                     writer.wait()
+                if fault.endswith("_mid_load"):
+                    _resume(opt, out_dir / "ckpt", result)
             x, y = batch(step, 0, rank, 4, torch.float32)
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()

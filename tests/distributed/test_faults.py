@@ -2,7 +2,8 @@
 the operation, and never leaves a half checkpoint committed.
 
 Each fault runs two fresh processes (``tests.distributed.faults``) on a gloo group with a 6 s timeout;
-rank 1 dies (SIGKILL) or hangs at step 2, or dies while its background writer writes its shard. The
+rank 1 dies (SIGKILL) or hangs at step 2, dies while its background writer writes its shard, or dies
+or hangs while it reads its part of a checkpoint being resumed (which must stay intact). The
 test measures, on rank 0, the seconds from the start of the faulty step to the end of its run, and
 bounds them by the timeout plus a margin (torch's default would be 30 minutes).
 """
@@ -68,6 +69,8 @@ def _run(fault: str, tmp: Path) -> dict[int, dict]:
         ("kill_mid_step", "reduce-scatter"),
         ("hang_mid_step", "reduce-scatter"),
         ("kill_mid_async_save", "all-gather of a Python object"),
+        ("kill_mid_load", "all-gather"),
+        ("hang_mid_load", "all-gather"),
     ],
 )
 def test_a_dead_or_hung_peer_ends_the_other_rank_within_the_timeout(
@@ -81,7 +84,9 @@ def test_a_dead_or_hung_peer_ends_the_other_rank_within_the_timeout(
     assert operation in survivor["error"], survivor["error"]
     assert "rank 0 of 2" in survivor["error"], survivor["error"]
     assert survivor["seconds_after_fault"] <= TIMEOUT_S + MARGIN_S, survivor
-    if fault == "hang_mid_step":  # the hung rank wakes up to a broken group and ends too
+    if fault.endswith("_mid_load"):  # a failed resume reads and never writes: the checkpoint verifies
+        assert survivor["checkpoint_problems"] == [], survivor["checkpoint_problems"]
+    if fault.startswith("hang_"):  # the hung rank wakes up to a broken group and ends too
         assert 1 in results and results[1]["error"] is not None, results
     if fault == "kill_mid_async_save":
         assert not (tmp_path / "ckpt").exists(), "a save missing a rank's shard was committed"
