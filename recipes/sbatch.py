@@ -19,7 +19,9 @@ time limits:
 ``--signal=SIGUSR1@90`` reaches every task 90 s before the limit; the recipe's ``SlurmRequeue`` saves
 the step in the run's checkpoint series (``<run_dir>/checkpoints``) and requeues the job
 (``--requeue``), and the requeued job resumes from that series by itself: the run directory is named
-after ``run_name``, not a timestamp, so the restart finds it (see docs/clusters.md).
+after ``run_name``, not a timestamp, so the restart finds it (see docs/clusters.md). A rank that dies or
+hangs ends the others with status 75 (``srun --kill-on-bad-exit=0`` leaves them the time to say so), and
+the first of them requeues the job, at most ``cluster.peer_failure_requeues`` times.
 
 The run directory is the job's, not the generating shell's: the script ``cd``s into this checkout's
 root before ``srun`` (the recipe runs from the repository root), so a relative ``run_dir`` (default
@@ -98,7 +100,11 @@ def sbatch_script(cfg: DictConfig, overrides: list[str], python: str = sys.execu
         "set -euo pipefail",
         f"cd {shlex.quote(str(ROOT))}",
         "export PYTHONUNBUFFERED=1",
-        f"srun {shlex.quote(python)} -m recipes.pretrain {' '.join(shlex.quote(o) for o in overrides)}",
+        "# --kill-on-bad-exit=0: when a rank dies, the others end on their own within the strategy's",
+        "# timeout (status 75) and requeue the job (cluster.peer_failure_requeues), instead of being",
+        "# killed by srun before they can.",
+        f"srun --kill-on-bad-exit=0 {shlex.quote(python)} -m recipes.pretrain "
+        + " ".join(shlex.quote(o) for o in overrides),
         "",
     ]
     return "\n".join(lines)

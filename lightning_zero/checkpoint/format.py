@@ -161,16 +161,17 @@ class StagedSave:
                 status.append(_write(self.extra, self.tmp / EXTRA))
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             status = f"rank {self.rank}: {type(err).__name__}: {err} (host {host})"
+        peer_failure: CommError | None = None
         try:
             errors = self._agree_and_commit(comm, host, status)
         except CommError as err:  # a peer died or hung: no commit without every rank's word
-            errors = [str(err)]
+            errors, peer_failure = [str(err)], err
         if errors:
             shutil.rmtree(self.tmp, ignore_errors=True)  # every rank: node-local temporaries too
             raise CheckpointError(
                 f"saving checkpoint {self.target} failed; the previous one (if any) is kept:\n"
                 + "\n".join(sorted(set(errors), key=errors.index))
-            )
+            ) from peer_failure  # the cause stays visible: a caller may resume or requeue on it
 
     def _agree_and_commit(self, comm: Comm, host: str, status: Any) -> list[str]:
         """Exchange every rank's outcome; rank 0 checks what it sees and commits. The errors, on all ranks."""

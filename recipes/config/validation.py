@@ -296,6 +296,11 @@ def check_keys(cfg: DictConfig) -> None:
         slurm_nodes(cfg.cluster.nodes, cfg.trainer.num_nodes)
     except ValueError as error:
         raise ConfigError(str(error)) from error
+    if cfg.cluster.peer_failure_requeues < 0:
+        raise ConfigError(
+            f"cluster.peer_failure_requeues={cfg.cluster.peer_failure_requeues}: expected a number of "
+            "requeues >= 0 (0: a job whose rank died or hung is not requeued)"
+        )
     check_strategy(cfg.strategy)
     check_target_nodes(cfg)
 

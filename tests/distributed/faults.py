@@ -8,6 +8,7 @@ end). Rank 1 is the faulty one:
   * ``kill_mid_step``: SIGKILLs itself during backward of step 2 (a reduce-scatter is in flight);
   * ``hang_mid_step``: sleeps ``4 x TIMEOUT_S`` where step 2's gradient collective would start;
   * ``kill_mid_async_save``: SIGKILLs itself while the background writer writes its shard;
+  * ``kill_mid_save``: the same during a blocking save (``save_sharded``);
   * ``kill_mid_load`` / ``hang_mid_load``: every rank saves at step 1 and loads that checkpoint back
     at step 2 (a resume); rank 1 SIGKILLs itself, or sleeps ``4 x TIMEOUT_S``, while it reads a shard
     file. Rank 0 records whether the checkpoint still verifies (every file's size and sha256).
@@ -52,7 +53,7 @@ def _arm(fault: str, rank: int, opt: ShardedAdamW, timeout_s: float, marks: dict
         return original(*args, **kwargs)
 
     comm.reduce_scatter = reduce_scatter  # type: ignore[method-assign]
-    if fault == "kill_mid_async_save":
+    if fault in ("kill_mid_async_save", "kill_mid_save"):
         import lightning_zero.checkpoint.format as checkpoint_format
 
         write = checkpoint_format._write
@@ -116,6 +117,8 @@ def run(out_dir: Path, fault: str, rank: int, world_size: int, init_file: str, t
                 if fault == "kill_mid_async_save":
                     writer.save(opt.engine, out_dir / "ckpt", {"global_step": step}, {}, 2)
                     writer.wait()
+                if fault == "kill_mid_save":
+                    save_sharded(opt.engine, out_dir / "ckpt", {"global_step": step}, {}, 2)
                 if fault.endswith("_mid_load"):
                     _resume(opt, out_dir / "ckpt", result)
             x, y = batch(step, 0, rank, 4, torch.float32)
@@ -124,6 +127,11 @@ def run(out_dir: Path, fault: str, rank: int, world_size: int, init_file: str, t
             opt.zero_grad()
     except Exception as err:  # noqa: BLE001 - what a user would see, recorded
         result["error"] = f"{type(err).__name__}: {err}"
+        cause: BaseException | None = err
+        result["chain"] = []  # the exception and its causes: a caller may act on a CommError in it
+        while cause is not None and len(result["chain"]) < 10:
+            result["chain"].append(type(cause).__name__)
+            cause = cause.__cause__ or cause.__context__
     result["seconds_after_fault"] = time.monotonic() - marks.get("fault_at", time.monotonic())
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 

@@ -73,6 +73,7 @@ def _run(fault: str, tmp: Path) -> dict[int, dict]:
         ("kill_mid_step", "reduce-scatter"),
         ("hang_mid_step", "reduce-scatter"),
         ("kill_mid_async_save", "all-gather of a Python object"),
+        ("kill_mid_save", "all-gather of a Python object"),
         ("kill_mid_load", "all-gather"),
         ("hang_mid_load", "all-gather"),
     ],
@@ -86,13 +87,14 @@ def test_a_dead_or_hung_peer_ends_the_other_rank_within_the_timeout(
     assert survivor["error"] is not None, f"rank 0 finished without noticing the fault ({fault})"
     assert "CommError" in survivor["error"] or "CheckpointError" in survivor["error"], survivor["error"]
     assert operation in survivor["error"], survivor["error"]
+    assert "CommError" in survivor["chain"], survivor["chain"]  # what the recipe requeues on
     assert "rank 0 of 2" in survivor["error"], survivor["error"]
     assert survivor["seconds_after_fault"] <= TIMEOUT_S + MARGIN_S, survivor
     if fault.endswith("_mid_load"):  # a failed resume reads and never writes: the checkpoint verifies
         assert survivor["checkpoint_problems"] == [], survivor["checkpoint_problems"]
     if fault.startswith("hang_"):  # the hung rank wakes up to a broken group and ends too
         assert 1 in results and results[1]["error"] is not None, results
-    if fault == "kill_mid_async_save":
+    if fault in ("kill_mid_async_save", "kill_mid_save"):
         assert not (tmp_path / "ckpt").exists(), "a save missing a rank's shard was committed"
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")], "temporaries left"
 
