@@ -82,6 +82,9 @@ def test_a_dead_or_hung_peer_ends_the_other_rank_within_the_timeout(
     fault: str, operation: str, tmp_path: Path
 ) -> None:
     results = _run(fault, tmp_path)
+    for rank, result in sorted(results.items()):  # the figures of the note (pytest -s)
+        seconds, error = result["seconds_after_fault"], result["error"]
+        print(f"{fault}: rank {rank} ended {seconds:.2f} s after the fault: {error}")
     assert 0 in results, f"rank 0 did not end within the test's deadline ({fault})"
     survivor = results[0]
     assert survivor["error"] is not None, f"rank 0 finished without noticing the fault ({fault})"
