@@ -6,11 +6,11 @@ writes ``OUT_DIR/rank{RANK}.json`` with how it ended (the error, the seconds fro
 end). Rank 1 is the faulty one:
 
   * ``kill_mid_step``: SIGKILLs itself during backward of step 2 (a reduce-scatter is in flight);
-  * ``hang_mid_step``: sleeps ``4 x TIMEOUT_S`` where step 2's gradient collective would start;
+  * ``hang_mid_step``: sleeps ``HANG x TIMEOUT_S`` where step 2's gradient collective would start;
   * ``kill_mid_async_save``: SIGKILLs itself while the background writer writes its shard;
   * ``kill_mid_save``: the same during a blocking save (``save_sharded``);
   * ``kill_mid_load`` / ``hang_mid_load``: every rank saves at step 1 and loads that checkpoint back
-    at step 2 (a resume); rank 1 SIGKILLs itself, or sleeps ``4 x TIMEOUT_S``, while it reads a shard
+    at step 2 (a resume); rank 1 SIGKILLs itself, or sleeps ``HANG x TIMEOUT_S``, while it reads a shard
     file. Rank 0 records whether the checkpoint still verifies (every file's size and sha256).
 """
 
@@ -35,6 +35,7 @@ from lightning_zero.checkpoint.reshard import ShardFiles, load_sharded, prefligh
 from tests.distributed.models import TinyNet, batch
 
 FAULT_STEP = 2
+HANG = 2.5  # a hang outlasts the survivor's timeout by 1.5 timeouts, a loaded machine's margin
 
 
 def _arm(fault: str, rank: int, opt: ShardedAdamW, timeout_s: float, marks: dict[str, float]) -> None:
@@ -49,7 +50,7 @@ def _arm(fault: str, rank: int, opt: ShardedAdamW, timeout_s: float, marks: dict
             if fault == "kill_mid_step":
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault == "hang_mid_step":
-                time.sleep(4 * timeout_s)
+                time.sleep(HANG * timeout_s)
         return original(*args, **kwargs)
 
     comm.reduce_scatter = reduce_scatter  # type: ignore[method-assign]
@@ -72,7 +73,7 @@ def _arm(fault: str, rank: int, opt: ShardedAdamW, timeout_s: float, marks: dict
                 os.kill(os.getpid(), signal.SIGKILL)
             if not marks.get("hung"):  # once: the reads that follow are the ordinary ones
                 marks["hung"] = 1.0
-                time.sleep(4 * timeout_s)
+                time.sleep(HANG * timeout_s)
             return read(files, saved_rank)
 
         ShardFiles.__getitem__ = failing_read  # type: ignore[method-assign]
