@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.engine import PlanMismatchError
+from lightning_zero.engine import NonFiniteGradientError, PlanMismatchError
 from lightning_zero.integrations import autoregister as _autoregister
 from lightning_zero.optim import ShardedAdamW
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
     from lightning_zero.integrations.trainer.strategy import ZeroStrategy
 
 __all__ = [
+    "NonFiniteGradientError",
     "PlanMismatchError",
     "ShardedAdamW",
     "ZeroConfig",

@@ -36,9 +36,19 @@ class ZeroConfig:
     find_unused_parameters: bool = False
     """Agree across ranks, every step, which parameters got a gradient (one small all-reduce), so a
     parameter that no rank used is skipped by the optimizer exactly as ``torch.optim.AdamW`` skips a
-    parameter whose ``.grad`` is ``None``. When ``False``, a missing gradient counts as zero."""
+    parameter whose ``.grad`` is ``None``. When ``False``, a missing gradient counts as zero (weight
+    decay and momentum still move the parameter) and a warning says so once — on one rank as on N."""
     align_numel: int = 1
     """Buckets are padded to a multiple of ``world_size * align_numel`` elements."""
+    skip_nonfinite_steps: int = 0
+    """``0`` (off): a non-finite gradient reaches the parameters, as under DDP. ``K > 0``: every
+    bucket is checked for inf/NaN on each rank before it is sent, the ranks agree once per step, and
+    a step in which any rank saw one is skipped on every rank (gradients dropped; parameters, masters,
+    moments and step counts unchanged; LR schedulers keep stepping, as with torch's ``GradScaler``);
+    the ``K``-th skipped step in a row raises :class:`~lightning_zero.NonFiniteGradientError` on
+    every rank, naming the step and the ranks (``K=1``: raise at the first, nothing updated). Costs
+    one min/max pass over each bucket and, unless ``find_unused_parameters`` already makes one, one
+    small all-reduce and one host synchronisation per step (:mod:`lightning_zero.engine.nonfinite`)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2):
@@ -59,6 +69,12 @@ class ZeroConfig:
             or self.align_numel < 1
         ):
             raise ValueError(f"align_numel must be an integer >= 1, got {self.align_numel!r}")
+        skips = self.skip_nonfinite_steps
+        if isinstance(skips, bool) or not isinstance(skips, int) or skips < 0:
+            raise ValueError(
+                f"skip_nonfinite_steps must be an integer >= 0 (0: off; K > 0: skip steps with inf/NaN "
+                f"gradients, raise at the K-th in a row), got {skips!r}"
+            )
         for name in ("overlap_comm", "overlap_param_gather", "find_unused_parameters"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

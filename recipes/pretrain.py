@@ -9,7 +9,9 @@ config, `ckpt_path=last` resumes the run in `run_dir` (Hydra's `hydra.run.dir`, 
 Flow: compose (Hydra, against the schema of `recipes.config.schema`) -> validate
 (`recipes.config.validation`, before any process starts; a bad setting prints one message and exits with
 status 2) -> instantiate (`recipes.config.build`) -> `trainer.fit` -> on rank 0, print a text sample and
-where the results are.
+where the results are. A rank that sees another rank die or hang (`lightning_zero.comm.CommError`)
+prints that error and exits with status 75 (EX_TEMPFAIL: resumable; under SLURM the job requeues
+itself, see `recipes.training.SlurmRequeue`); any other error ends with its traceback and status 1.
 
 Several processes: Lightning's launcher re-runs this command for ranks > 0 with
 `hydra.run.dir=<the same dir> hydra.output_subdir=null`, so all ranks share one run directory; Hydra
@@ -27,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from recipes.config import ConfigError, Run, build_run, validate  # registers `pretrain_schema`, resolvers
-from recipes.training import LossPlot
+from recipes.training import EXIT_PEER_FAILURE, LossPlot, peer_failure
 
 EXIT_CONFIG_ERROR = 2
 
@@ -84,7 +86,20 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as error:
         fail(error, Path(cfg.run_dir))
     run = build_run(cfg, configs)
-    run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
+    try:
+        run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
+    except Exception as error:
+        failure = peer_failure(error)
+        if failure is None:
+            raise
+        print(
+            f"error: {failure}\nexit status {EXIT_PEER_FAILURE}: another rank failed or hung (its own output "
+            "says why, if it could); the run resumes from its newest complete checkpoint with the same "
+            "command plus ckpt_path=last (under SLURM the job requeues itself: docs/clusters.md)",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(EXIT_PEER_FAILURE)
     if run.trainer.is_global_zero:
         report(run, cfg)
 

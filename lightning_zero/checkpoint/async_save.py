@@ -34,6 +34,7 @@ import copy
 import os
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -101,7 +102,10 @@ class HostSnapshot:
 class AsyncCheckpointWriter:
     """Writes sharded checkpoints in a background thread, one at a time (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        """``timeout``: of the writer's own process group (pass the training group's: a dead or hung
+        peer then ends the background save within it, not torch's 30-minute default)."""
+        self._timeout = timeout
         self._lock = threading.Lock()  # guards _busy, _removals and _error between the two threads
         self._busy = False  # a save is being written, or removals queued behind it are running
         self._removals: list[Callable[[], None]] = []
@@ -139,7 +143,7 @@ class AsyncCheckpointWriter:
         """
         self.wait()
         if self._comm is None:
-            self._comm = engine.comm.new_group(backend="gloo")  # all ranks, at their first save
+            self._comm = engine.comm.new_group("gloo", self._timeout)  # all ranks, at their first save
         snapshot = HostSnapshot()
         staged = stage_save(
             engine, path, snapshot.tree(lightning_state), extra_tensors, stage, copy_tensor=snapshot.tensor

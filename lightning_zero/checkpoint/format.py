@@ -32,6 +32,7 @@ import errno
 import hashlib
 import os
 import shutil
+import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.communicator import Comm, CommError
 from lightning_zero.engine.engine import ShardEngine
 
 FORMAT_VERSION = 1
@@ -141,9 +142,15 @@ class StagedSave:
     def write(self, comm: Comm) -> None:
         """Write, agree with the other ranks over ``comm``, commit on rank 0. On all ranks.
 
+        Before committing, rank 0 checks that it sees every rank's files at their sizes: on storage
+        that is not shared by all nodes (a node-local disk) the other nodes' shards would be missing
+        from the committed directory, and the error would only appear at the next load.
+
         Raises:
-            CheckpointError: on every rank, if any rank failed (the previous checkpoint is kept).
+            CheckpointError: on every rank, if any rank failed or rank 0 cannot see a rank's files
+                (the previous checkpoint is kept, and every rank removes its temporary files).
         """
+        host = socket.gethostname()
         status: Any
         try:
             if self.before_write is not None:
@@ -153,25 +160,58 @@ class StagedSave:
             if self.rank == 0:
                 status.append(_write(self.extra, self.tmp / EXTRA))
         except Exception as err:  # noqa: BLE001 - reported to every rank below
-            status = f"rank {self.rank}: {type(err).__name__}: {err}"
-        everyone = comm.all_gather_object(status)  # a failed rank sends its error text
-        errors = [s for s in everyone if isinstance(s, str)]
+            status = f"rank {self.rank}: {type(err).__name__}: {err} (host {host})"
+        peer_failure: CommError | None = None
+        try:
+            errors = self._agree_and_commit(comm, host, status)
+        except CommError as err:  # a peer died or hung: no commit without every rank's word
+            errors, peer_failure = [str(err)], err
+        if errors:
+            shutil.rmtree(self.tmp, ignore_errors=True)  # every rank: node-local temporaries too
+            raise CheckpointError(
+                f"saving checkpoint {self.target} failed; the previous one (if any) is kept:\n"
+                + "\n".join(sorted(set(errors), key=errors.index))
+            ) from peer_failure  # the cause stays visible: a caller may resume or requeue on it
+
+    def _agree_and_commit(self, comm: Comm, host: str, status: Any) -> list[str]:
+        """Exchange every rank's outcome; rank 0 checks what it sees and commits. The errors, on all ranks."""
+        everyone = comm.all_gather_object((host, status))  # a failed rank sends its error text
+        errors = [s for _, s in everyone if isinstance(s, str)]
+        if not errors and self.rank == 0:
+            errors = _unseen(self.tmp, everyone, host)
         if not errors and self.rank == 0:
             try:
-                files = {name: {"size": size, "sha256": digest} for s in everyone for name, size, digest in s}
+                files = {
+                    name: {"size": size, "sha256": digest} for _, s in everyone for name, size, digest in s
+                }
                 _write({**self.meta, "files": files}, self.tmp / META)
                 _commit(self.tmp, self.target)
             except Exception as err:  # noqa: BLE001
-                errors.append(f"rank 0: {type(err).__name__}: {err}")
+                errors.append(f"rank 0: {type(err).__name__}: {err} (host {host})")
         if self.world_size > 1:  # rank 0's commit outcome reaches everyone
             errors = [e for rank_errors in comm.all_gather_object(errors) for e in rank_errors]
-        if errors:
-            if self.rank == 0:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-            raise CheckpointError(
-                f"saving checkpoint {self.target} failed; the previous one (if any) is kept:\n"
-                + "\n".join(sorted(set(errors)))
-            )
+        return errors
+
+
+def _unseen(tmp: Path, everyone: list[tuple[str, Any]], host: str) -> list[str]:
+    """Rank 0's check that every rank's files are there at their sizes: what it cannot see, as errors."""
+    unseen = []
+    for rank, (rank_host, files) in enumerate(everyone):
+        for name, size, _ in files:
+            file = tmp / name
+            found = file.stat().st_size if file.is_file() else None
+            if found != size:
+                state = "missing" if found is None else f"{found} bytes instead of {size}"
+                unseen.append(
+                    f"rank {rank} (host {rank_host}) wrote {name}, rank 0 (host {host}) sees it {state}"
+                )
+    if unseen:
+        unseen.append(
+            f"rank 0 cannot see the other ranks' files in {tmp.parent}: the checkpoint directory must be "
+            "on storage shared by all nodes (every rank writes its own shard file into it; a disk local "
+            "to each node cannot hold a sharded checkpoint)"
+        )
+    return unseen
 
 
 def stage_save(

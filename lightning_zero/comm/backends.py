@@ -18,6 +18,7 @@ Asynchronous collectives return a handle with ``wait()`` (and ``is_completed()``
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -90,7 +91,7 @@ class Backend:
     def broadcast_object(self, obj: Any, src: int) -> Any:
         raise NotImplementedError
 
-    def new_group(self, backend: str) -> dist.ProcessGroup | None:
+    def new_group(self, backend: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
         raise NotImplementedError
 
 
@@ -125,7 +126,7 @@ class SingleProcess(Backend):
     def broadcast_object(self, obj: Any, src: int) -> Any:
         return obj
 
-    def new_group(self, backend: str) -> dist.ProcessGroup | None:
+    def new_group(self, backend: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
         return self.group
 
 
@@ -167,8 +168,9 @@ class Native(Backend):
         dist.broadcast_object_list(box, src=self._global(src), group=self.group)
         return box[0]
 
-    def new_group(self, backend: str) -> dist.ProcessGroup | None:
-        return dist.new_group(ranks=[self._global(r) for r in range(self.world_size)], backend=backend)
+    def new_group(self, backend: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
+        ranks = [self._global(r) for r in range(self.world_size)]
+        return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
 
 
 class GlooSplit(Native):

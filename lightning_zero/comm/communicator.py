@@ -10,19 +10,42 @@ which
     and all-gather of ``P`` elements: ``P·(N−1)/N``; all-reduce: ``2·P·(N−1)/N``), in elements and
     in bytes of the dtype on the wire, so the 2Ψ-versus-3Ψ claim is measured, not assumed, and a
     16-bit wire (``reduce_dtype="bf16"``) shows as half the bytes;
-  * times how long the caller blocks in :meth:`Comm.wait`: communication that backward did not hide.
+  * times how long the caller blocks in :meth:`Comm.wait`: communication that backward did not hide;
+  * names what failed: a collective that ends in an error (a dead peer closes its connections; a
+    hung one makes the wait run into the process group's timeout) raises :class:`CommError` naming
+    the operation, its size and this rank, on every rank that waited for it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_zero.comm.backends import Backend, backend_for
+
+
+class CommError(RuntimeError):
+    """A collective failed: a peer died, hung past the process group's timeout, or the backend broke."""
+
+
+class _Named:
+    """A pending collective and what it is, for the error if it fails."""
+
+    def __init__(self, handle: Any, what: str) -> None:
+        self.handle, self.what = handle, what
+
+    def is_completed(self) -> bool:
+        done = getattr(self.handle, "is_completed", None)
+        return bool(done()) if done is not None else True
+
+    def wait(self) -> bool:
+        """Wait without the accounting of :meth:`Comm.wait` (use that one)."""
+        return bool(self.handle.wait())
 
 
 @dataclass
@@ -84,27 +107,49 @@ class Comm:
     def _ring(self, numel: int) -> int:
         return numel * (self.world_size - 1) // self.world_size
 
-    def reduce_scatter(self, output: Tensor, input_: Tensor) -> Any:
+    def _fail(self, what: str, err: BaseException) -> CommError:
+        return CommError(
+            f"rank {self.rank} of {self.world_size}: {what} failed ({type(err).__name__}: {err}); a peer "
+            "has died, hung past the process group's timeout, or lost its connection"
+        )
+
+    def _run(self, what: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, a blocking collective, with a failure named."""
+        try:
+            return fn(*args)
+        except Exception as err:  # noqa: BLE001 - named and re-raised
+            raise self._fail(what, err) from err
+
+    def reduce_scatter(self, output: Tensor, input_: Tensor, what: str = "reduce-scatter") -> Any:
         """Async sum-reduce-scatter of ``input_`` (``world_size * output.numel()``) into ``output``.
 
         ``input_`` is scratch afterwards: its contents are undefined once the handle is waited for.
         """
         self.stats.count(self._ring(input_.numel()), input_.dtype)
         self.stats.collectives += 1
-        return self.backend.reduce_scatter(output, input_)
+        return _Named(
+            self._run(what, self.backend.reduce_scatter, output, input_),
+            f"{what} of {input_.numel()} elements",
+        )
 
-    def all_reduce(self, tensor: Tensor, op: str = "sum", control: bool = False) -> Any:
+    def all_reduce(
+        self, tensor: Tensor, op: str = "sum", control: bool = False, what: str = "all-reduce"
+    ) -> Any:
         """Async in-place all-reduce (``op``: ``"sum"`` or ``"max"``). ``control`` counts it apart
         from gradient traffic."""
         self.stats.count(2 * self._ring(tensor.numel()), tensor.dtype, control)
         self.stats.collectives += 1
-        return self.backend.all_reduce(tensor, op)
+        return _Named(
+            self._run(what, self.backend.all_reduce, tensor, op), f"{what} of {tensor.numel()} elements"
+        )
 
-    def all_gather(self, output: Tensor, input_: Tensor) -> Any:
+    def all_gather(self, output: Tensor, input_: Tensor, what: str = "all-gather") -> Any:
         """Async all-gather of every rank's ``input_`` into ``output`` (may be in place)."""
         self.stats.count(self._ring(output.numel()), output.dtype)
         self.stats.collectives += 1
-        return self.backend.all_gather(output, input_)
+        return _Named(
+            self._run(what, self.backend.all_gather, output, input_), f"{what} of {output.numel()} elements"
+        )
 
     def wait(self, handle: Any) -> None:
         """Block on ``handle`` and account the time.
@@ -113,15 +158,16 @@ class Comm:
         host timer reads ~0: with :attr:`time_device_waits` on, a pair of CUDA events around it
         measures how long the stream stalled (read by :meth:`flush_timings`, which synchronises).
         """
+        work, what = (handle.handle, handle.what) if isinstance(handle, _Named) else (handle, "a collective")
         if self.device.type == "cuda" and self.time_device_waits:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            handle.wait()
+            self._run(what, work.wait)
             end.record()
             self._device_waits.append((start, end))
             return
         start_s = time.perf_counter()
-        handle.wait()
+        self._run(what, work.wait)
         self.stats.wait_s += time.perf_counter() - start_s
 
     def flush_timings(self) -> None:
@@ -159,7 +205,7 @@ class Comm:
     def _broadcast_chunk(self, tensors: list[Tensor], src: int) -> None:
         flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(self.device)
         self.stats.count(flat.numel() if self.rank == src else 0, flat.dtype, control=True)
-        self.backend.broadcast(flat, src)
+        self._run(f"broadcast of {flat.numel()} elements from rank {src}", self.backend.broadcast, flat, src)
         offset = 0
         for t in tensors:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -172,7 +218,17 @@ class Comm:
         local = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
         self.stats.count(self._ring(out.numel()), out.dtype, control=True)
-        self.backend.all_gather_tensor(out, local)
+        self._run("all-gather of integers", self.backend.all_gather_tensor, out, local)
+        return out.view(self.world_size, len(values)).tolist()
+
+    def all_gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Gather a short list of floats from every rank (a blocking control collective, float64)."""
+        if self.world_size == 1:
+            return [values]
+        local = torch.tensor(values, dtype=torch.float64, device=self.device)
+        out = torch.empty(self.world_size * len(values), dtype=torch.float64, device=self.device)
+        self.stats.count(self._ring(out.numel()), out.dtype, control=True)
+        self._run("all-gather of floats", self.backend.all_gather_tensor, out, local)
         return out.view(self.world_size, len(values)).tolist()
 
     def gather(self, tensor: Tensor, dst: int = 0) -> Tensor | None:
@@ -185,18 +241,25 @@ class Comm:
             else None
         )
         self.stats.count(tensor.numel() if self.rank != dst else 0, tensor.dtype, control=True)
-        self.backend.gather(tensor, out, dst)
+        self._run(f"gather of {tensor.numel()} elements to rank {dst}", self.backend.gather, tensor, out, dst)
         return out
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order, on every rank (blocking)."""
-        return self.backend.all_gather_object(obj)
+        return self._run("all-gather of a Python object", self.backend.all_gather_object, obj)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s picklable ``obj`` on every rank (blocking)."""
-        return self.backend.broadcast_object(obj, src)
+        return self._run(
+            f"broadcast of a Python object from rank {src}", self.backend.broadcast_object, obj, src
+        )
 
-    def new_group(self, backend: str) -> Comm:
+    def new_group(self, backend: str, timeout: timedelta | None = None) -> Comm:
         """A :class:`Comm` over the same ranks on a new process group (e.g. gloo for background
-        work that must not interleave with training collectives). Call on all ranks."""
-        return Comm(self.backend.new_group(backend))
+        work that must not interleave with training collectives). Call on all ranks.
+
+        ``timeout``: how long a collective of the new group may wait for a peer before it fails;
+        pass the training group's (the strategy's ``timeout``): ``None`` gives torch's default
+        (30 minutes), which a dead or hung peer would then cost every other rank.
+        """
+        return Comm(self.backend.new_group(backend, timeout))

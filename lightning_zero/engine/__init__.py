@@ -2,6 +2,7 @@
 the shard state records, re-planning and the start-up plan check, behind :class:`ShardEngine`."""
 
 from lightning_zero.engine.engine import ShardEngine
+from lightning_zero.engine.nonfinite import NonFiniteGradientError
 from lightning_zero.engine.plan_check import PlanMismatchError
 
-__all__ = ["PlanMismatchError", "ShardEngine"]
+__all__ = ["NonFiniteGradientError", "PlanMismatchError", "ShardEngine"]

@@ -17,10 +17,17 @@ dtype, ``"bf16"``/``"fp16"`` halve the bytes, ``"fp32"``). A codec that sends so
 summable tensor (e.g. int8 with per-block scales, which a reduce-scatter cannot add) overrides
 :meth:`WireCodec.launch` and :meth:`WireCodec.collect` with its own collectives (an all-to-all of
 blocks and scales, then a local sum) and is picked by :func:`codec_for` from the config.
+
+Non-finite checks (``skip_nonfinite_steps``): :meth:`WireCodec.launch` hands what goes on the wire to
+an ``inspect`` callback just before sending (a cast to a narrower wire that overflows shows there).
+A sum of finite values can overflow only on a wire narrower than the accumulation dtype (``"fp16"``
+for fp32 gradients, ``"fp32"`` for fp64 ones): there :meth:`WireCodec.collect` inspects this rank's
+reduced part as well.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +50,12 @@ class InFlight:
     """Stage 2: where the reduce-scatter writes (the shard itself, or a buffer of the wire dtype)."""
     uses_accum: bool
     """``wire`` is the accumulation buffer: its pool slot is busy until the bucket is collected."""
+    narrower: bool = False
+    """The wire dtype has less range than the accumulation dtype: the reduction itself may overflow."""
+
+
+Inspect = Callable[[Tensor], None]
+"""Called with a tensor that must be checked for inf/NaN (device-side; it must not synchronise)."""
 
 
 class WireCodec:
@@ -69,17 +82,29 @@ class WireCodec:
         else:
             shard.copy_(result)
 
-    def launch(self, comm: Comm, accum: Tensor, shard: Tensor, first_round: bool) -> InFlight:
-        """Start sending ``accum`` (``(padded_numel,)``, scratch afterwards) towards ``shard``."""
+    def launch(
+        self, comm: Comm, accum: Tensor, shard: Tensor, first_round: bool, inspect: Inspect | None = None
+    ) -> InFlight:
+        """Start sending ``accum`` (``(padded_numel,)``, scratch afterwards) towards ``shard``;
+        ``inspect`` sees the encoded bucket before it is sent."""
         wire = self.encode(accum, comm.world_size)
+        if inspect is not None:
+            inspect(wire)
+        narrower = torch.finfo(wire.dtype).max < torch.finfo(accum.dtype).max
         if self.stage == 1:
-            return InFlight(comm.all_reduce(wire), wire, None, wire is accum)
+            return InFlight(
+                comm.all_reduce(wire, what="gradient all-reduce"), wire, None, wire is accum, narrower
+            )
         direct = first_round and shard.dtype == wire.dtype  # the shard holds nothing of this step yet
         output = shard if direct else torch.empty(shard.numel(), dtype=wire.dtype, device=shard.device)
-        return InFlight(comm.reduce_scatter(output, wire), wire, output, wire is accum)
+        handle = comm.reduce_scatter(output, wire, what="gradient reduce-scatter")
+        return InFlight(handle, wire, output, wire is accum, narrower)
 
-    def collect(self, comm: Comm, sent: InFlight, shard: Tensor, first_round: bool) -> None:
-        """Wait for ``sent`` and fold this rank's part into ``shard``."""
+    def collect(
+        self, comm: Comm, sent: InFlight, shard: Tensor, first_round: bool, inspect: Inspect | None = None
+    ) -> None:
+        """Wait for ``sent`` and fold this rank's part into ``shard``; ``inspect`` sees that part when
+        the reduction on a narrower wire may have overflowed."""
         comm.wait(sent.handle)
         if self.stage == 1:
             start, end = shard_range(sent.wire.numel(), comm.world_size, comm.rank)
@@ -87,6 +112,8 @@ class WireCodec:
         else:
             assert sent.output is not None
             result = sent.output
+        if inspect is not None and sent.narrower:
+            inspect(result)
         self.decode(result, shard, accumulate=not first_round)
 
 

@@ -22,7 +22,10 @@ scheduler writes is seen at the next step) and never holds a reference to the op
 
 Communication per step (:meth:`ShardEngine.step`): what the reducer launched during backward is
 collected, each bucket's owned shard is updated and its all-gather launched at once (the next
-bucket's update overlaps it). Clipping and loss-scale checks add one small all-reduce each.
+bucket's update overlaps it). Clipping and loss-scale checks add one small all-reduce each; so does
+``skip_nonfinite_steps`` unless it rides on ``find_unused_parameters``' mask
+(:mod:`lightning_zero.engine.nonfinite`): a step with inf/NaN gradients on any rank is skipped on
+every rank, before any update or gather.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from torch import Tensor
 import lightning_zero.engine.grad_math as grad_math
 from lightning_zero.comm.communicator import Comm, CommStats
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.nonfinite import NonFiniteGuard
 from lightning_zero.engine.param_gather import ParamGather
 from lightning_zero.engine.plan_check import check_same_plan
 from lightning_zero.engine.reducer import GradReducer
@@ -96,6 +100,10 @@ class ShardEngine:
         self._param_order = None if param_order is None else list(param_order)
         self._names = param_names or {}
         self._parked = Parked()
+        self.guard = NonFiniteGuard(comm, config.skip_nonfinite_steps)
+        self.optimizer_steps = 0
+        """Optimizer steps so far: :meth:`step` calls with gradients, skipped ones included (the step an
+        error names). The Trainer strategy sets it to ``trainer.global_step`` before each training step."""
         self._build()
 
     def _build(self) -> None:
@@ -117,7 +125,7 @@ class ShardEngine:
         self.params_in_order = order
         self.flat = FlatParams(order, self.plan, self.comm.rank)
         self.gather = ParamGather(self.plan, self.flat, self.comm, config.overlap_param_gather)
-        self.reducer = GradReducer(order, self.plan, self.flat, self.comm, config)
+        self.reducer = GradReducer(order, self.plan, self.flat, self.comm, config, self.guard)
         self.state = ShardState(
             self.plan,
             self.flat,
@@ -194,6 +202,25 @@ class ShardEngine:
         """Whether every planned parameter still is a view of the flat buffers."""
         return self.flat.is_bound(self.params_in_order)
 
+    @torch.no_grad()
+    def follow_parameters(self) -> None:
+        """After the parameters were given new storage, perhaps on another device (Lightning's teardown
+        moves the module to the CPU): new flat buffers on their device holding their values, bound to
+        them again, and every record's state moved there, so a later save writes the same sharded
+        format and reads no stale buffer. Local: no communication. For saving and reading after
+        training; the gradient hooks stay removed (call after :meth:`remove_hooks`)."""
+        if self.is_bound():
+            return
+        self.flat = FlatParams(self.params_in_order, self.plan, self.comm.rank)
+        device = self.flat.device
+        for record in self.state.records:
+            separate = record.separate_master
+            record.param = self.flat.shard(record.bucket)
+            record.master = record.master.to(device) if separate else record.param
+            record.grad = record.grad.to(device)
+            record.moments = {name: t.to(device) for name, t in record.moments.items()}
+        self.gather = ParamGather(self.plan, self.flat, self.comm, self.config.overlap_param_gather)
+
     def refresh_master(self) -> None:
         """Re-read separate (fp32) master shards from the parameters, after parameters were loaded."""
         self.wait_for_params()
@@ -228,7 +255,7 @@ class ShardEngine:
 
     def finish_grad_sync(self) -> list[bool] | None:
         """Complete this step's gradient communication (idempotent; all ranks). Returns which
-        parameters some rank used when unused parameters are tracked (or at world size 1), else ``None``."""
+        parameters some rank used when unused parameters are tracked, else ``None``."""
         return self.reducer.finalize()
 
     def zero_grad(self) -> None:
@@ -243,7 +270,10 @@ class ShardEngine:
     def unscale_(self, scale: float | Tensor) -> bool:
         """Divide the shard gradients by a loss scale; True on every rank if any rank has inf/NaN."""
         self.finish_grad_sync()
-        return grad_math.unscale(self.comm, self.reducer.grad_shards, scale)
+        found_inf = grad_math.unscale(self.comm, self.reducer.grad_shards, scale)
+        if not found_inf:
+            self.guard.known_finite()  # every shard was checked: the non-finite guard need not ask
+        return found_inf
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
@@ -266,13 +296,27 @@ class ShardEngine:
         """Collect the gradient rounds, update the owned shards, launch each bucket's all-gather.
 
         A step with no backward since the last one changes nothing (as torch's AdamW with every
-        ``.grad`` ``None``). Must be called on all ranks.
+        ``.grad`` ``None``). With ``skip_nonfinite_steps``, a step in which any rank's gradients hold
+        inf/NaN changes nothing either, on every rank, and drops the gradients. Must be called on all
+        ranks.
+
+        Raises:
+            NonFiniteGradientError: the ``skip_nonfinite_steps``-th skipped step in a row (every rank).
         """
         if self.reducer.idle:
             self.reducer.reset()
             return
+        step = self.optimizer_steps
+        self.optimizer_steps += 1
         self.gather.wait()  # gathers left in flight read the shards this step writes
         used_mask = self.reducer.finalize()
+        if self.guard.enabled:
+            bad_ranks = self.guard.agree()
+            if bad_ranks:
+                self.reducer.reset()  # gradients dropped; nothing updated, nothing to gather
+                self.guard.skipped(step, bad_ranks)  # raises at the limit, on every rank alike
+                return
+            self.guard.updated()
         self.state.adopt_external_writes()
         self.state.count_steps(used_mask)
         for b in self.gather.order():  # each bucket's gather overlaps the next one's update
@@ -295,6 +339,12 @@ class ShardEngine:
     # ---- figures ----------------------------------------------------------------------------
 
     @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for inf/NaN gradients (``skip_nonfinite_steps``) since the engine was
+        built; the same on every rank. Steps skipped by fp16 loss scaling are not counted."""
+        return self.guard.skipped_steps
+
+    @property
     def comm_stats(self) -> CommStats:
         """Elements and bytes sent and time waited since the counters were last reset."""
         return self.comm.stats
@@ -307,6 +357,10 @@ class ShardEngine:
     def flush_timings(self) -> None:
         """Add the device-measured waits so far to :attr:`comm_stats` (synchronises the device)."""
         self.comm.flush_timings()
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` (e.g. its step time), in rank order. All ranks; one small collective."""
+        return self.comm.all_gather_floats(values)
 
     def min_elements_per_step(self) -> int:
         """Stage 2's lower bound on the elements a rank sends per step: ``2·Ψ·(N−1)/N`` (padded Ψ)."""

@@ -27,6 +27,9 @@ dtype, the collective, the accumulation back) is the bucket's wire codec
 bucket, keep the owned slice) and stage 2 (reduce-scatter it) differ. Either way the optimizer sees
 only ``grad_shards[b]``: ``(padded_numel // world_size,)`` in the master dtype.
 
+``skip_nonfinite_steps``: each bucket is shown to the :class:`NonFiniteGuard` as it is sent (and
+collected); the guard's flags ride on the used-parameter mask, then launched after the collects.
+
 Memory: a bucket's accumulation buffer is a slot of a small pool (:class:`WirePool`: three
 buffers as long as the longest bucket within the cap, plus one as long as the longest bucket above
 it, allocated once) from the bucket's first gradient of the step until its collective is collected;
@@ -51,6 +54,7 @@ from torch import Tensor
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.config import ZeroConfig, master_dtype
 from lightning_zero.engine.codecs import InFlight, WireCodec, codec_for
+from lightning_zero.engine.nonfinite import NonFiniteGuard
 from lightning_zero.engine.wire_pool import WirePool, adoptable_params
 from lightning_zero.layout.buckets import Bucket, BucketPlan
 from lightning_zero.layout.flat import FlatParams
@@ -97,12 +101,16 @@ class GradReducer:
         flat: FlatParams,
         comm: Comm,
         config: ZeroConfig,
+        guard: NonFiniteGuard | None = None,
     ) -> None:
         self.params = list(params)
         self.plan = plan
         self.flat = flat
         self.comm = comm
         self.config = config
+        self._guard = guard if guard is not None and guard.enabled else None
+        self._inspect = None if self._guard is None else self._guard.inspect
+        self._inspect_reduced = None if self._guard is None else self._guard.inspect_reduced
         self._where = plan.locate()
         self.grad_shards: list[Tensor] = [
             torch.zeros(plan.shard_numel(b), dtype=master_dtype(b.dtype), device=flat.device)
@@ -120,8 +128,9 @@ class GradReducer:
         self.adopted = 0
         """Gradients that became their bucket's accumulation buffer (no copy, no slot)."""
         self._sync = True
-        # at world size 1 the local mask is the global one: torch's exact semantics for free
-        self._skip_unused = config.find_unused_parameters or comm.world_size == 1
+        # the same semantics on 1 and N ranks: without find_unused_parameters a parameter that got no
+        # gradient counts as a zero gradient (with a one-time warning), also at world size 1
+        self._skip_unused = config.find_unused_parameters
         self._used = [False] * len(self.params)  # got a gradient on this rank in this step
         self._used_global: list[bool] | None = None
         self._has_data = [False] * len(self.params)  # accumulated in this round's buffers
@@ -262,9 +271,8 @@ class GradReducer:
 
     def _launch(self, bucket_index: int) -> None:
         state = self._buckets[bucket_index]
-        sent = state.codec.launch(
-            self.comm, self._accum(bucket_index), self.grad_shards[bucket_index], self._rounds == 0
-        )
+        accum, shard = self._accum(bucket_index), self.grad_shards[bucket_index]
+        sent = state.codec.launch(self.comm, accum, shard, self._rounds == 0, self._inspect)
         if not sent.uses_accum:
             self._release(state)  # the wire copy is all that is needed from here on
         state.sent = sent
@@ -311,17 +319,21 @@ class GradReducer:
             self._fill_missing(bucket_index)
             self._launch(bucket_index)
         used, used_handle = None, None  # launched after every bucket: the same collective order everywhere
-        if self.comm.world_size == 1:
+        if self._skip_unused and self.comm.world_size == 1:
             self._used_global = list(self._used)  # local is global: no tensor, no host synchronisation
-        elif self._skip_unused:  # find_unused_parameters=True: the user asked for one small all-reduce
-            used = torch.tensor(self._used, dtype=torch.int32, device=self.comm.device)
-            used_handle = self.comm.all_reduce(used, op="max", control=True)
+        elif self._skip_unused and self._guard is None:  # the user asked for one small all-reduce
+            used, used_handle = self._launch_used_mask()
         for bucket_index in range(len(self._buckets)):
             if self._buckets[bucket_index].sent is not None:
                 self._collect(bucket_index)
+        if used is None and self._skip_unused and self.comm.world_size > 1:  # with the guard's flags
+            used, used_handle = self._launch_used_mask()
         if used is not None and used_handle is not None:
             self.comm.wait(used_handle)
-            self._used_global = [bool(u) for u in used.tolist()]  # a host sync, once per round
+            values = used.tolist()  # a host sync, once per round
+            self._used_global = [bool(u) for u in values[: len(self.params)]]
+            if self._guard is not None:
+                self._guard.agreed(values[len(self.params) :])
         self._rounds += 1
         self._round_open = False
         self._next_launch = 0
@@ -330,13 +342,21 @@ class GradReducer:
         for state in self._buckets:
             state.waiting = len(state.bucket.slots)
 
+    def _launch_used_mask(self) -> tuple[Tensor, object]:
+        """Start the max all-reduce of this rank's used-parameter mask (``(num_params,)`` int32),
+        followed by the non-finite guard's ``(2 * world_size,)`` flags when the guard is on."""
+        used = torch.tensor(self._used, dtype=torch.int32, device=self.comm.device)
+        if self._guard is not None:
+            used = torch.cat([used, self._guard.local_flags()])  # (num_params + 2 * world_size,)
+        return used, self.comm.all_reduce(used, op="max", control=True)
+
     def finalize(self) -> list[bool] | None:
         """Finish this step's communication; ``grad_shards`` are then valid. Idempotent.
 
         Must be called on all ranks (that ran a backward pass since the last :meth:`reset`; a rank
         that ran none communicates nothing, as under torch DDP, whose collectives run in backward,
         so every rank must run backward or none). Returns a list, one bool per parameter: whether some
-        rank used it, when ``find_unused_parameters`` is on (or at world size 1); else ``None``.
+        rank used it, when ``find_unused_parameters`` is on; else ``None``.
         """
         if self.idle:  # no backward since the last step: torch's step with every .grad None
             for shard in self.grad_shards:
@@ -348,7 +368,9 @@ class GradReducer:
     def _collect(self, bucket_index: int) -> None:
         state = self._buckets[bucket_index]
         assert state.sent is not None
-        state.codec.collect(self.comm, state.sent, self.grad_shards[bucket_index], self._rounds == 0)
+        state.codec.collect(
+            self.comm, state.sent, self.grad_shards[bucket_index], self._rounds == 0, self._inspect_reduced
+        )
         self._release(state)
 
     def reset(self) -> None:
@@ -368,6 +390,8 @@ class GradReducer:
         self._rounds = 0
         self._round_open = False
         self._callback_queued = False
+        if self._guard is not None:
+            self._guard.reset()
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

@@ -170,6 +170,12 @@ class ZeroFrontEnd:
         assert self.optimizer is not None
         self.optimizer.replan(module.parameters(), {p: n for n, p in module.named_parameters()})
 
+    def count_steps_from(self, optimizer_steps: int) -> None:
+        """The optimizer steps taken so far (e.g. ``trainer.global_step``, restored on resume): the
+        step a non-finite-gradient error names."""
+        if self.engine is not None:
+            self.engine.optimizer_steps = optimizer_steps
+
     def wait_for_params(self) -> None:
         """Complete the parameter all-gathers left in flight by ``overlap_param_gather``."""
         if self.engine is not None:
@@ -179,6 +185,12 @@ class ZeroFrontEnd:
         """Remove the engine's hooks (waiting for gathers in flight); its state stays for saving."""
         if self.engine is not None:
             self.engine.remove_hooks()
+
+    def follow_module(self) -> None:
+        """After the framework moved the module (a GPU teardown gives parameters new CPU storage), the
+        sharded state follows it, so a save after ``fit`` still writes the sharded directory."""
+        if self.engine is not None:
+            self.engine.follow_parameters()
 
     # ---- checkpoints ------------------------------------------------------------------------
 

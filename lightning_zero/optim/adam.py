@@ -6,8 +6,14 @@ hyper-parameters read at every step (so LR schedulers take effect). Moments: ``e
 ``exp_avg_sq`` and, when any group has ``amsgrad``, ``max_exp_avg_sq`` — torch's own names, which are
 also the names in checkpoints and in the full state.
 
-Kernels: torch's fused Adam(W) where it exists (fp32/fp64 masters on CPU or CUDA), one call per
-(bucket, group, step count); ``torch._foreach_*`` otherwise.
+Kernels: the family the user's optimizer asked for, so that results equal what torch computes for
+it (``"ddp"`` runs the user's optimizer): ``fused=True`` runs torch's fused Adam(W) kernel, one call
+per (bucket, group, step count); otherwise (``foreach=True``, or torch's default) the same
+element-wise operations as torch's for-loop and foreach implementations, batched with
+``torch._foreach_*``. The fused kernel rounds differently, which Adam amplifies where gradients are
+near zero (8 fp32 steps of a 47.5M-parameter transformer: up to 2.8e-3 on 0.8 % of elements). The
+fused CPU kernel also rounds the last elements of each tensor (its vectorised loop's tail) apart, and a
+shard's piece ends elsewhere than its parameter: a few ulps against the unsharded fused update.
 """
 
 from __future__ import annotations
@@ -30,19 +36,10 @@ class AdamRule:
         return MOMENTS + ((AMSGRAD_MOMENT,) if any(g["amsgrad"] for g in groups) else ())
 
     def update(self, pieces: list[Piece], step: int, group: dict[str, Any]) -> None:
-        if _fused_ok(pieces[0].master):
+        if group.get("fused"):
             _adam_fused(pieces, step, group)
         else:
             _adam_foreach(pieces, step, group)
-
-
-_FUSED_DEVICES = ("cuda", "cpu")
-_FUSED_DTYPES = (torch.float32, torch.float64)
-
-
-def _fused_ok(master: Tensor) -> bool:
-    """torch's fused Adam(W) kernel exists for this device and master dtype."""
-    return master.device.type in _FUSED_DEVICES and master.dtype in _FUSED_DTYPES
 
 
 def _adam_fused(pieces: list[Piece], step: int, group: dict[str, Any]) -> None:

@@ -17,9 +17,8 @@ Elements sent: ``Ψ·(N−1)/N`` for the gather, the same again (stage 2) or twi
 gradients.
 
 Limits: parameters must be real floating point tensors on one device; ``differentiable`` and
-tensor-valued ``lr`` with ``capturable`` are refused. ``foreach``/``fused`` are accepted and
-ignored: the shard update uses torch's fused Adam kernel where it applies (fp32/fp64 masters on CPU
-or CUDA) and ``torch._foreach_*`` otherwise (:mod:`lightning_zero.optim.adam`).
+tensor-valued ``lr`` with ``capturable`` are refused. ``fused``/``foreach`` choose the kernel family
+as in torch (:mod:`lightning_zero.optim.adam`), so fp32 results equal torch's for the same choice.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 _REFUSED_FLAGS = ("differentiable", "capturable")
+_FUSED_DEVICES = ("cpu", "cuda")
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -54,6 +54,8 @@ class ShardedAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or param-group dicts, as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
+        foreach, fused: as ``torch.optim.AdamW``: ``fused=True`` runs torch's fused kernel (faster on
+            CPU and CUDA, rounds differently); otherwise the update is torch's for-loop/foreach one.
         decoupled_weight_decay: ``True`` for AdamW, ``False`` for Adam's L2 penalty.
         config: bucketing and sharding settings (:class:`~lightning_zero.ZeroConfig`).
         process_group: the data-parallel group; ``None`` for the default one (or none at all).
@@ -75,6 +77,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
         decoupled_weight_decay: bool = True,
         config: ZeroConfig | None = None,
         process_group: ProcessGroup | None = None,
@@ -89,6 +93,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             weight_decay=weight_decay,
             amsgrad=amsgrad,
             maximize=maximize,
+            foreach=foreach,
+            fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
         )
         super().__init__(params, defaults)
@@ -129,6 +135,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             weight_decay=defaults["weight_decay"],
             amsgrad=defaults.get("amsgrad", False),
             maximize=defaults.get("maximize", False),
+            foreach=defaults.get("foreach"),
+            fused=defaults.get("fused"),
             decoupled_weight_decay=decoupled,
             **kwargs,
         )
@@ -202,7 +210,11 @@ class ShardedAdamW(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Reduce gradients (if backward has not already), update the owned shards, all-gather.
 
-        Must be called on all ranks.
+        With ``config.skip_nonfinite_steps``, a step in which any rank's gradients hold inf/NaN is
+        skipped on every rank (counted in :attr:`skipped_steps`). Must be called on all ranks.
+
+        Raises:
+            NonFiniteGradientError: the ``skip_nonfinite_steps``-th skipped step in a row (every rank).
         """
         loss = None
         if closure is not None:
@@ -219,6 +231,12 @@ class ShardedAdamW(torch.optim.Optimizer):
         return loss
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # LR schedulers rebound to us check it
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for inf/NaN gradients (``skip_nonfinite_steps``) since this optimizer was
+        built; the same on every rank, read without communication."""
+        return self.engine.skipped_steps
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full state, in ``torch.optim.AdamW``'s format, on rank ``to``. Call on all ranks.
@@ -274,6 +292,15 @@ def _check_hyper(*, lr: float, betas: Sequence[float], eps: float, weight_decay:
 
 def _check_group(group: dict[str, Any]) -> None:
     _check_hyper(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+    if group.get("fused") and group.get("foreach"):
+        raise ValueError("fused=True and foreach=True cannot be set together (as in torch.optim.AdamW)")
+    if group.get("fused"):
+        devices = sorted({p.device.type for p in group["params"]} - set(_FUSED_DEVICES))
+        if devices:
+            raise ValueError(
+                f"fused=True needs parameters on {' or '.join(_FUSED_DEVICES)}, got {devices}; "
+                "pass fused=None for the foreach update"
+            )
     for flag in _REFUSED_FLAGS:
         if group.get(flag):
             raise ValueError(

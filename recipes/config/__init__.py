@@ -1,6 +1,7 @@
 """The Hydra side of the recipe: from `conf/` and command-line overrides to the objects of one run.
 
-* `resolvers` - the `recipe.*` OmegaConf resolvers (`run_name`, `run_dir`, SLURM tasks per node);
+* `resolvers` - the `recipe.*` OmegaConf resolvers (`run_name`, `run_dir`, the SLURM allocation: nodes,
+  tasks and GPUs per node, shared with `recipes.sbatch`);
 * `schema` - the typed schema of `conf/pretrain.yaml`, registered in Hydra's ConfigStore;
 * `signatures` - schemas and checks read from the Lightning classes' constructor signatures;
 * `compose` - composition outside `@hydra.main` (`recipes.sbatch`, tests), as the command composes;
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from recipes.config.build import Run, build_run
 from recipes.config.compose import CONF_DIR, compose_recipe
-from recipes.config.resolvers import tasks_per_node
+from recipes.config.resolvers import gpus_per_node, slurm_nodes, tasks_per_node
 from recipes.config.validation import ConfigError, RecipeConfigs, check_keys, validate
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "build_run",
     "check_keys",
     "compose_recipe",
+    "gpus_per_node",
+    "slurm_nodes",
     "tasks_per_node",
     "validate",
 ]

@@ -90,7 +90,7 @@ def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
     callbacks, plugins = [*build_callbacks(cfg), TokenizerCopy(cfg.run_dir)], build_plugins(cfg)
     ckpt_path = cfg.ckpt_path
     if SLURMEnvironment.detect():  # one requeue mechanism: ours, not Lightning's signal-handler save
-        callbacks.append(SlurmRequeue())
+        callbacks.append(SlurmRequeue(cfg.cluster.peer_failure_requeues))
         ckpt_path = requeued_resume_path(ckpt_path, callbacks)  # a requeued job continues its series
     trainer: pl.Trainer = instantiate(
         cfg.trainer,

@@ -1,6 +1,6 @@
 """Values the recipe's config takes from Hydra's own state: the `recipe.*` OmegaConf resolvers.
 
-Three settings are not YAML scalars, because a scalar would be wrong as soon as the user chooses
+Some settings are not YAML scalars, because a scalar would be wrong as soon as the user chooses
 something else (a default `cpu_demo` name or a fixed task count silently laid over `model=llama_1b
 trainer=gpu` was issue 11). They are OmegaConf resolvers, registered when this module is imported:
 
@@ -13,10 +13,15 @@ trainer=gpu` was issue 11). They are OmegaConf resolvers, registered when this m
   `hydra.sweep.dir/hydra.sweep.subdir` in a multirun. `hydra.run.dir=X` therefore places checkpoints,
   logs and `config.yaml` in X. Lightning's launcher re-runs the command for ranks > 0 with
   `hydra.run.dir=<the resolved dir>`, so every rank gets the same one.
-- `${recipe.tasks_per_node:accelerator,devices,gpus_per_node}`: SLURM tasks per node, one per device
-  (`tasks_per_node`, shared with `recipes.sbatch`).
+- `${recipe.nodes:nodes,num_nodes}`, `${recipe.tasks_per_node:accelerator,devices,gpus_per_node}` and
+  `${recipe.gpus_per_node:accelerator,devices,gpus_per_node}`: the SLURM allocation of the submitit
+  launcher (`conf/hydra/launcher/slurm.yaml`), by the same functions `recipes.sbatch` writes its
+  `#SBATCH` lines with (`slurm_nodes`, `tasks_per_node`, `gpus_per_node`). Each value the allocation
+  and the job must agree on is derived once, from `cluster.*` and `trainer.*`, or refused when the two
+  disagree, naming both - when the script is written or the job submitted, not after it waited in
+  the queue for Lightning to find `--nodes != num_nodes` or `--ntasks-per-node != devices`.
 
-They read Hydra's runtime state (`HydraConfig`), which `@hydra.main` installs, and so does
+The first two read Hydra's runtime state (`HydraConfig`), which `@hydra.main` installs, and so does
 `recipes.config.compose.compose_recipe` outside it. This module imports no other recipe module: the
 schema (`recipes.config.schema`) imports it so that the YAML files' interpolations resolve.
 """
@@ -96,12 +101,41 @@ def tasks_per_node(accelerator: str, devices: Any, gpus_per_node: int | None) ->
     return 1 if count is None else count
 
 
+def slurm_nodes(nodes: int, num_nodes: Any) -> int:
+    """SLURM nodes: `cluster.nodes`, which `trainer.num_nodes` follows (`conf/trainer/*.yaml`).
+
+    Raises:
+        ValueError: when `trainer.num_nodes` was set to another number, naming both settings.
+    """
+    if num_nodes != nodes:
+        raise ValueError(
+            f"trainer.num_nodes={num_nodes} but cluster.nodes={nodes}: the job is sized from cluster.nodes "
+            f"(SLURM's --nodes={nodes}) and Lightning would wait for {num_nodes} node(s); set "
+            f"cluster.nodes={num_nodes} (trainer.num_nodes follows it)"
+        )
+    return nodes
+
+
+def gpus_per_node(accelerator: str, devices: Any, gpus_per_node: int | None) -> int | None:
+    """GPUs to request per node: one per task on GPU trainers (`tasks_per_node`: `cluster.gpus_per_node`,
+    or the number `trainer.devices` gives when that is null), none on CPU trainers.
+
+    Raises:
+        ValueError: as `tasks_per_node`.
+    """
+    if str(accelerator) not in GPU_ACCELERATORS:
+        return None
+    return tasks_per_node(accelerator, devices, gpus_per_node)
+
+
 def register_resolvers() -> None:
     """Register the `recipe.*` resolvers (idempotent)."""
     for name, function in (
         ("recipe.run_name", default_run_name),
         ("recipe.job_dir", job_dir),
+        ("recipe.nodes", slurm_nodes),
         ("recipe.tasks_per_node", tasks_per_node),
+        ("recipe.gpus_per_node", gpus_per_node),
     ):
         OmegaConf.register_new_resolver(name, function, replace=True)
 

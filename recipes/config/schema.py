@@ -125,6 +125,7 @@ class ClusterSchema:
     time: str | None = None  # SLURM time limit, "HH:MM:SS" or "D-HH:MM:SS"
     cpus_per_task: int | None = None  # SLURM --cpus-per-task (data loader workers + the rank itself)
     sbatch_extra: list[str] = field(default_factory=list)  # more #SBATCH lines, e.g. ["--exclusive"]
+    peer_failure_requeues: int = 3  # SLURM: requeues of a job after a rank died or hung (0: none)
 
 
 @dataclass

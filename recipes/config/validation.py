@@ -3,19 +3,30 @@
 The schema (`recipes.config.schema`) already rejects unknown keys and wrong types at compose time, and
 Hydra rejects unknown group options (`model=huge`) listing the valid ones. `check_keys` catches what
 composition lets through without looking at data or machine (`recipes.sbatch` runs it too): keys added
-with `+key=` to a recipe node, values left `???`, a hand-set `run_dir`, and every Lightning `_target_`
-node (trainer, strategy, each logger and callback, nested ones) against its class's signature
-(`recipes.config.signatures`: an argument it does not take, with the closest valid names; a value
-outside its annotation's union or `Literal` choices). `check_objects` builds the strategy, loggers and
-callbacks once, so a constructor's own check or a missing package (`logger=wandb` without wandb) fails
-here. `validate` then catches what needs the values together or the machine, asking the data source
-that `data.path` designates (`recipes.data.sources`) for what it knows: a data path that matches
-nothing or holds no text (or a .jsonl / .parquet without the text field), a prepared directory that is
-incomplete or too small, a window longer than the model's context, token ids the model's vocabulary
-cannot cover (from the prepared index's `max_token_id`; for a `.bin` by one pass over it), more devices
-than the machine has, a `ckpt_path` with nothing to resume, and the value checks of the recipe
-dataclasses. Each failure is a `ConfigError` whose message names the setting and what
-would be valid; the entry point prints it and exits non-zero without touching earlier runs.
+with `+key=` to a recipe node, values left `???`, a hand-set `run_dir`, a `trainer.num_nodes` other than
+`cluster.nodes` (what SLURM is asked for), and every Lightning `_target_` node (trainer, strategy, each
+logger and callback, nested ones) against its class's signature (`recipes.config.signatures`: an argument
+it does not take, with the closest valid names; a value outside its annotation's union or `Literal`
+choices). `check_objects` builds the strategy, loggers and callbacks once, so a constructor's own check or
+a missing package (`logger=wandb` without wandb, the loss plot without matplotlib) fails here. `validate`
+then catches what needs the values together or the machine, asking the data source that `data.path`
+designates (`recipes.data.sources`) for what it knows: a data path that matches nothing or holds no text
+(or a .jsonl / .parquet without the text field), a prepared directory that is incomplete or too small, a
+window longer than the model's context, token ids the model's vocabulary cannot cover (from the prepared
+index's `max_token_id`; for a `.bin` by one pass over it), more devices than the machine has, a
+`ckpt_path` with nothing to resume, and the value checks of the recipe dataclasses. Each failure is a
+`ConfigError` whose message names the setting and what would be valid; the entry point prints it and exits
+non-zero without touching earlier runs.
+
+Optional packages fail here, never after training (`check_objects`, `data_vocab_size`, `check_data`):
+everything the config asks for that imports a package only when first used - a logger's client (its
+constructor only reads the package's metadata), the loss plot's matplotlib (imported by `LossPlot`'s
+constructor), the tokenizer's library (a BPE is trained in `prepare_data` on one rank per node while
+the others wait; a prepared directory's tokenizer is otherwise loaded once every process runs), the
+parquet reader - is imported now, on every rank alike. The policy is to refuse, never to warn and
+skip: each of these is an output or an input the config names (the loss plot is in the default
+callbacks), a warning scrolls past in a multi-node log while the output silently goes missing, and
+the message names the one override that goes without it (`callbacks.loss_plot=null`, another logger).
 """
 
 from __future__ import annotations
@@ -31,9 +42,11 @@ from typing import Any
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
+from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig, OmegaConf
 
+from recipes.config.resolvers import slurm_nodes
 from recipes.config.schema import RUN_DIR_DEFAULT, TRAINER_ARGS_FROM_GROUPS
 from recipes.config.signatures import SIGNATURE_SCHEMA, ArgumentError, check_arguments
 from recipes.data import Corpus, DataConfig, DataError, DataSource, TokenizerError, data_source
@@ -74,10 +87,35 @@ def _build(node: DictConfig, **kwargs: Any) -> Any:
         raise ConfigError(str(error.__cause__ or error)) from error
 
 
+def missing_package(setting: str, error: ImportError, instead: str) -> ConfigError:
+    """The error for a package that `setting` needs and that cannot be imported."""
+    package = (error.name or "?").split(".")[0]
+    return ConfigError(
+        f"{setting} needs the Python package {package!r}, which cannot be imported here ({error}); "
+        f"install it (`pip install -e '.[recipes]'`), or {instead}"
+    )
+
+
 def data_vocab_size(source: DataSource) -> int:
-    """Vocabulary of the configured tokenizer: a prepared directory's index, or the tokenizer itself."""
+    """Vocabulary of the configured tokenizer: a prepared directory's index, or the tokenizer itself.
+
+    The tokenizer's library is imported here: `data.tokenizer=bpe` trains with `tokenizers` only in
+    `prepare_data`, and a prepared directory's tokenizer (`data.tokenizer=null`) is loaded only once
+    every process has started.
+    """
+    data = source.config
+    setting = (
+        f"data.tokenizer={data.tokenizer}" if data.tokenizer else f"data.path={data.path!r} (its tokenizer)"
+    )
     try:
-        return source.vocab_size()
+        vocab_size = source.vocab_size()
+        if data.tokenizer == "bpe":
+            importlib.import_module("tokenizers")
+        elif data.tokenizer is None:
+            source.declared_tokenizer()
+        return vocab_size
+    except ImportError as error:
+        raise missing_package(setting, error, "choose data.tokenizer=byte") from error
     except TokenizerError as error:
         raise ConfigError(f"data.{error}") from error
     except DataError as error:
@@ -105,6 +143,10 @@ def check_data(source: DataSource, vocab_size: int) -> None:
     """The source's own checks (files, sizes, token counts; `recipes.data.sources`) as `ConfigError`."""
     try:
         source.check(vocab_size)
+    except ImportError as error:  # a reader of the files' format (.parquet: pyarrow)
+        raise missing_package(
+            f"data.path={source.config.path!r}", error, "give text or .jsonl files"
+        ) from error
     except DataError as error:
         raise ConfigError(str(error)) from error
 
@@ -234,8 +276,9 @@ def check_target_nodes(cfg: DictConfig) -> None:
 
 
 def check_keys(cfg: DictConfig) -> None:
-    """What composition lets through: `+key=` additions, values left `???`, a `run_dir` set by hand,
-    and the arguments of every Lightning object. Needs no data and no machine (`recipes.sbatch` too).
+    """What composition lets through: `+key=` additions, values left `???`, a `run_dir` set by hand, a
+    `trainer.num_nodes` that disagrees with `cluster.nodes`, and the arguments of every Lightning object.
+    Needs no data and no machine (`recipes.sbatch` too).
 
     Raises:
         ConfigError: naming the key and what would be valid.
@@ -249,6 +292,15 @@ def check_keys(cfg: DictConfig) -> None:
             f"missing mandatory value(s): {', '.join(missing)}; set them as key=value overrides"
         )
     check_run_dir(cfg)
+    try:  # one number of nodes: SLURM's (`recipes.sbatch`, the submitit launcher) is cluster.nodes
+        slurm_nodes(cfg.cluster.nodes, cfg.trainer.num_nodes)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    if cfg.cluster.peer_failure_requeues < 0:
+        raise ConfigError(
+            f"cluster.peer_failure_requeues={cfg.cluster.peer_failure_requeues}: expected a number of "
+            "requeues >= 0 (0: a job whose rank died or hung is not requeued)"
+        )
     check_strategy(cfg.strategy)
     check_target_nodes(cfg)
 
@@ -259,21 +311,49 @@ def _build_named(node: DictConfig, key: str) -> Any:
         return instantiate(node)
     except InstantiationException as error:
         cause = error.__cause__ or error
-        group = key.split(".")[0]
-        hint = f"; install it, or choose another {group}" if isinstance(cause, ImportError) else ""
-        raise ConfigError(f"{key} ({node._target_}): {cause}{hint}") from error
+        raise ConfigError(f"{key} ({node._target_}): {cause}{hint(key, cause)}") from error
+
+
+def hint(key: str, cause: BaseException) -> str:
+    """How to go on without the package a constructor found missing (nothing for other errors)."""
+    if not isinstance(cause, ImportError):
+        return ""
+    group = key.split(".")[0]
+    instead = f"leave it out with {key}=null" if group == "callbacks" else f"choose another {group}"
+    return f"; install it, or {instead}"
+
+
+def logger_packages(logger: Logger) -> tuple[str, ...]:
+    """Modules a Lightning logger imports only at its first log (its constructor reads package metadata
+    alone, so a package installed but broken, or shadowed, passes it)."""
+    if isinstance(logger, WandbLogger):
+        return ("wandb",)
+    if isinstance(logger, TensorBoardLogger):  # as Lightning chooses: tensorboard's writer, else tensorboardX
+        return ("torch.utils.tensorboard",) if RequirementCache("tensorboard") else ("tensorboardX",)
+    return ()
 
 
 def check_objects(cfg: DictConfig) -> None:
     """Build the strategy, every logger and every callback once, so a bad value or a package that is
-    missing (`logger=wandb` without wandb) fails here, before any process starts, naming its key.
-    Their constructors only record settings (files and connections come at fit time)."""
+    missing (`logger=wandb` without wandb, the loss plot without matplotlib) fails here, before any
+    process starts, naming its key; then import what each logger imports at its first log. Their
+    constructors only record settings (files and connections come at fit time)."""
     _build_named(cfg.strategy, "strategy")
     for group, base in (("logger", Logger), ("callbacks", Callback)):
         for name, node in cfg[group].items():
-            if node is not None and not isinstance(_build_named(node, f"{group}.{name}"), base):
+            if node is None:
+                continue
+            built = _build_named(node, f"{group}.{name}")
+            if not isinstance(built, base):
                 kind = f"a Lightning {base.__name__}"
                 raise ConfigError(f"{group}.{name}._target_={node._target_} is not {kind}")
+            for module in logger_packages(built) if group == "logger" else ():
+                try:
+                    importlib.import_module(module)
+                except ImportError as error:
+                    raise missing_package(
+                        f"{group}.{name} ({node._target_})", error, "choose another logger"
+                    ) from error
 
 
 def validate(cfg: DictConfig) -> RecipeConfigs:

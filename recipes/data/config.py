@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipes.data.corpus import CorpusError
+from recipes.data.tokenizer import MIN_BPE_VOCAB_SIZE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,11 @@ class DataConfig:
             raise ValueError(f"data.max_corpus_mb must be > 0, got {self.max_corpus_mb}")
         if self.tokenizer is not None and self.tokenizer == "":
             raise ValueError("data.tokenizer='' is not valid; choose byte, bpe, a tokenizer file, or null")
+        if self.tokenizer == "bpe" and self.bpe_vocab_size < MIN_BPE_VOCAB_SIZE:  # else: in prepare_data
+            raise ValueError(
+                f"data.bpe_vocab_size must be >= {MIN_BPE_VOCAB_SIZE} (256 bytes + end-of-text), "
+                f"got {self.bpe_vocab_size}"
+            )
 
     @property
     def vocab_size(self) -> int | None:

@@ -47,6 +47,10 @@ _DIR_FILES = ("tokenizer.json", "tokenizer.model")
 Document = str | bytes
 
 
+MIN_BPE_VOCAB_SIZE = 257
+"""A byte-level BPE holds the 256 bytes and the end-of-text token (`train_bpe`)."""
+
+
 class TokenizerError(DataError):
     """A tokenizer that cannot be used; the message names the file or setting and what is valid."""
 
@@ -67,7 +71,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`; ids outside `0 .. vocab_size - 1` are left out. A model's vocabulary may be
+        larger than its tokenizer's (`model.vocab_size` only has to cover it), so a sample can hold
+        ids no token has."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -160,7 +168,7 @@ class HFTokenizer:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids)
+        return self._tokenizer.decode([i for i in ids if 0 <= i < self.vocab_size])
 
 
 BPETokenizer = HFTokenizer
@@ -200,7 +208,8 @@ class SentencePieceTokenizer:
         return self._model.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self._model.decode(ids)
+        size = self._model.get_piece_size()  # SentencePiece raises IndexError on any id past its pieces
+        return self._model.decode([i for i in ids if 0 <= i < size])
 
 
 def _tiktoken_params(path: Path) -> dict:
@@ -279,7 +288,7 @@ class TiktokenTokenizer:
         return self._encoding.encode_ordinary(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self._encoding.decode([i for i in ids if i < self._encoding.n_vocab])
+        return self._encoding.decode([i for i in ids if 0 <= i < self._encoding.n_vocab])
 
 
 def _check_eos(
@@ -340,8 +349,10 @@ def train_bpe(documents: Iterable[Document], vocab_size: int, path: Path) -> HFT
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 257:
-        raise ValueError(f"data.bpe_vocab_size must be >= 257 (256 bytes + end-of-text), got {vocab_size}")
+    if vocab_size < MIN_BPE_VOCAB_SIZE:
+        raise ValueError(
+            f"data.bpe_vocab_size must be >= {MIN_BPE_VOCAB_SIZE} (256 bytes + end-of-text), got {vocab_size}"
+        )
     tokenizer = RustTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

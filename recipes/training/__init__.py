@@ -2,8 +2,9 @@
 
 * `model` - the decoder-only transformer (`GPT`, `GPTConfig`); never imports `torch.distributed`;
 * `module` - `PretrainModule` (loss, perplexity, AdamW with warmup and cosine decay; `OptimConfig`);
-* `callbacks` - one checkpoint series per run (`RunCheckpoint`), SLURM requeue (`SlurmRequeue`), the
-  tokenizer copied into the run directory (`TokenizerCopy`);
+* `callbacks` - one checkpoint series per run (`RunCheckpoint`), SLURM requeue (`SlurmRequeue`: before a
+  time limit, and after a peer failure, `peer_failure`, exit status `EXIT_PEER_FAILURE`), the tokenizer
+  copied into the run directory (`TokenizerCopy`);
 * `lineage` - which checkpoint of a run's series is complete and newest (what a resume continues);
 * `throughput`, `progress`, `plot` - tokens/s and MFU, the progress bar, the loss curves.
 
@@ -15,10 +16,12 @@ Nothing here knows Hydra or the data's source: `recipes.config` builds these obj
 from __future__ import annotations
 
 from recipes.training.callbacks import (
+    EXIT_PEER_FAILURE,
     RunCheckpoint,
     SlurmRequeue,
     StopAgreement,
     TokenizerCopy,
+    peer_failure,
     requeued_resume_path,
 )
 from recipes.training.lineage import is_complete, newest_checkpoint
@@ -29,6 +32,7 @@ from recipes.training.progress import RefreshProgressBar
 from recipes.training.throughput import TokenThroughput
 
 __all__ = [
+    "EXIT_PEER_FAILURE",
     "GPT",
     "GPTConfig",
     "LossPlot",
@@ -42,5 +46,6 @@ __all__ = [
     "TokenizerCopy",
     "is_complete",
     "newest_checkpoint",
+    "peer_failure",
     "requeued_resume_path",
 ]

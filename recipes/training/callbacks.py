@@ -11,7 +11,9 @@
 
 `SlurmRequeue` is the recipe's one requeue mechanism under SLURM: on SIGUSR1 the ranks agree at an
 optimizer-step boundary (`StopAgreement`, off the training path), save through `RunCheckpoint` (the
-same series, pruned by the same `save_top_k`), rank 0 requeues the job and training stops.
+same series, pruned by the same `save_top_k`), rank 0 requeues the job and training stops. It also
+requeues after a peer failure (a rank died or hung: `lightning_zero.comm.CommError` on the survivors,
+`after_peer_failure`), a bounded number of times and never when a rank failed with an error of its own.
 `requeued_resume_path` makes the requeued job resume from that series. `TokenizerCopy` puts the
 run's tokenizer file in the run directory before the first step.
 """
@@ -23,6 +25,7 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -33,7 +36,77 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from lightning_zero.comm import CommError
 from recipes.training.lineage import newest_checkpoint
+
+EXIT_PEER_FAILURE = 75  # EX_TEMPFAIL (sysexits.h): a peer died or hung; the run resumes from a checkpoint
+
+
+def peer_failure(error: BaseException | None) -> CommError | None:
+    """The `CommError` behind `error` (itself, or along its causes and contexts), or None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, CommError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def slurm_job_id(env: Mapping[str, str] | None = None) -> str:
+    """The id `scontrol requeue` takes: ``<array job>_<task>`` for an array task, else the job's."""
+    env = os.environ if env is None else env
+    job = env.get("SLURM_ARRAY_JOB_ID")
+    return f"{job}_{env['SLURM_ARRAY_TASK_ID']}" if job else env.get("SLURM_JOB_ID", "")
+
+
+def after_peer_failure(
+    marks: Path, rank: int, failure: CommError, requeues: int, env: Mapping[str, str] | None = None
+) -> str:
+    """On a rank that saw a peer fail: requeue the SLURM job unless a rank failed with its own error in
+    this attempt, or `requeues` requeues after peer failures were already made for this job; return what
+    was done, one line for the log.
+
+    `marks` (``<run_dir>/.requeue``, on the run's shared storage) holds one file per event, named by job
+    and attempt (``SLURM_RESTART_COUNT``): ``error-<job>-<attempt>-rank<r>`` (`record_own_error`, written
+    by a rank whose own exception ended it, before its exit breaks the connections the others notice)
+    and ``requeue-<job>-<attempt>`` (created exclusively: one rank of the attempt requeues).
+    """
+    env = os.environ if env is None else env
+    job, attempt = slurm_job_id(env), int(env.get("SLURM_RESTART_COUNT") or 0)
+    marks.mkdir(parents=True, exist_ok=True)
+    own = sorted(marks.glob(f"error-{job}-{attempt}-rank*"))
+    if own:
+        reasons = "; ".join(f"{p.name.rsplit('-', 1)[1]}: {p.read_text().strip()}" for p in own)
+        return f"not requeueing SLURM job {job}: a rank failed with its own error, not a peer's ({reasons})"
+    earlier = len(list(marks.glob(f"requeue-{job}-*")))
+    if earlier >= requeues:
+        return (
+            f"not requeueing SLURM job {job}: {earlier} requeue(s) after peer failures already "
+            f"(cluster.peer_failure_requeues={requeues})"
+        )
+    try:
+        os.close(os.open(marks / f"requeue-{job}-{attempt}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return f"another rank requeues SLURM job {job}"
+    subprocess.run(["scontrol", "requeue", job], check=False)
+    return (
+        f"requeued SLURM job {job} after a peer failure ({earlier + 1} of at most {requeues}); it resumes "
+        f"from the newest complete checkpoint of its series (rank {rank} saw: {failure})"
+    )
+
+
+def record_own_error(
+    marks: Path, rank: int, error: BaseException, env: Mapping[str, str] | None = None
+) -> None:
+    """Leave word that this rank ends on an error of its own (not a peer's failure), for the ranks that
+    will see its exit as a peer failure (`after_peer_failure`): they must not requeue a job that fails
+    the same way every time."""
+    env = os.environ if env is None else env
+    job, attempt = slurm_job_id(env), int(env.get("SLURM_RESTART_COUNT") or 0)
+    marks.mkdir(parents=True, exist_ok=True)
+    text = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+    (marks / f"error-{job}-{attempt}-rank{rank}").write_text(text + "\n")
 
 
 def unscheduled_save_problem(callback: ModelCheckpoint) -> str | None:
@@ -106,10 +179,14 @@ class StopAgreement:
         self._group: dist.ProcessGroup | None = None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
-    def open(self) -> None:
-        """Create the side group if running distributed. Call on all ranks."""
+    def open(self, timeout: timedelta | None = None) -> None:
+        """Create the side group if running distributed. Call on all ranks.
+
+        ``timeout``: the training group's (the strategy's), so that a dead or hung peer ends the wait
+        for the agreement as it ends a training collective; ``None`` is torch's 30-minute default.
+        """
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
 
     def poll(self, requested: bool) -> bool:
         """Whether all ranks stop at this boundary (some rank had `requested` at the previous one)."""
@@ -149,11 +226,23 @@ class SlurmRequeue(Callback):
     resumes from the series (`requeued_resume_path`). Lightning's own SIGUSR1 handler is off
     (``SLURMEnvironment(auto_requeue=False)``): it saves from inside the signal handler, wherever
     each rank happens to be, where a sharded checkpoint's collectives could interleave with training's.
+
+    A peer failure (a rank killed, out of memory, or hung past the strategy's timeout) ends the other
+    ranks with a `CommError`; in `on_exception` the first of them requeues the job (`after_peer_failure`),
+    at most `peer_failure_requeues` times per job, and not when a rank failed with an error of its own,
+    which would only fail again. The requeued job resumes from the newest complete checkpoint.
     """
 
     reads_parameters_between_steps = False  # a save waits for parameter gathers by itself
 
-    def __init__(self) -> None:
+    def __init__(self, peer_failure_requeues: int = 3) -> None:
+        if isinstance(peer_failure_requeues, bool) or not isinstance(peer_failure_requeues, int):
+            raise TypeError(f"peer_failure_requeues={peer_failure_requeues!r}: expected an int >= 0")
+        if peer_failure_requeues < 0:
+            raise ValueError(
+                f"peer_failure_requeues={peer_failure_requeues}: expected an int >= 0 (0: never)"
+            )
+        self.peer_failure_requeues = peer_failure_requeues
         self._signalled = False
         self._agreement = StopAgreement()
         self._checkpoint: ModelCheckpoint | None = None
@@ -178,7 +267,8 @@ class SlurmRequeue(Callback):
         if checkpoint is None or problem is not None:
             raise ValueError(f"SlurmRequeue saves through the run's checkpoint callback, but {problem}")
         self._checkpoint = checkpoint
-        self._agreement.open()
+        # lightning-zero's strategies say their timeout; Lightning's "ddp" keeps it private
+        self._agreement.open(getattr(trainer.strategy, "timeout", None))
         if trainer.is_global_zero:
             print(
                 f"SLURM job {os.environ.get('SLURM_JOB_ID')}: world size {trainer.world_size}; on SIGUSR1 "
@@ -214,8 +304,7 @@ class SlurmRequeue(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.save()
-            job = os.environ.get("SLURM_ARRAY_JOB_ID")
-            job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ.get("SLURM_JOB_ID", "")
+            job = slurm_job_id()
             print(
                 f"SIGUSR1: saved {path} at step {trainer.global_step}; requeueing SLURM job {job}", flush=True
             )
@@ -232,6 +321,15 @@ class SlurmRequeue(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self._agreement.close(wait=False)  # other ranks may never reach the boundary it belongs to
+        if self._checkpoint is None or self._checkpoint.dirpath is None:
+            return  # ended before setup: nothing trained, nothing to resume
+        marks = Path(self._checkpoint.dirpath).parent / ".requeue"
+        failure = peer_failure(exception)
+        if failure is None:
+            record_own_error(marks, trainer.global_rank, exception)
+        elif self.peer_failure_requeues > 0:
+            done = after_peer_failure(marks, trainer.global_rank, failure, self.peer_failure_requeues)
+            print(f"rank {trainer.global_rank}: {done}", flush=True)
 
 
 def requeued_resume_path(

@@ -4,8 +4,15 @@ People judge a run by its curves, not by a CSV. `LossPlot` collects the losses a
 the training loss at every logging step (`trainer.log_every_n_steps`, when the loggers read it anyway, so
 collecting adds no host sync) and the validation loss after each validation - and rank 0 draws both
 against the optimizer step at the end of training (also when a run stops early, e.g. on a SLURM
-requeue). The series are part of the callback's checkpoint state, so after `ckpt_path=...` the curve
-continues the earlier command's. matplotlib draws with its file-only Agg backend (no display needed).
+requeue), in `on_fit_end`: Lightning calls it after every callback's `on_train_end`, where the checkpoint
+callbacks (which it runs last) save the final step, so a plot that fails at the end never costs the run
+its last checkpoint. The series are part of the callback's checkpoint state, so after `ckpt_path=...`
+the curve continues the earlier command's. matplotlib draws with its file-only Agg backend (no display
+needed).
+
+matplotlib is an optional package, needed only at the very end: the constructor imports it (and the Agg
+backend) so that an environment without it fails when the callback is built - before any process
+starts, in `recipes.config.validation` - never after a whole run has trained (`require_matplotlib`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,22 @@ Series = list[list[float]]
 
 TRAIN_COLOR = "#1f77b4"
 VAL_COLOR = "#ff7f0e"
+
+
+def require_matplotlib() -> None:
+    """Import matplotlib and its Agg backend now, as `draw_losses` will at the end of training.
+
+    Raises:
+        ModuleNotFoundError: matplotlib (or its Agg backend) cannot be imported, naming the package.
+    """
+    try:
+        import matplotlib.backends.backend_agg  # noqa: F401  (what `draw_losses` draws with)
+    except ImportError as error:
+        raise ModuleNotFoundError(
+            f"LossPlot draws the loss curves with matplotlib (in the `recipes` extra), which cannot be "
+            f"imported here ({error})",
+            name="matplotlib",
+        ) from error
 
 
 def draw_losses(train: Series, val: Series, path: Path, title: str = "") -> None:
@@ -57,6 +80,9 @@ class LossPlot(Callback):
         path: the PNG to write; None: `loss.png` in the trainer's `default_root_dir`.
         train_key: the logged training loss.
         val_key: the logged validation loss.
+
+    Raises:
+        ModuleNotFoundError: matplotlib cannot be imported (checked here, not when training ends).
     """
 
     reads_parameters_between_steps = False  # ZeroStrategy's overlapped gathers need not wait for it
@@ -64,6 +90,7 @@ class LossPlot(Callback):
     def __init__(
         self, path: str | None = None, train_key: str = "train/loss", val_key: str = "val/loss"
     ) -> None:
+        require_matplotlib()
         self.path = path
         self.train_key = train_key
         self.val_key = val_key
@@ -90,8 +117,8 @@ class LossPlot(Callback):
             self._append(trainer, self.val, self.val_key)
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero:
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:  # after the checkpoint callbacks' final save (see the module docstring)
             path = Path(self.path) if self.path else Path(trainer.default_root_dir) / "loss.png"
             draw_losses(self.train, self.val, path, title=Path(trainer.default_root_dir).name)
             self.written = path

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -108,7 +109,7 @@ def test_generated_script_matches_the_config() -> None:
     ):
         assert line in text.splitlines(), line
     assert text.rstrip().endswith(
-        "srun python -m recipes.pretrain " + " ".join(shlex.quote(o) for o in overrides)
+        "srun --kill-on-bad-exit=0 python -m recipes.pretrain " + " ".join(shlex.quote(o) for o in overrides)
     )
 
 
@@ -279,6 +280,64 @@ def test_requeue_resumes_from_its_checkpoint_and_finishes(slurm: None, tmp_path:
     assert_same_shards(
         run_dir / "checkpoints" / "last.ckpt", tmp_path / "reference" / "checkpoints" / "last.ckpt"
     )
+
+
+def _task_pid(job_id: str, task: int) -> int | None:
+    """The pid of the recipe's process that runs task ``task`` of SLURM job ``job_id``, if any."""
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={task}".encode()}
+        if b"recipes.pretrain" in cmdline and wanted <= set(environ):
+            return int(proc.name)
+    return None
+
+
+def test_a_killed_rank_requeues_the_job_which_resumes_and_finishes(slurm: None, tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed part-way (what the out-of-memory killer or a crashed node does to one task):
+    rank 0 ends on the broken connection at once (`CommError`), requeues the job itself (one requeue, the
+    first of `cluster.peer_failure_requeues`; srun runs with --kill-on-bad-exit=0 so it may), and the
+    requeued job resumes from the newest complete checkpoint of the series and ends at max_steps."""
+    steps, every = 20, 5
+    overrides = [
+        *SLURM_TWO_TASKS,
+        f"trainer.max_steps={steps}",
+        "trainer.val_check_interval=1000",
+        "sample.max_new_tokens=5",
+        f"callbacks.model_checkpoint.every_n_train_steps={every}",
+        f"output_root={tmp_path}",
+        "run_name=peer_failure",
+    ]
+    job_id = submit_generated(overrides, tmp_path)
+    run_dir = tmp_path / "peer_failure"
+    log = run_dir / f"slurm-{job_id}.out"
+    deadline = time.monotonic() + 240
+    while not is_complete(run_dir / "checkpoints" / f"step{2 * every:06d}.ckpt"):
+        assert time.monotonic() < deadline, f"the job never reached step {2 * every}"
+        assert "JobState=RUNNING" in _job_info(job_id) or "JobState=PENDING" in _job_info(job_id)
+        time.sleep(1)
+    pid = _task_pid(job_id, task=1)
+    assert pid is not None, "rank 1's process was not found"
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120  # requeued: SLURM holds it ~2 minutes; release it at once
+    while "Reason=BeginTime" not in (info := _job_info(job_id)):
+        assert "JobState=COMPLETED" not in info and "JobState=FAILED" not in info, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, info
+        time.sleep(1)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
+    state = wait_for_job(job_id, deadline_s=300)
+    text = log.read_text()
+    assert state == "COMPLETED", text[-3000:]
+    assert f"rank 0: requeued SLURM job {job_id} after a peer failure (1 of at most 3)" in text, text[-3000:]
+    assert "Restarts=1" in _job_info(job_id)
+    starts = [int(n) for n in re.findall(r"from global step (\d+)", text)]
+    assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 2 * every and starts[1] % every == 0, starts
+    assert "requeued job (restart 1): resuming from" in text
+    assert read_meta(run_dir / "checkpoints" / "last.ckpt")["lightning"]["global_step"] == steps
+    assert sorted(p.name for p in (run_dir / ".requeue").iterdir()) == [f"requeue-{job_id}-0"]
 
 
 def test_submitit_launcher_submits_the_recipe(slurm: None, tmp_path: Path) -> None:

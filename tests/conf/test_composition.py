@@ -4,16 +4,19 @@ SLURM's task count follows the GPUs per node. All in-process compositions (milli
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
 
 import pytest
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from recipes.config.resolvers import tasks_per_node
 from recipes.config.validation import ConfigError, check_keys
+from recipes.sbatch import ROOT, sbatch_script
 from recipes.sbatch import main as sbatch_main
-from recipes.sbatch import sbatch_script
 from tests.conf.compose import compose_pretrain, flatten, group_file_values, group_options
 
 USER_CHOICES = [
@@ -149,3 +152,119 @@ def test_sbatch_refuses_devices_that_disagree_with_the_gpus_per_node(
     overrides = ["cluster=slurm", "trainer=gpu", "cluster.partition=gpu", "trainer.devices=2"]
     assert sbatch_main(["--output", str(out), *overrides]) == 2 and not out.exists()
     assert "error: trainer.devices=2 but cluster.gpus_per_node=8" in capsys.readouterr().err
+
+
+# --- the allocation SLURM is asked for (sbatch script, submitit launcher) and the job agree (issue 19) ---
+
+SLURM = ["cluster=slurm", "cluster.partition=gpu"]
+Allocation = tuple[int, int, int | None]  # nodes, tasks per node, GPUs per node (None: no GPU asked)
+
+
+def sbatch_allocation(overrides: list[str]) -> Allocation:
+    text = sbatch_script(compose_pretrain(overrides), overrides, python="python")
+    found = dict(re.findall(r"^#SBATCH --(nodes|ntasks-per-node|gpus-per-node)=(\d+)$", text, re.MULTILINE))
+    gpus = found.get("gpus-per-node")
+    return int(found["nodes"]), int(found["ntasks-per-node"]), None if gpus is None else int(gpus)
+
+
+def launcher_allocation(overrides: list[str]) -> Allocation:
+    cfg = compose_pretrain(["hydra/launcher=slurm", *overrides], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    return launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["trainer=gpu"], (2, 8, 8)),
+        (["trainer=gpu", "cluster.nodes=4", "trainer.num_nodes=4"], (4, 8, 8)),
+        (["trainer=gpu", "trainer.devices=8"], (2, 8, 8)),
+        (["trainer=gpu", "trainer.devices=[0,1,2,3]", "cluster.gpus_per_node=4"], (2, 4, 4)),
+        (["trainer=gpu", "cluster.gpus_per_node=null", "trainer.devices=4"], (2, 4, 4)),  # GPUs asked for
+        (["trainer.devices=2", "cluster.nodes=3"], (3, 2, None)),  # CPU trainer: no GPU asked for
+        (["experiment=llama_1b_multinode", "data.path=/shared/tok"], (2, 8, 8)),
+    ],
+)
+def test_the_sbatch_script_and_the_submitit_launcher_size_the_job_alike(
+    overrides: list[str], expected: Allocation
+) -> None:
+    """One derivation for both ways of submitting, and what the job then starts agrees with it."""
+    overrides = [*SLURM, *overrides]
+    assert sbatch_allocation(overrides) == launcher_allocation(overrides) == expected
+    nodes, tasks, gpus = expected
+    job = OmegaConf.to_container(compose_pretrain(overrides).trainer, resolve=True)
+    assert isinstance(job, dict) and job["num_nodes"] == nodes  # Lightning's --nodes check under srun
+    devices = len(job["devices"]) if isinstance(job["devices"], list) else job["devices"]
+    assert devices in (tasks, "auto") and (devices == tasks or gpus == tasks)  # --ntasks-per-node check
+    assert gpus in (None, tasks) and (gpus is None) == (job["accelerator"] == "cpu")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["trainer=gpu", "model=llama_1b", "trainer.num_nodes=4"],
+            "trainer.num_nodes=4 but cluster.nodes=2: the job is sized from cluster.nodes (SLURM's "
+            "--nodes=2) and Lightning would wait for 4 node(s); set cluster.nodes=4",
+        ),
+        (["trainer.num_nodes=1"], "trainer.num_nodes=1 but cluster.nodes=2"),  # a CPU trainer too
+        (["trainer=gpu", "trainer.devices=2"], "trainer.devices=2 but cluster.gpus_per_node=8"),
+        (
+            ["trainer=gpu", "cluster.gpus_per_node=null"],
+            "trainer.devices=auto with cluster.gpus_per_node=null",
+        ),
+    ],
+)
+def test_an_allocation_the_job_would_disagree_with_is_refused_naming_both(
+    overrides: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused when the script is written or the launcher set up, not after the job waited in the queue."""
+    overrides = [*SLURM, f"hydra.run.dir={tmp_path / 'run'}", *overrides]
+    out = tmp_path / "job.sbatch"
+    assert sbatch_main(["--output", str(out), *overrides]) == 2
+    assert f"error: {message}" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sbatch_script(compose_pretrain(overrides), overrides)
+    cfg = compose_pretrain(["hydra/launcher=slurm", *overrides], return_hydra_config=True)
+    with pytest.raises(InterpolationResolutionError, match=re.escape(message)):
+        [cfg.hydra.launcher[key] for key in ("nodes", "tasks_per_node", "gpus_per_node")]
+
+
+def test_the_recipe_refuses_a_num_nodes_other_than_the_clusters() -> None:
+    """The job itself too (a hand-written script, torchrun): one number of nodes, `cluster.nodes`."""
+    check_keys(compose_pretrain(["cluster.nodes=2", "trainer.num_nodes=2"]))
+    with pytest.raises(ConfigError, match=r"trainer.num_nodes=2 but cluster.nodes=1: "):
+        check_keys(compose_pretrain(["trainer.num_nodes=2"]))
+
+
+# --- where the job's run directory is, and who creates it ---
+
+
+def test_the_jobs_run_directory_is_relative_to_the_repository_root(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The script `cd`s into the repository root before `srun`: a relative run_dir is the job's there,
+    wherever the script was generated from."""
+    monkeypatch.chdir(tmp_path)
+    overrides = [*SLURM, "run_name=here"]
+    lines = sbatch_script(compose_pretrain(overrides), overrides, python="python").splitlines()
+    assert f"#SBATCH --output={ROOT / 'outputs' / 'here'}/slurm-%j.out" in lines
+    cd = f"cd {shlex.quote(str(ROOT))}"
+    assert lines.index(cd) < next(i for i, line in enumerate(lines) if line.startswith("srun "))
+
+
+def test_sbatch_creates_the_log_directory_only_with_output_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SLURM opens `<run_dir>/slurm-%j.out` before the script runs and creates no directory."""
+    run_dir = tmp_path / "runs" / "a"
+    overrides = [*SLURM, f"hydra.run.dir={run_dir}"]
+    assert sbatch_main(overrides) == 0  # printed: nothing created, the mkdir named
+    printed = capsys.readouterr()
+    assert f"#SBATCH --output={run_dir}/slurm-%j.out" in printed.out.splitlines()
+    assert f"`mkdir -p {run_dir}` before sbatch" in printed.err and not run_dir.exists()
+    assert sbatch_main(["--output", str(tmp_path / "job.sbatch"), *overrides]) == 0
+    assert run_dir.is_dir() and f"created the job's run directory {run_dir}" in capsys.readouterr().out
+    assert sbatch_main(["--output", str(tmp_path / "job.sbatch"), *overrides]) == 0
+    assert "created" not in capsys.readouterr().out  # there already: nothing to say

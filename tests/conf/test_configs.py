@@ -7,7 +7,6 @@ Large models are built on the meta device (no memory); the ZeRO strategy files a
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from pathlib import Path
 
 import pytest
@@ -122,15 +121,43 @@ def test_strategy_options(name: str) -> None:
     assert isinstance(strategy, lightning_zero.ZeroStrategy)
 
 
+TRAINER_ATTRIBUTES = (
+    "max_steps",
+    "max_epochs",
+    "num_nodes",
+    "precision",
+    "val_check_interval",
+    "check_val_every_n_epoch",
+    "limit_val_batches",
+    "num_sanity_val_steps",
+    "log_every_n_steps",
+    "gradient_clip_val",
+    "accumulate_grad_batches",
+    "default_root_dir",
+)
+"""`Trainer` arguments that it keeps under their own name (what a test can read back)."""
+
+
 @pytest.mark.parametrize("name", group_options("trainer"))
 def test_trainer_options(name: str, tmp_path: Path) -> None:
+    """Each file instantiates a `Trainer` holding its values. Without CUDA the GPU file is built on the
+    CPU with everything else of it (its accelerator and device count are what the machine lacks;
+    bf16-mixed runs on CPUs too), so a value Lightning refuses fails here, not on the cluster."""
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+
     cfg = compose_pretrain([f"trainer={name}", f"output_root={tmp_path}"])
-    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
-        module, _, cls = cfg.trainer._target_.rpartition(".")
-        assert hasattr(importlib.import_module(module), cls)
-        return
-    trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False)
-    assert trainer.max_steps == cfg.trainer.max_steps
+    values = OmegaConf.to_container(cfg.trainer, resolve=True)
+    assert isinstance(values, dict)
+    machine = {}
+    if values["accelerator"] == "gpu" and not torch.cuda.is_available():
+        machine = {"accelerator": "cpu", "devices": 1}
+    trainer = instantiate(cfg.trainer, logger=False, enable_checkpointing=False, **machine)
+    expected = CUDAAccelerator if values["accelerator"] == "gpu" and not machine else CPUAccelerator
+    assert isinstance(trainer.accelerator, expected)
+    assert {key: getattr(trainer, key) for key in TRAINER_ATTRIBUTES} == {
+        key: values[key] for key in TRAINER_ATTRIBUTES
+    }
+    assert trainer.progress_bar_callback is not None  # enable_progress_bar: true
 
 
 @pytest.mark.parametrize("name", group_options("logger"))
@@ -170,7 +197,64 @@ def test_experiments_compose_and_instantiate(name: str) -> None:
     data = instantiate(cfg.data)
     assert isinstance(instantiate(cfg.optim), OptimConfig)
     assert data.seq_len <= model.config.max_seq_len
-    assert data.vocab_size is None or model.config.vocab_size >= data.vocab_size  # None: the index's
+    if data.tokenizer is None:  # a prepared directory: its vocabulary is its index's, checked below
+        assert name in PREPARED_DATA_EXPERIMENTS
+    else:
+        assert model.config.vocab_size >= data.vocab_size
+
+
+PREPARED_DATA_EXPERIMENTS = ["llama_1b_multinode"]
+"""Experiments on a prepared token directory (`data=tokens`), whose vocabulary is known only from it."""
+
+
+def prepared_with_vocabulary(directory: Path, vocab_size: int) -> Path:
+    """A token directory whose tokenizer (a word-level `tokenizer.json`) has `vocab_size` ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from recipes.data.preparation import PrepareConfig, prepare
+
+    words = {"[UNK]": 0, "</s>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory.mkdir(parents=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "text").mkdir()
+    for doc in range(20):
+        (directory / "text" / f"{doc}.txt").write_text(
+            " ".join(f"w{2 + (doc * 7 + i) % 300}" for i in range(200))
+        )
+    out = directory / "tok"
+    tokenizer_file = str(directory / "tokenizer.json")
+    inputs = (str(directory / "text"),)
+    prepare(
+        PrepareConfig(out=str(out), inputs=inputs, tokenizer=tokenizer_file, val_fraction=0.2, progress=False)
+    )
+    return out
+
+
+@pytest.mark.parametrize("name", PREPARED_DATA_EXPERIMENTS)
+def test_an_experiment_on_prepared_data_checks_its_vocabulary_against_the_index(
+    name: str, tmp_path: Path
+) -> None:
+    """The vocabulary check the experiment relies on, with the data it is made for: a tokenizer of exactly
+    `model.vocab_size` ids passes (what stops the run here is the machine: no 8 GPUs), one more is
+    refused before anything starts."""
+    from recipes.config.validation import ConfigError, validate
+
+    model_vocab = compose_pretrain(
+        [f"experiment={name}", *REQUIRED["data"], *REQUIRED["cluster"]]
+    ).model.vocab_size
+    assert model_vocab is not None
+    for vocab_size in (model_vocab, model_vocab + 1):
+        data = prepared_with_vocabulary(tmp_path / str(vocab_size), vocab_size)
+        overrides = [f"experiment={name}", f"data.path={data}", "data.seq_len=64", *REQUIRED["cluster"]]
+        with pytest.raises(ConfigError) as refused:
+            validate(compose_pretrain([*overrides, f"hydra.run.dir={tmp_path / 'run'}"]))
+        if vocab_size == model_vocab:
+            assert "CUDA GPU" in str(refused.value)  # past the vocabulary check, stopped by the machine
+        else:
+            message = f"model.vocab_size={model_vocab} is smaller than the tokenizer's {vocab_size}"
+            assert message in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ Fields of a case (all optional):
              cases in ``STAGE1`` add zero1)
   refused    a substring of the error our strategies must raise (the reference must succeed)
   object     use strategy objects (``ZeroStrategy(...)``, ``DDPStrategy()``) instead of names
+  strategy_kwargs  arguments both strategy objects take (``object`` cases), e.g. ``broadcast_buffers``
   compile_module  fit ``torch.compile(model, backend="aot_eager")`` (Lightning unwraps and recompiles)
   tol        tolerance of the comparison (default 1e-10, for float64)
   both_fail  the reference fails too (e.g. SyncBatchNorm on CPU); ours must fail with the same error
@@ -125,6 +126,14 @@ _add(
 
 # buffers, parameter readers and writers, gradient norms
 _add("batchnorm_buffers", module={"batchnorm": True}, trainer={"max_steps": 6, "limit_val_batches": 2})
+# each rank keeps its own running statistics, as DDP(broadcast_buffers=False) does
+_add(
+    "batchnorm_no_broadcast",
+    module={"batchnorm": True},
+    trainer={"max_steps": 6, "limit_val_batches": 2},
+    object=True,
+    strategy_kwargs={"broadcast_buffers": False},
+)
 # DDP skips the broadcast after a no_sync micro-batch and after every forward in manual optimization
 _add(
     "batchnorm_accumulate",
@@ -213,6 +222,8 @@ _add(
 _add(
     "clip_norm_accumulate", trainer={"max_steps": 5, "accumulate_grad_batches": 3, "gradient_clip_val": 0.05}
 )
+# a global norm below the threshold must leave the gradients alone (never scale them up)
+_add("clip_norm_not_reached", trainer={"max_steps": 5, "gradient_clip_val": 100.0})
 _add("val_check_interval", trainer={"max_steps": 8, "val_check_interval": 3, "limit_val_batches": 2})
 _add("limit_train_batches", trainer={"max_epochs": 3, "limit_train_batches": 2})
 _add("fast_dev_run", trainer={"fast_dev_run": 2})
@@ -226,6 +237,18 @@ _add(
     trainer={"max_steps": 4, "precision": "bf16-true"},
     callbacks=[["WriteWeightsAt", {"step": 2}]],
 )
+
+# fp32: the sharded update runs the kernel family of the user's AdamW (torch's fused kernel and its
+# for-loop/foreach update round differently, and Adam amplifies that): the default and foreach equal
+# "ddp" bit for bit. The fused CPU kernel rounds the last elements of a tensor (its vectorised loop's
+# tail) differently, and a shard piece ends elsewhere than the whole parameter: measured 3.7e-9 here
+for _kernel, _tol in ((None, 0.0), ("foreach", 0.0), ("fused", 1e-7)):
+    _add(
+        f"fp32_adamw_{_kernel or 'default'}",
+        module={"adam_kernel": _kernel},
+        trainer={"max_steps": 8, "precision": "32-true"},
+        tol=_tol,
+    )
 
 STAGE1 = {
     "manual_plain",

@@ -85,6 +85,8 @@ class ConformanceModule(L.LightningModule):
         log_metrics: ``self.log`` in ``training_step`` (dynamo cannot trace it in a compiled step).
         root_scale: a parameter of the LightningModule itself (a learned output scale), read by
             ``_loss`` before any module's forward (``self.net(x * self.scale)``, not ``self(x)``).
+        adam_kernel: ``"fused"`` or ``"foreach"`` (``AdamW(fused=True)`` / ``foreach=True``); ``None``
+            is torch's default for the device.
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class ConformanceModule(L.LightningModule):
         frozen_backbone: bool = False,
         log_metrics: bool = True,
         root_scale: bool = False,
+        adam_kernel: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -219,7 +222,8 @@ class ConformanceModule(L.LightningModule):
                 torch.optim.AdamW(groups[:1], lr=0.01),
                 torch.optim.AdamW(groups[1:], lr=0.01),
             )
-        opt = torch.optim.AdamW(groups, lr=0.01)
+        kernel = {self.hparams.adam_kernel: True} if self.hparams.adam_kernel else {}
+        opt = torch.optim.AdamW(groups, lr=0.01, **kernel)
         if self.hparams.scheduler is None:
             return opt
         config: dict[str, Any] = {

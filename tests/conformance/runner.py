@@ -43,16 +43,19 @@ CALLBACKS: dict[str, Any] = {
 _SMALL_BUCKETS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005}  # several buckets on this model
 
 
-def _strategy(name: str, as_object: bool) -> Any:
+def _strategy(name: str, as_object: bool, kwargs: dict[str, Any]) -> Any:
+    """``kwargs``: arguments both strategies take (e.g. ``broadcast_buffers``), for object cases."""
+    assert as_object or not kwargs, "strategy_kwargs need object=True"
     if name in ("zero", "zero1", "zero2", "zero_overlap"):
         from lightning_zero import ZeroStrategy
 
         overlap = name == "zero_overlap"  # parameter gathers left in flight into the next forward
-        return ZeroStrategy(stage=1 if name == "zero1" else 2, overlap_param_gather=overlap, **_SMALL_BUCKETS)
+        stage = 1 if name == "zero1" else 2
+        return ZeroStrategy(stage=stage, overlap_param_gather=overlap, **_SMALL_BUCKETS, **kwargs)
     if name == "zero_by_name":
         return "zero"
     if as_object and name == "ddp":
-        return DDPStrategy()
+        return DDPStrategy(**kwargs)
     return name
 
 
@@ -67,7 +70,9 @@ def _trainer(
     single = strategy == "single"
     flags = {"precision": "64-true", **case.get("trainer", {})}
     trainer = L.Trainer(
-        strategy="auto" if single else _strategy(strategy, case.get("object", False)),
+        strategy="auto"
+        if single
+        else _strategy(strategy, case.get("object", False), case.get("strategy_kwargs", {})),
         devices=1 if single else WORLD_SIZE,
         accelerator="cpu",
         logger=logger,

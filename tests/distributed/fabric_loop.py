@@ -71,7 +71,8 @@ def make_fabric(case: dict[str, Any], devices: int) -> Fabric:
     name = case.get("strategy", "zero")
     strategy: Any = name
     if name.startswith("zero") and not case.get("by_name"):  # small buckets: several per model
-        options = {k: case[k] for k in ("overlap_param_gather", "sharded_checkpoint") if k in case}
+        names = ("overlap_param_gather", "sharded_checkpoint", "skip_nonfinite_steps")
+        options = {k: case[k] for k in names if k in case}
         strategy = lightning_zero.ZeroFabricStrategy(
             stage=1 if name == "zero1" else 2, bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002, **options
         )
@@ -97,8 +98,11 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
     norm), clip_value, schedule, eps, precision, inf_at_step, teacher, batchnorm, unfreeze_at, optimizer
     ("SGD"), two_optimizers, separate_setup (refusals), save_at + save (a path), resume (a path),
     resume_trainer (a Trainer checkpoint: model and optimizer, step from its global_step),
-    consolidate (a path: rank 0 consolidates ``save`` there after the loop), load_raw (a
-    consolidated file: model and optimizer state extracted from it, loaded with ``fabric.load_raw``)."""
+    skip_nonfinite_steps, nan_at ([step, micro] pairs where rank 1's loss is NaN), skip_step (no
+    backward and no optimizer step then; the scheduler still steps), consolidate (a path: rank 0
+    consolidates ``save`` there after the loop), load_raw (a consolidated file: model and optimizer
+    state extracted from it, loaded with ``fabric.load_raw``), every_rank (with expect_error: every
+    rank's error message, gathered on rank 0)."""
     fabric = make_fabric(case, devices)
     dtype = torch.float64 if case.get("precision", "64-true") == "64-true" else torch.float32
     model = Holder(batchnorm=case.get("batchnorm", False))
@@ -139,8 +143,13 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
         state["step"] = full["step"]
         if scheduler is not None:
             scheduler.load_state_dict(full["scheduler"])
-    accum, recorded = case.get("accum", 1), {"norms": [], "lrs": [], "elements": []}
+    accum, recorded = case.get("accum", 1), {"norms": [], "lrs": [], "elements": [], "skipped": []}
     for step in range(state["step"], case.get("steps", 6)):
+        if step == case.get("skip_step"):  # what a step skipped for a non-finite gradient must equal
+            recorded["lrs"].append([g["lr"] for g in optimizer.param_groups])
+            if scheduler is not None:
+                scheduler.step()
+            continue
         if step == case.get("unfreeze_at"):  # fine-tuning: a frozen layer joins in a new param group
             model.module.net.frozen.requires_grad_(True)
             optimizer.add_param_group(
@@ -158,6 +167,8 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
                     loss = loss + 0.0 * guide
                 if step == case.get("inf_at_step") and fabric.global_rank == 1:
                     loss = loss * float("inf")  # an overflow on one rank only
+                if [step, micro] in case.get("nan_at", []) and fabric.global_rank == 1:
+                    loss = loss * float("nan")
                 fabric.backward(loss)
         if case.get("clip"):
             recorded["norms"].append(float(fabric.clip_gradients(model, optimizer, max_norm=case["clip"])))
@@ -166,6 +177,8 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
         recorded["lrs"].append([g["lr"] for g in optimizer.param_groups])
+        if case.get("skip_nonfinite_steps"):
+            recorded["skipped"].append(optimizer.skipped_steps)  # through Fabric's optimizer wrapper
         if sharded is not None:
             recorded["elements"].append(sharded.engine.comm_stats.elements_sent)
             numel = sum(b.padded_numel for b in sharded.engine.plan.buckets)
@@ -259,6 +272,10 @@ def main() -> None:
             if not case.get("expect_error"):
                 raise
             results.append({"error": f"{type(err).__name__}: {err}"})
+            if case.get("every_rank") and torch.distributed.is_initialized():  # each rank's error, on rank 0
+                every_rank = [None] * torch.distributed.get_world_size()
+                torch.distributed.all_gather_object(every_rank, results[-1]["error"])
+                results[-1]["every_rank"] = every_rank
         rank = int(torch.distributed.get_rank()) if torch.distributed.is_initialized() else 0
     if rank == 0:
         torch.save(results, args.out)

@@ -26,7 +26,9 @@ from tests.distributed.models import TinyNet, param_groups
 
 class TinyLit(L.LightningModule):
     """TinyNet with AdamW in two groups, a step-wise LR schedule and a parameter unused on steps
-    ``2 mod unused_every`` (never unused when 0)."""
+    ``2 mod unused_every`` (never unused when 0). ``nan_at``: ``[step, micro-batch]`` pairs where rank
+    1's loss is NaN; ``skip_step``: that step's gradients are computed, then dropped on every rank
+    before an optimizer step that changes nothing (Lightning refuses a ``None`` loss when distributed)."""
 
     def __init__(
         self,
@@ -34,8 +36,12 @@ class TinyLit(L.LightningModule):
         batch_size: int = 4,
         inf_at_step: int | None = None,
         identical_batches: bool = False,
+        nan_at: list[list[int]] | None = None,
+        skip_step: int | None = None,
     ) -> None:
         super().__init__()
+        self.nan_at = nan_at or []
+        self.skip_step = skip_step
         self.batch_size = batch_size
         self.identical_batches = identical_batches
         self.inf_at_step = inf_at_step
@@ -50,8 +56,25 @@ class TinyLit(L.LightningModule):
         )
         if self.global_step == self.inf_at_step and self.trainer.global_rank == 1:
             loss = loss * float("inf")  # an overflow on one rank only
+        micro = batch_idx % self.trainer.accumulate_grad_batches
+        if [self.global_step, micro] in self.nan_at and self.trainer.global_rank == 1:
+            loss = loss * float("nan")
         self.log("loss", loss)
         return loss
+
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
+    ) -> None:
+        if self.global_step != self.skip_step:
+            optimizer.step(closure=optimizer_closure)
+            return
+
+        def discard() -> Any:  # the step runs (Lightning counts it, schedulers step) with no gradient
+            loss = optimizer_closure()
+            optimizer.zero_grad()
+            return loss
+
+        optimizer.step(closure=discard)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
@@ -90,6 +113,7 @@ def make_strategy(
     log_comm_stats: bool = False,
     sharded_checkpoint: bool = True,
     async_checkpoint: bool = False,
+    skip_nonfinite_steps: int = 0,
 ) -> Any:
     if name == "zero_small_buckets":  # several buckets on a tiny model
         import lightning_zero  # here, not at the top: a test loads checkpoints with lightning_zero blocked
@@ -102,6 +126,7 @@ def make_strategy(
             log_comm_stats=log_comm_stats,
             sharded_checkpoint=sharded_checkpoint,
             async_checkpoint=async_checkpoint,
+            skip_nonfinite_steps=skip_nonfinite_steps,
         )
     return name
 
@@ -127,22 +152,32 @@ def fit(
     checkpoint_dir: str | None = None,
     save_last: bool | str = True,
     die_at_save: int | None = None,
+    log_every: int = 1,
+    gpu_like_teardown: bool = False,
+    skip_nonfinite_steps: int = 0,
+    nan_at: list[list[int]] | None = None,
+    skip_step: int | None = None,
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """Fit TinyLit; ``batch_size`` is per rank; ``save``: checkpoint path written at the end; ``csv_dir``:
     log to CSV there, with the strategy's communication figures; ``precision="16-mixed-cpu"``: fp16 autocast
     with a GradScaler on CPU (Lightning itself maps "16-mixed" to bf16 there); ``inf_at_step``: rank 1's loss
     is inf at that step; ``identical_batches``: see :func:`repeated_dataset`; ``resume``: ``ckpt_path``;
-    ``checkpoint_dir``: a ModelCheckpoint there every 2 steps (top 2 by step, ``save_last``).
-    Returns (global rank, final parameters and, with a scaler, ``"loss_scale"``)."""
+    ``checkpoint_dir``: a ModelCheckpoint there every 2 steps (top 2 by step, ``save_last``);
+    ``skip_nonfinite_steps``: the strategy's; ``nan_at``, ``skip_step``: see :class:`TinyLit`.
+    Returns (global rank, final parameters and, with a scaler, ``"loss_scale"``; with
+    ``skip_nonfinite_steps``, ``"skipped_steps"``)."""
     if die_at_save is not None:
         _kill_rank1_while_writing(die_at_save)
+    flushes = _count_flushes()
     plugins = []
     if precision == "16-mixed-cpu":
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
         plugins.append(MixedPrecision("16-mixed", "cpu", scaler=scaler))
         precision = None  # type: ignore[assignment]
     trainer = L.Trainer(
-        strategy=make_strategy(strategy, stage, csv_dir is not None, sharded_checkpoint, async_checkpoint),
+        strategy=make_strategy(
+            strategy, stage, csv_dir is not None, sharded_checkpoint, async_checkpoint, skip_nonfinite_steps
+        ),
         devices=devices,
         accelerator="cpu",
         precision=precision,
@@ -151,7 +186,7 @@ def fit(
         gradient_clip_val=clip,
         gradient_clip_algorithm=clip_algorithm,
         logger=CSVLogger(csv_dir, name="", version="") if csv_dir else False,
-        log_every_n_steps=1,
+        log_every_n_steps=log_every,
         enable_checkpointing=checkpoint_dir is not None,
         callbacks=[
             ModelCheckpoint(
@@ -164,20 +199,54 @@ def fit(
             )
         ]
         if checkpoint_dir
+        else [MoveLikeGPUTeardown()]
+        if gpu_like_teardown
         else None,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
         plugins=plugins,
     )
-    model = TinyLit(unused_every, batch_size, inf_at_step, identical_batches)
+    model = TinyLit(unused_every, batch_size, inf_at_step, identical_batches, nan_at, skip_step)
     trainer.fit(model, ckpt_path=resume)
     if save:
         trainer.save_checkpoint(save)
     result = {n: p.detach().clone() for n, p in model.named_parameters()}
     if plugins:
         result["loss_scale"] = torch.tensor(plugins[0].scaler.get_scale())
+    if csv_dir:  # the communication figures were logged: how often they synchronised
+        result["flushes"] = torch.tensor(flushes[0])
+    if skip_nonfinite_steps:
+        result["skipped_steps"] = torch.tensor(trainer.strategy.sharded_optimizer.skipped_steps)
     return trainer.global_rank, result
+
+
+class MoveLikeGPUTeardown(L.Callback):
+    """What Lightning's teardown does to a module on a GPU (``module.cpu()``): every parameter gets new
+    storage. Installed before the strategy's teardown, which calls ``cpu()``."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        def cpu() -> L.LightningModule:
+            for p in pl_module.parameters():
+                p.data = p.data.clone()
+            return pl_module
+
+        pl_module.cpu = cpu  # type: ignore[method-assign]
+
+
+def _count_flushes() -> list[int]:
+    """How often the engine's device timings are read (a device synchronisation on CUDA)."""
+    from lightning_zero.engine import ShardEngine
+
+    count = [0]
+    original = ShardEngine.flush_timings
+
+    def flush(self: Any) -> None:
+        count[0] += 1
+        original(self)
+
+    ShardEngine.flush_timings = flush  # type: ignore[method-assign]
+    return count
 
 
 def validate(validate_ckpt: str) -> tuple[int, dict[str, torch.Tensor]]:
@@ -224,13 +293,29 @@ def main() -> None:
     parser.add_argument(
         "--cases",
         required=True,
-        help='JSON list of keyword-argument dicts for fit(), or for validate() (those with "validate_ckpt")',
+        help='JSON list of keyword-argument dicts for fit(), or for validate() (those with "validate_ckpt"); '
+        'a case with "expect_error": true records its error message instead of failing',
     )
     args = parser.parse_args()
-    results = []
+    results: list[Any] = []
     rank = 0
     for case in json.loads(args.cases):
-        rank, params = validate(**case) if "validate_ckpt" in case else fit(**case)
+        expect_error = case.pop("expect_error", False)
+        try:
+            rank, params = validate(**case) if "validate_ckpt" in case else fit(**case)
+        except Exception as err:  # noqa: BLE001 - an expected error is this case's result, on every rank
+            if not expect_error:
+                raise
+            message = f"{type(err).__name__}: {err}"
+            distributed = torch.distributed.is_initialized()
+            rank = torch.distributed.get_rank() if distributed else 0
+            every_rank = [None] * (torch.distributed.get_world_size() if distributed else 1)
+            if distributed:  # every rank must have raised, or this blocks and the launch times out
+                torch.distributed.all_gather_object(every_rank, message)
+            else:
+                every_rank = [message]
+            results.append({"error": message, "every_rank": every_rank})
+            continue
         results.append(params)
     if rank == 0:
         torch.save(results, args.out)

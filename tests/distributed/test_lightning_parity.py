@@ -87,10 +87,20 @@ def named_cases(tmp: Path) -> dict[str, dict[str, Any]]:
         named[f"{precision}_zero2"] = dict(base, strategy="zero2")
         named[f"{precision}_ddp"] = dict(base, strategy="ddp")
     named["comm_stats"] = {"devices": 2, "stage": 2, "steps": 3, "unused_every": 0, "csv_dir": str(tmp)}
+    named["comm_stats_every_3"] = dict(
+        named["comm_stats"], steps=9, accum=2, log_every=3, csv_dir=str(tmp / "every_3")
+    )
     named["fp16_zero2"] = dict(FP16, strategy="zero2")
     named["fp16_ddp"] = dict(FP16, strategy="ddp")
     named["fp16_clean"] = dict(FP16, strategy="zero2", inf_at_step=None)
     named["optimizer_state"] = dict(OPTIMIZER_STATE, save=str(tmp / "zero.ckpt"))
+    named["save_after_gpu_teardown"] = {
+        "devices": 2,
+        "stage": 2,
+        "steps": 4,
+        "gpu_like_teardown": True,
+        "save": str(tmp / "after_teardown.ckpt"),
+    }
     return named
 
 
@@ -149,6 +159,22 @@ def test_checkpoint_optimizer_state_is_torch_adamw_state(launched: tuple[Path, d
     assert [g["lr"] for g in ours["param_groups"]] == [g["lr"] for g in ref["param_groups"]]
 
 
+def test_a_save_after_a_gpu_teardown_writes_the_sharded_directory(launched: tuple[Path, dict]) -> None:
+    """Lightning's teardown on a GPU gives the parameters new (CPU) storage; the sharded state follows
+    them, so ``trainer.save_checkpoint`` after ``fit`` still writes the directory, holding the final
+    parameters (and the Adam state of the fit)."""
+    from lightning_zero.checkpoint import is_sharded_checkpoint, read_meta
+    from lightning_zero.checkpoint.consolidate import load_module_checkpoint
+
+    path = launched[0] / "after_teardown.ckpt"
+    assert is_sharded_checkpoint(path), "the save after fit switched to a single file"
+    saved = load_module_checkpoint(path)["state_dict"]
+    final = launched[1]["save_after_gpu_teardown"]
+    for name, value in final.items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
+    assert int(read_meta(path)["steps"].max()) == 4
+
+
 def test_comm_stats_are_logged(launched: tuple[Path, dict]) -> None:
     rows = (launched[0] / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
@@ -156,6 +182,31 @@ def test_comm_stats_are_logged(launched: tuple[Path, dict]) -> None:
     assert [float(v) for v in ratio if v] == [1.0, 1.0, 1.0]
     waits = [float(r.split(",")[header.index("zero/comm_wait_frac")]) for r in rows[1:] if r.split(",")[0]]
     assert all(0.0 <= w < 1.0 for w in waits)
+
+
+def test_comm_stats_synchronise_only_at_logging_steps(launched: tuple[Path, dict]) -> None:
+    """With ``log_every_n_steps=3`` (9 steps, 2 micro-batches each) the device timings are read at the
+    logged batches only, and the logged figures are means over the interval: still 1.0x the minimum."""
+    rows = (launched[0] / "every_3" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    logged = [r.split(",") for r in rows[1:] if r.split(",")[header.index("zero/elements_sent_vs_min")]]
+    assert [int(r[header.index("step")]) for r in logged] == [2, 5, 8]
+    assert [float(r[header.index("zero/elements_sent_vs_min")]) for r in logged] == [1.0, 1.0, 1.0]
+    bytes_per_element = [
+        float(r[header.index("zero/bytes_sent")]) / float(r[header.index("zero/elements_sent")])
+        for r in logged
+    ]
+    assert bytes_per_element == [8.0, 8.0, 8.0]  # float64 parameters and gradients on the wire
+    for r in logged:  # the ranks' mean batch times over the interval, across ranks
+        for name in ("step_time", "busy_time"):
+            low, mid, high = (float(r[header.index(f"zero/{name}_{k}_s")]) for k in ("min", "median", "max"))
+            assert 0.0 < low <= mid <= high, (name, low, mid, high)
+        assert float(r[header.index("zero/busy_time_max_s")]) <= float(
+            r[header.index("zero/step_time_max_s")]
+        )
+        assert float(r[header.index("zero/slowest_rank")]) in (0.0, 1.0)
+    flushes = int(launched[1]["comm_stats_every_3"]["flushes"])
+    assert flushes == len(logged), "timings read outside the logged steps (a device sync each)"
 
 
 def test_fp16_loss_scaling_overflow_on_one_rank_skips_everywhere(launched: tuple[Path, dict]) -> None:

@@ -32,6 +32,10 @@ PARAM_OVERLAP_CASES = [
     {"stage": stage, "accum": accum, "clip": clip, "param_overlap": True, "steps": 6}
     for stage, accum, clip in ((2, 4, 0.05), (1, 2, None))
 ]
+ALIGN_CASES = [  # buckets padded to a multiple of world_size * align_numel: more padding than needed
+    {"stage": 2, "accum": 2, "clip": 0.05, "align_numel": 4},
+    {"stage": 1, "accum": 1, "clip": None, "align_numel": 3, "width": 12},
+]
 FLOAT32_CASES = [{"stage": s, "accum": 2, "clip": 0.05, "dtype": "float32", "steps": 12} for s in (1, 2)]
 BF16_WIRE_CASES = [
     {"stage": 2, "accum": 1, "clip": None, "dtype": "float32", "steps": 5, "reduce_dtype": "bf16"}
@@ -43,6 +47,7 @@ RUNS: dict[str, tuple[int, Callable[..., Any], tuple]] = {
     "float64_2": (2, parity, (CASES,)),
     "float64_3": (3, parity, (CASES,)),
     "amsgrad": (3, parity, (AMSGRAD_CASES,)),
+    "align": (3, parity, (ALIGN_CASES,)),
     "user_grad": (2, user_grad_is_not_scratch, ()),
     "every_backward_2": (2, parity, (EVERY_BACKWARD_CASES,)),
     "every_backward_3": (3, parity, (EVERY_BACKWARD_CASES,)),
@@ -83,6 +88,15 @@ def test_amsgrad_and_no_overlap_parity(runs: dict) -> None:
         for case, result in zip(AMSGRAD_CASES, rank_results, strict=True):
             assert max(result["max_diff"]) <= 1e-10, (case, result["max_diff"])
             assert (result["adopted"] > 0) == (case.get("width") == 12), (case, result["adopted"])
+
+
+def test_aligned_buckets_parity(runs: dict) -> None:
+    """``align_numel > 1`` on 3 ranks: every bucket padded to a multiple of 12 (or 9) elements, so
+    shards and pieces fall elsewhere than without it; the result is the same to 1e-10."""
+    for rank_results in ranks(runs, "align"):
+        for case, result in zip(ALIGN_CASES, rank_results, strict=True):
+            assert max(result["max_diff"]) <= 1e-10, (case, result["max_diff"])
+            assert result["adopted"] == 0, "padding must keep every gradient out of adoption"
 
 
 def test_a_gradient_the_user_assigned_is_not_used_as_a_buffer(runs: dict) -> None:

@@ -33,6 +33,7 @@ def _parity_case(
     no_sync: bool = True,
     param_overlap: bool = False,
     width: int = 13,
+    align_numel: int = 1,
 ) -> dict[str, Any]:
     """``no_sync=False``: every micro-batch's backward communicates (accumulation by hand, as a
     manual-optimization loop does under DDP); the sum must be the same. ``param_overlap``: the
@@ -50,6 +51,7 @@ def _parity_case(
         find_unused_parameters=True,
         reduce_dtype=reduce_dtype,
         overlap_param_gather=param_overlap,
+        align_numel=align_numel,
     )
     names = {p: n for n, p in model.named_parameters()}
     opt = ShardedAdamW(
@@ -132,7 +134,7 @@ class _Deferred:
 
 def _defer_gathers(comm: Any) -> None:
     original = comm.all_gather
-    comm.all_gather = lambda out, inp: _Deferred(lambda: original(out, inp))
+    comm.all_gather = lambda out, inp, **kw: _Deferred(lambda: original(out, inp, **kw))
 
 
 def _xy_extra(step: int, micro: int, rank: int, size: int, dtype: torch.dtype):  # noqa: ANN202

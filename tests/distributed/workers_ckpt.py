@@ -99,3 +99,54 @@ def load_error(rank: int, world_size: int, path: str, width: int = 13) -> str:
         unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         return f"{err}\nunchanged={unchanged}"
     return "loaded"
+
+
+def _private_view(directory: Path, redirect: bool) -> tuple[str, Path]:
+    """Give this process its own view of ``directory`` (a fresh tmpfs in a private mount namespace):
+    what a node-local disk is to a checkpoint directory another node writes into. With ``redirect``
+    (or when the namespace cannot be made: no CAP_SYS_ADMIN), this rank's checkpoint writes go to a
+    private directory instead. Returns how, and the directory that holds this rank's temporaries."""
+    import ctypes
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, ms_rec, ms_private = 0x00020000, 0x4000, 0x40000
+    if (
+        not redirect
+        and libc.unshare(clone_newns) == 0
+        and libc.mount(b"none", b"/", None, ms_rec | ms_private, None) == 0
+        and libc.mount(b"tmpfs", os.fsencode(directory), b"tmpfs", 0, None) == 0
+    ):
+        return "mount namespace", directory
+    import lightning_zero.checkpoint.format as checkpoint_format
+
+    private = directory.parent / f"node-local-{os.getpid()}"
+    original = checkpoint_format.StagedSave.write
+
+    def write(self: Any, comm: Any) -> None:
+        self.tmp = private / self.tmp.name  # this rank's files land where rank 0 cannot see them
+        original(self, comm)
+
+    checkpoint_format.StagedSave.write = write  # type: ignore[method-assign]
+    return "redirected writes", private
+
+
+def node_local_save(rank: int, world_size: int, root: str, redirect: bool) -> dict[str, Any]:
+    """A save into a directory every rank sees, then (rank 1 on "its own disk") a save over it."""
+    root_path = Path(root)
+    model, opt = build(2)
+    train(model, opt, range(2), rank, world_size)
+    save_sharded(opt.engine, root_path / "ckpt", {"global_step": 2}, {}, 2)
+    how, view = _private_view(root_path, redirect) if rank == 1 else (None, root_path)
+    train(model, opt, range(2, 4), rank, world_size)
+    try:
+        save_sharded(opt.engine, root_path / "ckpt", {"global_step": 4}, {}, 2)
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    return {
+        "how": how,
+        "error": error,
+        "left": sorted(p.name for p in view.iterdir()) if view.is_dir() else [],
+        "step": read_meta(root_path / "ckpt")["lightning"]["global_step"] if rank == 0 else None,
+    }

@@ -68,8 +68,8 @@ class AgreementCount:
     def __enter__(self) -> AgreementCount:
         count = self
 
-        def recording_open(agreement: StopAgreement) -> None:
-            count._open(agreement)
+        def recording_open(agreement: StopAgreement, *args: Any, **kwargs: Any) -> None:
+            count._open(agreement, *args, **kwargs)
             count.groups.append(agreement._group)
 
         def counting_all_reduce(*args: Any, **kwargs: Any) -> Any:

@@ -147,7 +147,23 @@ def test_too_small_corpus_is_refused_with_the_sizes() -> None:
         CorpusError, match="2000 training and 50 validation tokens, too few for data.seq_len=100"
     ):
         check_token_count(2000, 50, config)
-    check_token_count(2000, 101, config)
+    check_token_count(2000, 101, config)  # seq_len + 1 tokens: one window (inputs and shifted targets)
+    with pytest.raises(CorpusError, match="2000 training and 100 validation tokens"):
+        check_token_count(2000, 100, config)  # seq_len tokens hold no window
+    with pytest.raises(CorpusError, match="100 training and 2000 validation tokens"):
+        check_token_count(100, 2000, config)
+
+
+@pytest.mark.parametrize(("tokens", "windows"), [(64, 1), (65, 2), (96, 2), (97, 3), (32, 0), (33, 1)])
+def test_windows_end_at_the_last_token_and_never_past_it(tokens: int, windows: int) -> None:
+    """k windows of 32 need k * 32 + 1 tokens (the targets are shifted by one): 64 tokens hold one."""
+    dataset = TokenWindows(np.arange(tokens, dtype=np.uint16), seq_len=32)
+    assert len(dataset) == windows
+    if windows:
+        x, y = dataset[windows - 1]
+        assert x.shape == y.shape == (32,) and int(y[-1]) <= tokens - 1
+    with pytest.raises(IndexError):
+        dataset[windows]
 
 
 def test_token_dtype_follows_vocabulary_size() -> None:

@@ -142,9 +142,9 @@ def test_refusals_name_the_bad_value(
     assert "data.path is required by data=text" in refusal(capsys, run_dir, "data=text")
     assert "unknown argument 'extra'" in refusal(capsys, run_dir, "extra")
     assert "unrecognized arguments: --seq-len=8" in refusal(capsys, run_dir, "seq_len=8", status=2)
-    assert "data.seq_len=64 is longer than the model's context (max_seq_len=32)" in refusal(
-        capsys, run_dir, "data.seq_len=64"
-    )
+    assert "data.seq_len=33 is longer than the model's context (max_seq_len=32)" in refusal(
+        capsys, run_dir, "data.seq_len=33"
+    )  # 32, the context itself, is what every other test evaluates
     err = refusal(capsys, run_dir, f"data.tokenizer={hf_tokenizer_file}")
     assert "the checkpoint was trained with tokenizer byte-v1 but" in err and "is tokenized with hf-" in err
 
@@ -165,14 +165,22 @@ def test_a_bare_checkpoint_file_still_gets_the_vocabulary_check(
 def test_a_checkpoint_from_before_the_throughput_callback_still_loads(
     run: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """Its hyper-parameters name `peak_flops_per_device`, which the module no longer takes."""
+    """Its hyper-parameters name `peak_flops_per_device`, which the module no longer takes: it loads the
+    same weights (the loss of the first batch is the trained model's, computed here by hand), and
+    `limit_batches=1` evaluates one batch of 4 windows."""
     checkpoint = torch.load(run["run_dir"] / "checkpoints" / "last.ckpt", weights_only=True)
     checkpoint["hyper_parameters"]["peak_flops_per_device"] = None
     (tmp_path / "checkpoints").mkdir()
     torch.save(checkpoint, tmp_path / "checkpoints" / "old.ckpt")
     (tmp_path / "config.yaml").write_text((run["run_dir"] / "config.yaml").read_text())
-    _, loss, _, _ = evaluate(capsys, str(tmp_path), "limit_batches=1")
-    assert loss > 0
+    split, loss, _, tokens = evaluate(capsys, str(tmp_path), "limit_batches=1")
+    val_set = run["datamodule"].val_set
+    inputs, targets = (torch.stack(t) for t in zip(*(val_set[i] for i in range(4)), strict=True))
+    with torch.no_grad():
+        logits = run["module"].model(inputs)  # (4, 32, 256)
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert split == "val" and tokens == 4 * 32  # one batch of data.batch_size=4 windows of 32
+    assert loss == pytest.approx(expected, rel=1e-6, abs=2e-6)
 
 
 def test_a_tokenizer_mismatch_is_refused_before_the_data_is_prepared(
@@ -189,8 +197,16 @@ def test_a_tokenizer_mismatch_is_refused_before_the_data_is_prepared(
 def test_token_ids_the_model_cannot_embed_are_refused(
     run: dict[str, Any], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """A `.bin` of byte-sized ids with one id the model lacks (its only record: one pass over it)."""
-    tokens = tmp_path / "other.bin"
-    np.r_[np.arange(3000) % 256, 300].astype(np.uint16).tofile(tokens)
-    err = refusal(capsys, str(run["run_dir"]), "data=pretokenized", f"data.path={tokens}", "data.seq_len=32")
-    assert f"data.path='{tokens}' holds token id 300, outside the model's vocabulary of 256" in err
+    """A `.bin` of byte-sized ids with one id the model lacks (its only record: one pass over it); the
+    boundary exactly: the model's last id, 255, is evaluated, 256 is refused."""
+    data = ["data=pretokenized", "data.seq_len=32"]
+    for top in (255, 256, 300):
+        np.r_[np.arange(3000) % 256, top].astype(np.uint16).tofile(tmp_path / f"top{top}.bin")
+    split, loss, _, _ = evaluate(
+        capsys, str(run["run_dir"]), *data, f"data.path={tmp_path / 'top255.bin'}", "limit_batches=1"
+    )
+    assert split == "val" and loss > 0
+    for top in (256, 300):
+        tokens = tmp_path / f"top{top}.bin"
+        err = refusal(capsys, str(run["run_dir"]), *data, f"data.path={tokens}")
+        assert f"data.path='{tokens}' holds token id {top}, outside the model's vocabulary of 256" in err

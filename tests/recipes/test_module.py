@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer.connectors.logger_connector import logger_connector, result
+from torch.utils.data import DataLoader, TensorDataset
 
 import recipes.training.throughput as throughput
 from recipes.data.config import DataConfig
@@ -209,3 +210,33 @@ def test_logged_tensors_are_read_at_logging_steps_only_and_the_bar_shows_the_los
     assert (
         "train/loss=" in bar.train_progress_bar.postfix and "tokens_per_s=" in bar.train_progress_bar.postfix
     )
+
+
+def test_the_final_checkpoint_is_saved_before_the_plot_is_drawn(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Lightning runs the checkpoint callbacks' `on_train_end` (the final save) after every other
+    callback's; a plot that fails when training ends (a full disk) fails the run loudly, but its last
+    step is saved."""
+    import recipes.training.plot as plot
+    from recipes.training import RunCheckpoint
+
+    def no_space(*args: Any, **kwargs: Any) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(plot, "draw_losses", no_space)
+    tokens = torch.randint(0, TINY.vocab_size, (16, TINY.max_seq_len + 1))  # 4 batches: no epoch end
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    series = RunCheckpoint(  # as conf/callbacks/default.yaml: only every 100 steps and at the end
+        tmp_path / "checkpoints",
+        filename="step{step:06d}",
+        auto_insert_metric_name=False,
+        save_last=True,
+        every_n_train_steps=100,
+    )
+    trainer = quiet_trainer(
+        max_steps=2, enable_checkpointing=True, callbacks=[LossPlot(), series], default_root_dir=tmp_path
+    )
+    with pytest.raises(OSError, match="No space left on device"):
+        trainer.fit(PretrainModule(TINY, OptimConfig(lr=1e-2, warmup_steps=1)), train_dataloaders=loader)
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2

@@ -1,14 +1,22 @@
-"""`python -m recipes.pretrain` end to end, always in a subprocess (a 2-process Lightning fit inside
-pytest would re-run pytest as rank 1): a short 2-rank run, its resume with `ckpt_path=last`, and the
+"""`python -m recipes.pretrain` end to end: a short 2-rank run, its resume with `ckpt_path=last`, and the
 bad inputs that must fail with one clear message, a non-zero status and earlier runs untouched.
+
+Every run that trains goes through a subprocess (a 2-process Lightning fit inside pytest would re-run
+pytest as rank 1). Commands that end before any training (the refusals, `--cfg job`) run in this
+interpreter the way `python -m` runs them (`runpy`, `sys.argv`, the exit status from `SystemExit`),
+which saves a fresh interpreter's ~10 s of imports each; one refusal also runs as a real subprocess and
+must give the same status and message, so the in-process runs stand for the command.
 """
 
 from __future__ import annotations
 
 import csv
+import logging
 import os
+import runpy
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,12 +39,14 @@ class Result:
     stderr: str
 
 
-def pretrain(*overrides: str, timeout_s: int = TIMEOUT_S) -> Result:
+def pretrain(*overrides: str, timeout_s: int = TIMEOUT_S, without: tuple[str, ...] = ()) -> Result:
+    """`python -m recipes.pretrain OVERRIDES`; `without`: in an environment lacking those packages."""
     # A test run inside a SLURM job or a launcher must not make Lightning join that job instead.
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in LAUNCH_VARS}
     env = {**inherited, "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"}
+    launch = ["-m", "tests.recipes.without_packages", ",".join(without)] if without else ["-m"]
     proc = subprocess.run(
-        [sys.executable, "-m", "recipes.pretrain", *overrides],
+        [sys.executable, *launch, "recipes.pretrain", *overrides],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -44,6 +54,44 @@ def pretrain(*overrides: str, timeout_s: int = TIMEOUT_S) -> Result:
         timeout=timeout_s,
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def exit_status(code: object) -> int:
+    """The status a process ends with after `sys.exit(code)`."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+@pytest.fixture
+def pretrain_here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Iterator[Callable]:
+    """`pretrain` for commands that end before training, run in this interpreter as `python -m` runs the
+    module, with the subprocess's environment (no launcher variables, `HYDRA_FULL_ERROR=0`, the
+    repository as working directory); Hydra's global state is cleared by `@hydra.main` itself, the root
+    logger (which Hydra configures) is restored afterwards."""
+    for name in list(os.environ):
+        if name.startswith("SLURM_") or name in LAUNCH_VARS:
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
+    monkeypatch.chdir(REPO_ROOT)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+
+    def run(*overrides: str) -> Result:
+        monkeypatch.setattr(sys, "argv", ["recipes.pretrain", *overrides])
+        capsys.readouterr()
+        try:
+            runpy.run_module("recipes.pretrain", run_name="__main__", alter_sys=True)
+            status = 0
+        except SystemExit as stop:
+            status = exit_status(stop.code)
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
+        out, err = capsys.readouterr()
+        return Result(status, out, err)
+
+    yield run
 
 
 def small_run(output_root: Path, cache_dir: Path, *extra: str) -> list[str]:
@@ -141,27 +189,30 @@ def snapshot(directory: Path) -> dict[str, tuple[float, bytes]]:
     return {str(p): (p.stat().st_mtime, p.read_bytes()) for p in directory.rglob("*") if p.is_file()}
 
 
-@pytest.mark.parametrize(
-    ("overrides", "expected"),
-    [
-        (["model=gpt5"], "Could not find 'model/gpt5'"),
-        (["data=wikipedia"], "Could not find 'data/wikipedia'"),
-        (["data=text"], "missing mandatory value(s): data.path"),
-        (["data.path=/nonexistent/*.txt"], "data.path='/nonexistent/*.txt': no file matches"),
-        (["data.path=EMPTY"], "the corpus is empty"),
-        (["data=tokens", "data.path=EMPTY"], "data.tokenizer=null needs data.path to be a directory written"),
-        (["data.seq_len=512"], "data.seq_len=512 exceeds model.max_seq_len=256"),
-        ([f"trainer.devices={len(os.sched_getaffinity(0)) + 1}"], "CPU cores"),
-        (["model.n_layer=two"], "model.n_layer"),
-        (["+optim.momentum=0.9"], "unknown key(s): optim.momentum"),
-        (["+trainer.max_step=5"], "takes no argument 'max_step'; did you mean max_steps"),
-        (["run_dir=ELSEWHERE"], "set hydra.run.dir=ELSEWHERE instead"),
-        (["run_name=never_ran", "ckpt_path=last"], "ckpt_path=last: no checkpoint"),
-    ],
-)
-def test_bad_input_fails_clearly_and_leaves_earlier_runs(
-    overrides: list[str], expected: str, earlier_run: tuple[Path, dict[str, tuple[float, bytes]]]
-) -> None:
+BAD_INPUTS = [
+    (["model=gpt5"], "Could not find 'model/gpt5'"),
+    (["data=wikipedia"], "Could not find 'data/wikipedia'"),
+    (["data=text"], "missing mandatory value(s): data.path"),
+    (["data.path=/nonexistent/*.txt"], "data.path='/nonexistent/*.txt': no file matches"),
+    (["data.path=EMPTY"], "the corpus is empty"),
+    (["data=tokens", "data.path=EMPTY"], "data.tokenizer=null needs data.path to be a directory written"),
+    (["data.seq_len=512"], "data.seq_len=512 exceeds model.max_seq_len=256"),
+    ([f"trainer.devices={len(os.sched_getaffinity(0)) + 1}"], "CPU cores"),
+    (["model.n_layer=two"], "model.n_layer"),
+    (["+optim.momentum=0.9"], "unknown key(s): optim.momentum"),
+    (["+trainer.max_step=5"], "takes no argument 'max_step'; did you mean max_steps"),
+    (["run_dir=ELSEWHERE"], "set hydra.run.dir=ELSEWHERE instead"),
+    (["run_name=never_ran", "ckpt_path=last"], "ckpt_path=last: no checkpoint"),
+]
+
+
+def refuse(
+    run: Callable[..., Result],
+    overrides: list[str],
+    expected: str,
+    earlier_run: tuple[Path, dict[str, tuple[float, bytes]]],
+) -> Result:
+    """`run` (`pretrain` or `pretrain_here`) the bad input next to an earlier run; check the refusal."""
     run_dir, before = earlier_run
     empty = run_dir.parent.parent / "empty.txt"
     empty.write_text("")
@@ -169,29 +220,55 @@ def test_bad_input_fails_clearly_and_leaves_earlier_runs(
     overrides = [o.replace("EMPTY", str(empty)) for o in overrides]
     expected = expected.replace("ELSEWHERE", str(elsewhere))
     overrides = [o.replace("ELSEWHERE", str(elsewhere)) for o in overrides]
-    result = pretrain(f"output_root={run_dir.parent}", "run_name=e2e", *overrides, timeout_s=60)
+    result = run(f"output_root={run_dir.parent}", "run_name=e2e", *overrides)
     assert result.returncode != 0
     assert expected in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert snapshot(run_dir) == before
     assert [p.name for p in run_dir.parent.iterdir()] == ["e2e"]  # no stray run directory
     assert not elsewhere.exists()
+    return result
 
 
-def test_cfg_job_prints_the_config_without_running(tmp_path: Path) -> None:
-    result = pretrain("--cfg", "job", f"output_root={tmp_path}", "model.n_layer=3", timeout_s=60)
+@pytest.mark.parametrize(("overrides", "expected"), BAD_INPUTS)
+def test_bad_input_fails_clearly_and_leaves_earlier_runs(
+    overrides: list[str],
+    expected: str,
+    earlier_run: tuple[Path, dict[str, tuple[float, bytes]]],
+    pretrain_here: Callable[..., Result],
+) -> None:
+    refuse(pretrain_here, overrides, expected, earlier_run)
+
+
+def test_a_refusal_through_the_command_line_is_the_one_run_in_process(
+    earlier_run: tuple[Path, dict[str, tuple[float, bytes]]], pretrain_here: Callable[..., Result]
+) -> None:
+    """The real `python -m recipes.pretrain` with a bad input that Hydra rejects while composing: the same
+    status and message as the in-process run the other cases use. (A refusal of ours, exit status 2
+    after validation, runs as a real command in the missing-package test below.)"""
+    overrides, expected = BAD_INPUTS[0]
+    there = refuse(lambda *o: pretrain(*o, timeout_s=60), overrides, expected, earlier_run)
+    here = refuse(pretrain_here, overrides, expected, earlier_run)
+    assert there.returncode == here.returncode == 1, (there.returncode, here.returncode)
+    assert here.stderr.strip() and here.stderr.strip() in there.stderr, (here.stderr, there.stderr)
+
+
+def test_cfg_job_prints_the_config_without_running(
+    tmp_path: Path, pretrain_here: Callable[..., Result]
+) -> None:
+    result = pretrain_here("--cfg", "job", f"output_root={tmp_path}", "model.n_layer=3")
     assert result.returncode == 0
     assert "n_layer: 3" in result.stdout and "_target_: lightning_zero.ZeroStrategy" in result.stdout
     assert not any(tmp_path.iterdir())
 
 
-def test_cfg_job_of_user_choices_shows_their_values_and_the_groups_defaults(tmp_path: Path) -> None:
+def test_cfg_job_of_user_choices_shows_their_values_and_the_groups_defaults(
+    pretrain_here: Callable[..., Result],
+) -> None:
     """`model=llama_1b trainer=gpu data=text`: every value of those group files, nothing of the demo."""
     choices = {"model": "llama_1b", "trainer": "gpu", "data": "text", "cluster": "slurm"}
     overrides = [f"{group}={option}" for group, option in choices.items()]
-    result = pretrain(
-        "--cfg", "job", *overrides, "data.path=corpus.txt", "trainer.max_steps=77", timeout_s=60
-    )
+    result = pretrain_here("--cfg", "job", *overrides, "data.path=corpus.txt", "trainer.max_steps=77")
     assert result.returncode == 0, result.stderr[-2000:]
     shown = flatten(OmegaConf.to_container(OmegaConf.create(result.stdout), resolve=False))
     expected: dict[str, object] = {}
@@ -222,3 +299,21 @@ def test_debug_fdr_runs_one_batch_in_one_process_writing_no_checkpoint(tmp_path:
     assert "Starting with 1 processes" in result.stderr  # debug: one process
     assert "finished at step 1" in result.stdout
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]  # no checkpoints, no logs
+
+
+def test_a_missing_optional_package_stops_the_run_before_its_first_step(tmp_path: Path) -> None:
+    """Without matplotlib (as far as any code can tell: `tests.recipes.without_packages`) the default loss
+    plot is refused before any process starts, naming the override that goes without it; that override
+    then trains. (The recipe used to train to the end and fail drawing, before its final save.)"""
+    run_dir = tmp_path / "e2e"
+    overrides = small_run(tmp_path, tmp_path / "cache", "trainer.devices=1", "trainer.max_steps=2")
+    refused = pretrain(*overrides, without=("matplotlib",), timeout_s=90)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "error: callbacks.loss_plot (recipes.training.plot.LossPlot): " in refused.stderr
+    assert "matplotlib" in refused.stderr and "leave it out with callbacks.loss_plot=null" in refused.stderr
+    assert "Traceback" not in refused.stderr and "Starting with" not in refused.stderr  # no process
+    assert not run_dir.exists()  # not a step, not a log, not a config.yaml
+    trained = pretrain(*overrides, "callbacks.loss_plot=null", without=("matplotlib",))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "finished at step 2" in trained.stdout and "loss curves" not in trained.stdout
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml", "logs"]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from recipes.sbatch import ROOT
+from tests.recipes.params import assert_same_parameters
 
 STEPS, SIGNAL_AT = 12, 5
 STOP = SIGNAL_AT + 2  # rank 1's flag goes out with the agreement launched at 6, read by all at 7
@@ -96,7 +97,7 @@ def test_resume_from_last_ends_as_the_uninterrupted_fit(fits: tuple[Path, list[A
             assert second["ckpt_path"] == "last.ckpt" and second["global_step"] == STEPS
             rows = [row for row in first["trained"] if row[0] < STOP] + second["trained"]
             assert rows == full["trained"], "samples trained twice, skipped or out of order"
-            assert all(torch.equal(second["params"][k], v) for k, v in full["params"].items())
+            assert_same_parameters(second["params"], full["params"])
 
 
 def test_the_series_is_pruned_like_periodic_saves(fits: tuple[Path, list[Any]]) -> None:

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 
 import recipes.training.callbacks
 from recipes.data.sampling import BatchLayout, DataResumeError, GlobalBatchSampler
 from tests.distributed.resume_fit import IndexedSamples, expected_rows, fit
+from tests.recipes.params import assert_same_parameters
 
 ACCUM, BATCH = 2, 4  # G = 8: 15 steps per epoch of 123 samples
 STEPS = 20  # crosses the end of epoch 0
@@ -38,7 +38,7 @@ def assert_continues(first: dict[str, Any], resumed: dict[str, Any], full: dict[
     rows = [row for row in first["trained"] if row[0] < start] + resumed["trained"]
     assert [row[0] for row in rows] == [row[0] for row in full["trained"]], "steps trained twice or skipped"
     assert rows == full["trained"], "samples differ from the uninterrupted order"
-    assert all(torch.equal(resumed["params"][k], full["params"][k]) for k in full["params"])
+    assert_same_parameters(resumed["params"], full["params"])
 
 
 @pytest.fixture(autouse=True)

@@ -100,3 +100,22 @@ def test_unknown_tokenizer_names_are_refused_listing_the_valid_ones(tmp_path: Pa
             resolve_tokenizer(name)
     with pytest.raises(TokenizerError, match="the directory holds none of"):
         resolve_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("kind", ["byte", "hf", "sentencepiece", "tiktoken"])
+def test_decode_keeps_the_last_id_and_leaves_out_ids_past_the_vocabulary(
+    kind: str, hf_tokenizer_file: Path, sp_model_file: Path, tiktoken_file: Path
+) -> None:
+    """`model.vocab_size` only has to cover the tokenizer's vocabulary, so a sample (the end-of-run one,
+    `recipes.generate`) can hold ids `vocab_size` and up: decoding leaves them out instead of failing
+    after training (SentencePiece raised IndexError); `vocab_size - 1` is a token and is kept."""
+    name = {
+        "byte": "byte",
+        "hf": hf_tokenizer_file,
+        "sentencepiece": sp_model_file,
+        "tiktoken": tiktoken_file,
+    }
+    tokenizer = load_tokenizer_spec(resolve_tokenizer(str(name[kind])))
+    ids, size = tokenizer.encode("def value"), tokenizer.vocab_size
+    assert tokenizer.decode([*ids, size, size + 1000]) == tokenizer.decode(ids)
+    assert tokenizer.decode([*ids, size - 1]) != tokenizer.decode(ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,8 @@ import torch
 
 from recipes.config.validation import ConfigError, validate
 from tests.conf.compose import compose_pretrain
+from tests.recipes.conftest import write_parquet
+from tests.recipes.tiny_fit import write_text_corpus
 
 
 def test_default_config_validates_and_resolves_the_vocabulary() -> None:
@@ -30,12 +33,15 @@ def test_default_config_validates_and_resolves_the_vocabulary() -> None:
         (["ckpt_path=/nonexistent/x.ckpt"], "ckpt_path='/nonexistent/x.ckpt' does not exist"),
         (["data.tokenizer=/nonexistent.json"], "data.tokenizer='/nonexistent.json' does not exist"),
         (["data.tokenizer=null"], "data.tokenizer=null needs data.path to be a directory written by"),
+        (["data.seq_len=257"], "data.seq_len=257 exceeds model.max_seq_len=256"),  # 256: the default
+        (["data.tokenizer=bpe", "data.bpe_vocab_size=256"], "data.bpe_vocab_size must be >= 257 (256 bytes"),
+        (["cluster.peer_failure_requeues=-1"], "cluster.peer_failure_requeues=-1: expected a number of"),
     ],
 )
 def test_invalid_settings_are_named(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         validate(compose_pretrain(overrides))
-    assert message in str(info.value)
+    assert all(part in str(info.value) for part in message.split("..."))  # (...): the import's own error
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
@@ -58,6 +64,45 @@ def test_pretokenized_input_checks(tmp_path: Path) -> None:
     message = r"holds token id 50256, outside model.vocab_size=256 \(tokenizer vocabulary 256\)"
     with pytest.raises(ConfigError, match=message):
         validate(compose_pretrain(["data=pretokenized", f"data.path={gpt2}"]))
+
+
+def test_token_ids_cross_the_vocabulary_boundary_exactly(tmp_path: Path) -> None:
+    """Valid ids are 0 .. model.vocab_size - 1 (id vocab_size is an embedding lookup out of range: a
+    device-side assert on CUDA): the last one is accepted, the next one refused. And the model's
+    vocabulary may equal the tokenizer's, not be one smaller."""
+
+    def tokens_up_to(top: int) -> Path:
+        path = tmp_path / f"top{top}.bin"
+        np.r_[np.arange(20000) % 256, top].astype(np.uint16).tofile(path)  # byte ids, then `top`
+        return path
+
+    pretokenized = ["data=pretokenized", "model.vocab_size=300"]
+    configs = validate(compose_pretrain([*pretokenized, f"data.path={tokens_up_to(299)}"]))
+    assert configs.model.vocab_size == 300
+    message = r"holds token id 300, outside model.vocab_size=300 .*set model.vocab_size>=301"
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_pretrain([*pretokenized, f"data.path={tokens_up_to(300)}"]))
+    text = [f"data.path={write_text_corpus(tmp_path / 'text')}", "data.seq_len=32"]
+    assert validate(compose_pretrain([*text, "model.vocab_size=256"])).model.vocab_size == 256
+    with pytest.raises(ConfigError, match="model.vocab_size=255 is smaller than the tokenizer's 256"):
+        validate(compose_pretrain([*text, "model.vocab_size=255"]))
+
+
+def test_the_smallest_bpe_is_accepted_before_it_is_trained() -> None:
+    """257 ids (the bytes and end-of-text) is the smallest BPE; 256 is refused above, at validation, not
+    when `prepare_data` trains it on one rank per node while the others wait."""
+    configs = validate(compose_pretrain(["data.tokenizer=bpe", "data.bpe_vocab_size=257"]))
+    assert configs.model.vocab_size == 257
+
+
+def test_every_core_may_be_used_and_not_one_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    from recipes.config.validation import check_devices
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    check_devices("cpu", 4)
+    check_devices("cpu", [0, 1, 2, 3])
+    with pytest.raises(ConfigError, match=r"trainer.devices=5 but this machine has 4 CPU cores"):
+        check_devices("cpu", 5)
 
 
 def test_corpus_smaller_than_two_windows_is_refused(tmp_path: Path) -> None:
@@ -223,3 +268,89 @@ def test_trainer_plugins_are_built_and_kept() -> None:
     cfg = compose_pretrain([f"trainer.plugins=[{{_target_:{target}}}]"])
     validate(cfg)
     assert [type(plugin) for plugin in build_plugins(cfg)] == [LightningEnvironment]
+
+
+def hide_package(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
+    """`import package` (and its submodules) fails from now on, as when it is not installed (imported
+    already or not; `torch.utils.tensorboard` imports `tensorboard`)."""
+    dependents = ("torch.utils.tensorboard",) if package == "tensorboard" else ()
+    for name in [m for m in sys.modules if m.partition(".")[0] == package or m in dependents]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, package, None)
+
+
+@pytest.mark.parametrize(
+    ("package", "overrides", "message"),
+    [
+        (
+            "matplotlib",
+            [],
+            "callbacks.loss_plot (recipes.training.plot.LossPlot): LossPlot draws the loss curves with "
+            "matplotlib (in the `recipes` extra), which cannot be imported here (...); install it, or "
+            "leave it out with callbacks.loss_plot=null",
+        ),
+        (
+            "wandb",
+            ["logger=wandb"],
+            "logger.wandb (lightning.pytorch.loggers.WandbLogger) needs the Python package 'wandb', which "
+            "cannot be imported here (...); install it (`pip install -e '.[recipes]'`), or choose another "
+            "logger",
+        ),
+        (
+            "tensorboard",
+            ["logger=tensorboard"],
+            "logger.tensorboard (lightning.pytorch.loggers.TensorBoardLogger) needs the Python package "
+            "'tensorboard'",
+        ),
+        ("tokenizers", ["data.tokenizer=bpe"], "data.tokenizer=bpe needs the Python package 'tokenizers'"),
+        (
+            "sentencepiece",
+            ["data.tokenizer=SP"],
+            "data.tokenizer=SP needs the Python package 'sentencepiece'",
+        ),
+        ("pyarrow", ["data.path=PARQUET"], "data.path='PARQUET' needs the Python package 'pyarrow'"),
+        (
+            "tokenizers",
+            ["data=tokens", "data.path=PREPARED"],
+            "data.path='PREPARED' (its tokenizer) needs the Python package 'tokenizers'",
+        ),
+    ],
+    ids=["plot", "wandb", "tensorboard", "bpe", "sentencepiece-file", "parquet", "prepared-hf"],
+)
+def test_a_missing_optional_package_is_refused_before_any_process_starts(
+    package: str,
+    overrides: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    sp_model_file: Path,
+    hf_tokenizer_file: Path,
+) -> None:
+    """Each is imported later than start-up otherwise: the plot at the end of training, a logger's client
+    at its first log, `tokenizers` when `prepare_data` trains the BPE on one rank per node, a prepared
+    directory's tokenizer once every process runs. With the package there, the same config validates."""
+    from recipes.data.preparation import PrepareConfig, prepare
+
+    text = write_text_corpus(tmp_path / "text")
+    paths = {
+        "SP": str(sp_model_file),
+        "PARQUET": str(tmp_path / "docs.parquet"),
+        "PREPARED": str(tmp_path / "tok"),
+    }
+    if "PARQUET" in str(overrides):
+        write_parquet(tmp_path / "docs.parquet", [f"document {i} " * 50 for i in range(40)])
+    if "PREPARED" in str(overrides):
+        prepare(
+            PrepareConfig(
+                out=paths["PREPARED"], inputs=(str(text),), tokenizer=str(hf_tokenizer_file), progress=False
+            )
+        )
+    for key, path in paths.items():
+        overrides = [o.replace(key, path) for o in overrides]
+        message = message.replace(key, path)
+    overrides = [f"data.path={text}", f"hydra.run.dir={tmp_path / 'run'}", "data.seq_len=32", *overrides]
+    validate(compose_pretrain(overrides))
+    hide_package(monkeypatch, package)
+    with pytest.raises(ConfigError) as info:
+        validate(compose_pretrain(overrides))
+    assert all(part in str(info.value) for part in message.split("..."))  # (...): the import's own error

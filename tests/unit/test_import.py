@@ -27,7 +27,10 @@ assert STRATEGY_REGISTRY["zero"]["strategy"] is ZeroFabricStrategy
 
 def _run(code: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True, timeout=120
+        [sys.executable, "-W", "error:lightning-zero could not register", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
 

@@ -119,3 +119,15 @@ def test_resume_check_accepts_another_split_and_refuses_another_global_batch() -
 def test_too_small_a_dataset_is_refused() -> None:
     with pytest.raises(ValueError, match="fewer than one global batch"):
         sampler(BatchLayout(world_size=2, accumulate=1, micro_batch_size=6), 0, dataset_len=11)
+
+
+@pytest.mark.parametrize(("dataset_len", "steps"), [(12, 1), (23, 1), (24, 2)])
+def test_a_dataset_of_whole_global_batches_drops_nothing(dataset_len: int, steps: int) -> None:
+    """G = 12: 12 samples are one step per epoch, all of them trained; 23 are one step (11 dropped)."""
+    layout = BatchLayout(world_size=2, accumulate=1, micro_batch_size=6)
+    samplers = [sampler(layout, rank, dataset_len=dataset_len) for rank in (0, 1)]
+    assert all(s.steps_per_epoch == steps and len(s) == steps * 6 for s in samplers)
+    for epoch in (0, 1):  # step `steps` is the first of epoch 1: another order of the same samples
+        trained = sorted(i for s in samplers for i in s.iter_from(epoch * steps))
+        expected = sorted(epoch_order(dataset_len, SEED, epoch)[: steps * 12].tolist())
+        assert trained == expected and len(set(trained)) == steps * 12

@@ -22,7 +22,8 @@ def test_equals_torch_optimizer(amsgrad: bool, maximize: bool, adamw: bool) -> N
     ref_opt = torch_cls(param_groups(reference), lr=1e-2, amsgrad=amsgrad, maximize=maximize)
     opt = ShardedAdamW.from_optimizer(
         torch_cls(param_groups(model), lr=1e-2, amsgrad=amsgrad, maximize=maximize),
-        config=ZeroConfig(bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002),
+        # the extra layer is unused every third step: torch skips it, as we do when unused are tracked
+        config=ZeroConfig(bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002, find_unused_parameters=True),
     )
     for step in range(8):
         x = torch.randn(6, 7, dtype=torch.float64)
@@ -32,6 +33,79 @@ def test_equals_torch_optimizer(amsgrad: bool, maximize: bool, adamw: bool) -> N
             o.zero_grad()
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", [{}, {"foreach": True}, {"fused": True}])
+def test_fp32_equals_torch_bit_for_bit_with_the_users_kernel(kernel: dict) -> None:
+    """The update runs the kernel family the user's AdamW asked for (torch's default, foreach, fused):
+    fp32 results are identical to torch's, including where Adam amplifies rounding (tiny gradients)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, **kernel)
+    opt = ShardedAdamW.from_optimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **kernel),
+        config=ZeroConfig(bucket_cap_mb=0.004, first_bucket_cap_mb=0.002),
+    )
+    for step in range(8):
+        x = torch.randn(16, 64) * (1e-4 if step % 2 else 1.0)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            m(x).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3], ids=["norm_above_max", "norm_below_max"])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clipping_equals_torch_on_both_sides_of_max_norm(max_norm: float, norm_type: float) -> None:
+    """Clipping scales gradients down when the global norm exceeds ``max_norm`` and leaves them alone
+    when it does not (never up), as ``torch.nn.utils.clip_grad_norm_``; the returned norm is torch's."""
+    torch.manual_seed(0)
+    model = TinyNet().double()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(param_groups(reference), lr=1e-2)
+    opt = ShardedAdamW.from_optimizer(
+        torch.optim.AdamW(param_groups(model), lr=1e-2),
+        config=ZeroConfig(bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002),
+    )
+    for _ in range(4):
+        x = torch.randn(6, 7, dtype=torch.float64)
+        model(x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+        total = opt.clip_grad_norm_(max_norm, norm_type)
+        ref_total = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type)
+        torch.testing.assert_close(total, ref_total, rtol=1e-12, atol=0)
+        assert (ref_total > max_norm) == (max_norm == 1e-3), "the case must cross the threshold as named"
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_an_unused_parameter_counts_as_zero_on_one_rank_as_on_n_unless_tracked() -> None:
+    """Without ``find_unused_parameters`` a parameter that got no gradient is stepped with a zero
+    gradient (weight decay moves it) and a warning names the option, at world size 1 exactly as on N
+    ranks; with it, the parameter is skipped as torch skips a ``None`` gradient."""
+    for tracked in (False, True):
+        torch.manual_seed(0)
+        model = TinyNet().double()
+        before = model.extra.detach().clone()
+        opt = ShardedAdamW(
+            model.parameters(), lr=1e-2, weight_decay=0.1, config=ZeroConfig(find_unused_parameters=tracked)
+        )
+        x = torch.randn(6, 7, dtype=torch.float64)
+        if tracked:
+            model(x, use_extra=False).pow(2).mean().backward()
+            opt.step()
+            torch.testing.assert_close(model.extra, before, rtol=0, atol=0)
+        else:
+            with pytest.warns(UserWarning, match="counts as a zero gradient.*find_unused_parameters=True"):
+                model(x, use_extra=False).pow(2).mean().backward()
+            opt.step()
+            torch.testing.assert_close(model.extra, before * (1 - 1e-2 * 0.1), rtol=0, atol=1e-15)
 
 
 def test_bf16_params_keep_fp32_master() -> None:
@@ -61,6 +135,10 @@ def test_bf16_params_keep_fp32_master() -> None:
         ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a number > 0"),
         ({"reduce_dtype": "int8"}, "reduce_dtype must be None or one of"),
         ({"overlap_comm": "yes"}, "overlap_comm"),
+        ({"skip_nonfinite_steps": -1}, r"skip_nonfinite_steps must be an integer >= 0 .*got -1"),
+        ({"skip_nonfinite_steps": 2.5}, r"skip_nonfinite_steps must be an integer >= 0 .*got 2.5"),
+        ({"skip_nonfinite_steps": True}, r"skip_nonfinite_steps must be an integer >= 0 .*got True"),
+        ({"skip_nonfinite_steps": "3"}, r"skip_nonfinite_steps must be an integer >= 0 .*got '3'"),
     ],
 )
 def test_bad_config_names_the_value(kwargs: dict, match: str) -> None:
@@ -76,6 +154,8 @@ def test_refuses_other_optimizers_and_options() -> None:
         ShardedAdamW.from_optimizer(torch.optim.AdamW(model.parameters(), differentiable=True))
     with pytest.raises(ValueError, match="lr must be >= 0, got -1"):
         ShardedAdamW(model.parameters(), lr=-1)
+    with pytest.raises(ValueError, match="fused=True and foreach=True cannot be set together"):
+        ShardedAdamW(model.parameters(), fused=True, foreach=True)
 
 
 @pytest.mark.parametrize(
@@ -88,6 +168,11 @@ def test_refuses_other_optimizers_and_options() -> None:
         ({"async_checkpoint": 1}, "async_checkpoint must be True or False, got 1"),
         ({"log_comm_stats": "yes"}, "log_comm_stats must be True or False, got 'yes'"),
         ({"broadcast_buffers": None}, "broadcast_buffers must be True or False, got None"),
+        (
+            {"skip_nonfinite_steps": -2},
+            r"skip_nonfinite_steps must be an integer >= 0 \(0: off; K > 0: .*got -2",
+        ),
+        ({"skip_nonfinite_steps": None}, "skip_nonfinite_steps must be an integer >= 0 .*got None"),
     ],
 )
 @pytest.mark.parametrize("strategy", ["ZeroStrategy", "ZeroFabricStrategy"])

@@ -46,6 +46,7 @@ from lightning_zero.checkpoint.format import (
     save_sharded,
 )
 from lightning_zero.checkpoint.reshard import load_sharded, preflight
+from lightning_zero.integrations.arguments import check_sharded_path, local_path
 from lightning_zero.integrations.frontend import ZeroFrontEnd
 
 
@@ -87,6 +88,8 @@ class FabricCheckpointing(DDPStrategy):
                 "strategy 'zero' writes sharded checkpoint directories itself and takes no "
                 f"storage_options (got {storage_options!r}); pass sharded_checkpoint=False for a CheckpointIO"
             )
+        check_sharded_path(path)
+        path = local_path(path)
         module_key, optimizer_key = self._sharded_keys(state)
         filtered = sorted(k for k in (filter or {}) if k in (module_key, optimizer_key))
         if filtered:

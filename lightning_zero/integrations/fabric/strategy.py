@@ -14,6 +14,9 @@ wrapper, exactly as :class:`~lightning_zero.ZeroStrategy` is for the Trainer:
   * ``fabric.clip_gradients`` clips by the global norm (or value) over all ranks' shards; with a
     ``GradScaler`` (``16-mixed``) the shards are unscaled, overflow is agreed across ranks and the
     step is skipped on every rank or none (the precision plugin's class gets a shard-aware mixin);
+  * ``skip_nonfinite_steps``: ``optimizer.step()`` skips a step with inf/NaN gradients on every
+    rank (``optimizer.skipped_steps``), and ``fabric.clip_gradients`` leaves a non-finite norm to
+    that skip instead of raising;
   * buffers are broadcast from rank 0 before exactly the forwards where DDP's
     ``broadcast_buffers=True`` does it; a changed trainable set (``requires_grad``,
     ``add_param_group``) is re-planned before the next forward with gradients;
@@ -43,6 +46,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from typing_extensions import override
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.integrations.arguments import check_lightning_arguments, check_sharded_io
 from lightning_zero.integrations.fabric.checkpointing import FabricCheckpointing
 from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions, sharded_of
 from lightning_zero.integrations.loss_scale import update_scale, with_mixin
@@ -55,7 +59,13 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
 
     Args:
         stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
-        find_unused_parameters, align_numel: see :class:`~lightning_zero.ZeroConfig`.
+        find_unused_parameters, align_numel, skip_nonfinite_steps: see
+            :class:`~lightning_zero.ZeroConfig`. With ``skip_nonfinite_steps=K > 0``,
+            ``optimizer.step()`` skips a step whose gradients hold inf/NaN on any rank, on every rank
+            (``optimizer.skipped_steps`` counts them), and the ``K``-th skipped step in a row raises
+            :class:`~lightning_zero.NonFiniteGradientError`, naming the step (counted from
+            ``fabric.setup``) and the ranks; ``fabric.clip_gradients`` then leaves a non-finite norm
+            to the skip instead of raising.
         sharded_checkpoint: ``fabric.save`` writes a directory of per-rank shards (the Trainer
             strategy's format); ``False``: one file written by rank 0, as ``"ddp"`` does.
         broadcast_buffers: as :class:`~lightning_zero.ZeroStrategy`.
@@ -79,6 +89,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         reduce_dtype: str | None = None,
         find_unused_parameters: bool = False,
         align_numel: int = 1,
+        skip_nonfinite_steps: int = 0,
         log_comm_stats: bool = False,
         sharded_checkpoint: bool = True,
         async_checkpoint: bool = False,
@@ -92,12 +103,23 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
     ) -> None:
-        options = ZeroOptions.from_arguments(locals())  # validates our arguments first
+        check_lightning_arguments(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        options = ZeroOptions.from_arguments(locals())  # every argument checked first
         options.refuse(
             ("log_comm_stats", "async_checkpoint"),
             "the Trainer strategy only: a Fabric loop has no end-of-fit hook to report a background "
             "save's failure, nor a logger of the strategy's own",
         )
+        check_sharded_io(checkpoint_io, sharded_checkpoint, "ZeroFabricStrategy")
         self._zero = ZeroFrontEnd(options)
         super().__init__(
             accelerator=accelerator,
@@ -141,6 +163,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
                 "strategy 'zero' shards one model and its optimizer per Fabric; fabric.setup was "
                 "already called with an optimizer"
             )
+        check_sharded_io(self.checkpoint_io, self._zero.options.sharded_checkpoint, "ZeroFabricStrategy")
         module = self.setup_module(module)
         sharded = self._zero.shard(optimizers[0], module, [] if scheduler is None else [scheduler])
         self._module = module
@@ -193,7 +216,8 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         sharded = sharded_of(optimizer)
         self.precision.unscale_gradients(optimizer)
         total = sharded.clip_grad_norm_(float(max_norm), float(norm_type))
-        if error_if_nonfinite and not bool(torch.isfinite(total)):  # every rank holds the same total
+        skips = self.zero_config.skip_nonfinite_steps > 0  # the step will be skipped: no need to raise
+        if error_if_nonfinite and not skips and not bool(torch.isfinite(total)):  # the same total everywhere
             raise RuntimeError(
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                 "non-finite, so it cannot be clipped. To disable this error and scale the gradients by "

@@ -43,6 +43,7 @@ from lightning_zero.checkpoint.format import (
     save_sharded,
 )
 from lightning_zero.checkpoint.reshard import ShardFiles, load_sharded, read_full_param
+from lightning_zero.integrations.arguments import check_sharded_path, local_path
 from lightning_zero.integrations.frontend import ZeroFrontEnd
 
 
@@ -88,6 +89,13 @@ class ShardedCheckpointing(DDPStrategy):
         engine = self._zero.engine
         if not self._zero.writes_shards() or engine is None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                "strategy 'zero' writes sharded checkpoint directories itself and takes no "
+                f"storage_options (got {storage_options!r}); pass sharded_checkpoint=False for a CheckpointIO"
+            )
+        check_sharded_path(filepath)
+        filepath = local_path(filepath)
         lightning_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if "optimizer_states" not in checkpoint:  # save_weights_only: resuming must be refused as ddp does
             lightning_state[WEIGHTS_ONLY] = True

@@ -1,17 +1,32 @@
-"""``CommStatsMonitor``: per-step communication figures of the ``zero`` strategy, as logged metrics.
+"""``CommStatsMonitor`` and ``SkippedStepsMonitor``: figures of the ``zero`` strategy, as logged metrics.
 
-Logged every training step (rank-local values; rank 0's reach the logger):
-  * ``zero/comm_wait_s``: seconds the step blocked on collectives (what backward did not hide);
-  * ``zero/comm_wait_frac``: that time over the step's wall time;
-  * ``zero/elements_sent``: gradient and parameter elements this rank sent (ring cost model);
+``SkippedStepsMonitor`` (added by ``skip_nonfinite_steps > 0``) logs ``zero/skipped_steps``: the
+optimizer steps skipped for inf/NaN gradients so far (a host integer the step already agreed on:
+no communication, no host synchronisation).
+
+``CommStatsMonitor`` (added by ``log_comm_stats=True``):
+
+Logged at Lightning's logging steps (``log_every_n_steps``), as means per training batch over the
+batches since the previous log (rank-local values; rank 0's reach the logger):
+  * ``zero/comm_wait_s``: seconds a batch blocked on collectives (what backward did not hide);
+  * ``zero/comm_wait_frac``: that time over the batches' wall time;
+  * ``zero/elements_sent``: gradient and parameter elements this rank sent per batch (ring cost model);
   * ``zero/bytes_sent``: the same in bytes of the wire dtype (``reduce_dtype="bf16"`` halves the
     gradients' share);
-  * ``zero/elements_sent_vs_min``: elements over the stage-2 minimum ``2·Ψ·(N−1)/N``.
-Steps that only accumulate send nothing, so their figures are zero.
+  * ``zero/elements_sent_vs_min``: elements per optimizer step over the stage-2 minimum ``2·Ψ·(N−1)/N``;
+  * stragglers, the same on every rank (one small all-gather per logged step, none in between):
+    ``zero/step_time_{min,median,max}_s``, each rank's mean batch time across ranks (close to each
+    other: ranks wait for one another at every collective), and ``zero/busy_time_{min,median,max}_s``,
+    each rank's mean time outside communication waits, with ``zero/slowest_rank``, the rank of the
+    largest: a straggler is a max well above the median, on the same rank interval after interval.
+Batches that only accumulate send nothing; the figures are logged by the batch that steps. Under
+NCCL the waits are timed with CUDA events, which are read (a device synchronisation) only at the
+logging steps, never in the steps between.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -27,41 +42,78 @@ class CommStatsMonitor(pl.Callback):
     reads_parameters_between_steps = False  # overlap_param_gather need not wait for it
 
     def __init__(self) -> None:
-        self._start = 0.0
+        self._start: float | None = None  # of the first batch since the last log
+        self._batches = 0
+        self._steps = 0  # optimizer steps among them
+        self._step_before = 0  # the global step when the current batch started
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         engine = _engine_of(trainer)
-        if engine is not None:
+        if engine is not None and self._start is None:
             engine.time_device_waits()  # CUDA events under NCCL, where a host timer reads ~0
-            engine.flush_timings()
-            engine.comm_stats.reset()
-        self._start = time.perf_counter()
+            engine.comm_stats.reset()  # nothing pending: the last log read every recorded wait
+            self._start, self._batches, self._steps = time.perf_counter(), 0, 0
+        self._step_before = trainer.global_step
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         engine = _engine_of(trainer)
-        if engine is None:
+        if engine is None or self._start is None:
             return
-        engine.flush_timings()
+        self._batches += 1
+        stepped = trainer.global_step > self._step_before
+        self._steps += trainer.global_step - self._step_before
+        # Lightning's own rule (no public one); in an accumulation window, the batch that steps
+        if not stepped or not trainer._logger_connector.should_update_logs:  # noqa: SLF001
+            return
+        engine.flush_timings()  # the device synchronisation, once per logged step
         stats = engine.comm_stats
-        step_s = max(time.perf_counter() - self._start, 1e-9)
-        minimum = engine.min_elements_per_step()
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        minimum = engine.min_elements_per_step() * max(self._steps, 1)
+        rows = engine.gather_floats([elapsed / self._batches, (elapsed - stats.wait_s) / self._batches])
+        step_times, busy_times = [row[0] for row in rows], [row[1] for row in rows]
         pl_module.log_dict(
             {
-                "zero/comm_wait_s": stats.wait_s,
-                "zero/comm_wait_frac": stats.wait_s / step_s,
-                "zero/elements_sent": float(stats.elements_sent),
-                "zero/bytes_sent": float(stats.bytes_sent),
+                **_spread("zero/step_time", step_times),
+                **_spread("zero/busy_time", busy_times),
+                "zero/slowest_rank": float(busy_times.index(max(busy_times))),
+                "zero/comm_wait_s": stats.wait_s / self._batches,
+                "zero/comm_wait_frac": stats.wait_s / elapsed,
+                "zero/elements_sent": stats.elements_sent / self._batches,
+                "zero/bytes_sent": stats.bytes_sent / self._batches,
                 "zero/elements_sent_vs_min": stats.elements_sent / minimum if minimum else 0.0,
             },
             on_step=True,
             on_epoch=False,
         )
+        self._start = None  # the next batch starts a new interval
+
+
+def _spread(name: str, values: list[float]) -> dict[str, float]:
+    return {
+        f"{name}_min_s": min(values),
+        f"{name}_median_s": statistics.median(values),
+        f"{name}_max_s": max(values),
+    }
+
+
+class SkippedStepsMonitor(pl.Callback):
+    """Added by ``ZeroStrategy(skip_nonfinite_steps=K)``; logs ``zero/skipped_steps`` every batch."""
+
+    reads_parameters_between_steps = False  # overlap_param_gather need not wait for it
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        engine = _engine_of(trainer)
+        if engine is not None:
+            pl_module.log("zero/skipped_steps", float(engine.skipped_steps), on_step=True, on_epoch=False)
 
 
 def _engine_of(trainer: pl.Trainer) -> ShardEngine | None:

@@ -17,6 +17,9 @@ Lightning integration points:
     ``broadcast_buffers=True`` does it; ``sync_batchnorm`` is applied as DDP does;
   * a changed trainable set (``requires_grad``, ``add_param_group``) is re-planned before the next
     training step;
+  * ``skip_nonfinite_steps``: the engine skips a step with inf/NaN gradients on every rank;
+    :class:`SkippedStepsMonitor` logs ``zero/skipped_steps``, and the engine's step count follows
+    ``trainer.global_step`` (so an error names Lightning's step, also after a resume);
   * ``overlap_param_gather``: forward waits on the modules and :class:`ParamReadBarrier` first
     among the callbacks (:mod:`lightning_zero.integrations.trainer.param_barrier`);
   * checkpoints: :mod:`lightning_zero.integrations.trainer.checkpointing` (sharded directories, any
@@ -45,11 +48,16 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_zero.config import ZeroConfig
+from lightning_zero.integrations.arguments import (
+    check_lightning_arguments,
+    check_sharded_io,
+    check_sharded_path,
+)
 from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions
 from lightning_zero.integrations.names import register_names
 from lightning_zero.integrations.trainer.checkpointing import ShardedCheckpointing
 from lightning_zero.integrations.trainer.load import install as install_loader
-from lightning_zero.integrations.trainer.monitor import CommStatsMonitor
+from lightning_zero.integrations.trainer.monitor import CommStatsMonitor, SkippedStepsMonitor
 from lightning_zero.integrations.trainer.param_barrier import ParamReadBarrier
 from lightning_zero.integrations.trainer.precision import shard_aware
 from lightning_zero.optim import ShardedAdamW
@@ -60,7 +68,11 @@ class ZeroStrategy(ShardedCheckpointing):
 
     Args:
         stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
-        find_unused_parameters, align_numel: see :class:`~lightning_zero.ZeroConfig` (validated there).
+        find_unused_parameters, align_numel, skip_nonfinite_steps: see :class:`~lightning_zero.ZeroConfig`
+            (validated there). With ``skip_nonfinite_steps=K > 0`` a step whose gradients hold inf/NaN
+            on any rank is skipped on every rank, ``zero/skipped_steps`` is logged, and the ``K``-th
+            skipped step in a row raises :class:`~lightning_zero.NonFiniteGradientError` naming
+            ``trainer.global_step`` and the ranks.
         log_comm_stats: log per step the seconds spent waiting on communication, their share of the
             step, and the elements and bytes sent (``zero/*`` metrics).
         sharded_checkpoint: ``save_checkpoint`` writes a directory, one shard file per rank
@@ -94,6 +106,7 @@ class ZeroStrategy(ShardedCheckpointing):
         reduce_dtype: str | None = None,
         find_unused_parameters: bool = False,
         align_numel: int = 1,
+        skip_nonfinite_steps: int = 0,
         log_comm_stats: bool = False,
         sharded_checkpoint: bool = True,
         async_checkpoint: bool = False,
@@ -107,7 +120,19 @@ class ZeroStrategy(ShardedCheckpointing):
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
     ) -> None:
-        self._zero = ZeroFrontEnd(ZeroOptions.from_arguments(locals()))  # validates our arguments first
+        check_lightning_arguments(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision_plugin,
+            precision_name="precision_plugin",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._zero = ZeroFrontEnd(ZeroOptions.from_arguments(locals()))  # every argument checked first
+        check_sharded_io(checkpoint_io, sharded_checkpoint, "ZeroStrategy")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -118,10 +143,16 @@ class ZeroStrategy(ShardedCheckpointing):
             timeout=timeout,
             start_method=start_method,  # type: ignore[arg-type]
         )
-        self._async_writer = AsyncCheckpointWriter() if async_checkpoint else None
+        self._async_writer = AsyncCheckpointWriter(timeout) if async_checkpoint else None
         self._fit_running = False  # between setup and teardown of a fit: a later wait reports failures
         self._unwinding = False  # on_exception was called: teardown must not wait for the other ranks
         self._pending_load = None
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """How long a collective may wait for a peer: the training process group's timeout, which
+        every group the strategy creates uses too (the background checkpoint writer's)."""
+        return self._timeout
 
     @property
     def zero_config(self) -> ZeroConfig:
@@ -146,6 +177,7 @@ class ZeroStrategy(ShardedCheckpointing):
             if any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.model.modules()):
                 raise ValueError("SyncBatchNorm layers only work with GPU modules")  # torch DDP's own refusal
         self._fit_running, self._unwinding = fitting, False
+        self._check_checkpoint_targets(trainer)
         if fitting:
             self.setup_optimizers(trainer)
             self._shard_optimizer()  # compares bucket plans first: a mismatch is an error, not a hang
@@ -159,6 +191,10 @@ class ZeroStrategy(ShardedCheckpointing):
                 isinstance(cb, CommStatsMonitor) for cb in callbacks
             ):
                 callbacks.append(CommStatsMonitor())
+            if self.zero_config.skip_nonfinite_steps and not any(
+                isinstance(cb, SkippedStepsMonitor) for cb in callbacks
+            ):
+                callbacks.append(SkippedStepsMonitor())
             if self.zero_config.overlap_param_gather:
                 engine.install_forward_waits(self.lightning_module)
                 callbacks[:] = [cb for cb in callbacks if not isinstance(cb, ParamReadBarrier)]
@@ -166,6 +202,16 @@ class ZeroStrategy(ShardedCheckpointing):
         else:
             ZeroFrontEnd.sync_module_states(self.model)
         self.setup_precision_plugin()
+
+    def _check_checkpoint_targets(self, trainer: pl.Trainer) -> None:
+        """Before any work: a checkpoint IO plugin or a URL that sharded saves could not honour."""
+        sharded = self._zero.options.sharded_checkpoint
+        check_sharded_io(self.checkpoint_io, sharded, "ZeroStrategy")
+        if sharded:
+            for callback in trainer.checkpoint_callbacks:
+                dirpath = getattr(callback, "dirpath", None)
+                if dirpath is not None:
+                    check_sharded_path(dirpath)
 
     def _shard_optimizer(self) -> None:
         if len(self.optimizers) != 1:
@@ -199,6 +245,8 @@ class ZeroStrategy(ShardedCheckpointing):
         module = self.lightning_module
         assert module is not None
         self._zero.replan_if_changed(module, where=f"global step {module.trainer.global_step}")
+        # a non-finite-gradient error names Lightning's step, also after a resume
+        self._zero.count_steps_from(module.trainer.global_step)
         self._zero.before_forward(module)
         if self._zero.engine is not None:  # training_step, not the root's forward: its pre-hook won't fire
             self._zero.engine.wait_for_params(root_only=True)
@@ -228,7 +276,8 @@ class ZeroStrategy(ShardedCheckpointing):
             self._pending_load = None
             if self.model is not None and self._fitting() and self._layer_sync:
                 self.model = self._layer_sync.revert(self.model)
-            super().teardown()
+            super().teardown()  # moves the module to the CPU (new storage, when it was on a GPU)
+            self._zero.follow_module()
 
     @classmethod
     @override

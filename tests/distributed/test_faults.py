@@ -1,0 +1,141 @@
+"""A dead or hung peer ends every other rank within the process group's timeout, with an error naming
+the operation, and never leaves a half checkpoint committed.
+
+Each fault runs two fresh processes (``tests.distributed.faults``) on a gloo group with a 6 s timeout;
+rank 1 dies (SIGKILL) or hangs at step 2, dies while its background writer writes its shard, or dies
+or hangs while it reads its part of a checkpoint being resumed (which must stay intact). The
+test measures, on rank 0, the seconds from the start of the faulty step to the end of its run, and
+bounds them by the timeout plus a margin (torch's default would be 30 minutes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_zero.checkpoint import read_meta, verify_files
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 6.0
+LIGHTNING_TIMEOUT_S = 20.0
+MARGIN_S = 20.0  # process exit and a loaded 2-core machine; far below any default timeout
+
+
+def _run(fault: str, tmp: Path) -> dict[int, dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    init = tmp / "rendezvous"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.distributed.faults",
+                str(tmp),
+                fault,
+                str(r),
+                "2",
+                str(init),
+                str(TIMEOUT_S),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
+    deadline = time.monotonic() + 120
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    results = {}
+    for r in range(2):
+        file = tmp / f"rank{r}.json"
+        if file.exists():
+            results[r] = json.loads(file.read_text())
+    return results
+
+
+@pytest.mark.parametrize(
+    ("fault", "operation"),
+    [
+        ("kill_mid_step", "reduce-scatter"),
+        ("hang_mid_step", "reduce-scatter"),
+        ("kill_mid_async_save", "all-gather of a Python object"),
+        ("kill_mid_save", "all-gather of a Python object"),
+        ("kill_mid_load", "all-gather"),
+        ("hang_mid_load", "all-gather"),
+    ],
+)
+def test_a_dead_or_hung_peer_ends_the_other_rank_within_the_timeout(
+    fault: str, operation: str, tmp_path: Path
+) -> None:
+    results = _run(fault, tmp_path)
+    for rank, result in sorted(results.items()):  # the figures of the note (pytest -s)
+        seconds, error = result["seconds_after_fault"], result["error"]
+        print(f"{fault}: rank {rank} ended {seconds:.2f} s after the fault: {error}")
+    assert 0 in results, f"rank 0 did not end within the test's deadline ({fault})"
+    survivor = results[0]
+    assert survivor["error"] is not None, f"rank 0 finished without noticing the fault ({fault})"
+    assert "CommError" in survivor["error"] or "CheckpointError" in survivor["error"], survivor["error"]
+    assert operation in survivor["error"], survivor["error"]
+    assert "CommError" in survivor["chain"], survivor["chain"]  # what the recipe requeues on
+    assert "rank 0 of 2" in survivor["error"], survivor["error"]
+    assert survivor["seconds_after_fault"] <= TIMEOUT_S + MARGIN_S, survivor
+    if fault.endswith("_mid_load"):  # a failed resume reads and never writes: the checkpoint verifies
+        assert survivor["checkpoint_problems"] == [], survivor["checkpoint_problems"]
+    if fault.startswith("hang_"):  # the hung rank wakes up to a broken group and ends too
+        assert 1 in results and results[1]["error"] is not None, results
+    if fault in ("kill_mid_async_save", "kill_mid_save"):
+        assert not (tmp_path / "ckpt").exists(), "a save missing a rank's shard was committed"
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")], "temporaries left"
+
+
+def test_a_stopped_rank_ends_a_lightning_fit_with_async_saves_within_the_timeout(tmp_path: Path) -> None:
+    """The reported case, through Lightning: 2 ranks, ``ZeroStrategy(timeout=20 s, async_checkpoint=True)``,
+    a checkpoint every 2 steps, rank 1 stopped (SIGSTOP) at step 5. Rank 0's process ends by itself,
+    non-zero, naming the failed collective, within the timeout plus a margin (it waited until rank 1 was
+    killed before, 260 s and more); every checkpoint it committed verifies. (The timeout is the issue's 20 s,
+    not 6 s: it also bounds Lightning's rendezvous, which a loaded machine can take longer than 6 s to
+    reach from the launched rank.)"""
+    log = tmp_path / "output.txt"
+    with log.open("w") as out:  # a file, not a pipe: the stopped rank holds its end of a pipe open
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.distributed.stopped_fit", "--out-dir", str(tmp_path)]
+            + ["--timeout-s", str(LIGHTNING_TIMEOUT_S)],
+            cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # rank 1 (its child) is in this session: killed below, whatever happens
+        )
+    try:
+        proc.wait(timeout=180)
+        ended: float | None = time.time()
+    except subprocess.TimeoutExpired:
+        ended = None
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    output = log.read_text()
+    assert ended is not None, "rank 0 never ended: it hangs on the stopped rank\n" + output[-3000:]
+    assert proc.returncode != 0, output[-3000:]
+    assert "CommError: rank 0 of 2" in output, output[-3000:]
+    waited = ended - float((tmp_path / "stop_at").read_text())
+    print(f"rank 0 ended {waited:.1f} s after rank 1 stopped (timeout {LIGHTNING_TIMEOUT_S:.0f} s)")
+    assert waited <= LIGHTNING_TIMEOUT_S + MARGIN_S, (waited, output[-3000:])
+    committed = sorted(p for p in (tmp_path / "ckpt").iterdir() if not p.name.startswith("."))
+    assert [p.name for p in committed][:1] == ["epoch=0-step=2.ckpt"], committed
+    for checkpoint in committed:
+        assert verify_files(checkpoint, read_meta(checkpoint)) == [], checkpoint

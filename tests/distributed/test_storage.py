@@ -1,0 +1,45 @@
+"""A checkpoint directory on storage that is not shared by all nodes is an error at save time.
+
+Rank 1 gets its own view of the checkpoint directory (a private tmpfs in its own mount namespace, as a
+node-local disk would be): its shard lands where rank 0 cannot see it. The save must fail on every
+rank before the commit, naming the rank, its host and the requirement; the previous checkpoint stays
+the committed one, and no rank leaves temporary files behind.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from lightning_zero.checkpoint import read_meta, verify_files
+from tests.distributed.harness import run_ranks
+from tests.distributed.workers_ckpt import node_local_save
+
+
+@pytest.mark.parametrize("redirect", [False, True], ids=["mount_namespace", "redirected_writes"])
+def test_a_save_rank_0_cannot_see_fails_everywhere_and_keeps_the_previous(
+    tmp_path: Path, redirect: bool
+) -> None:
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    results = run_ranks(node_local_save, 2, str(root), redirect, timeout_s=120)
+    host = socket.gethostname()
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, f"rank {rank}: the save succeeded without rank 1's shard"
+        error = result["error"]
+        assert (
+            f"rank 1 (host {host}) wrote shard-00001-of-00002.pt, rank 0 (host {host}) sees it missing"
+            in error
+        )
+        assert "must be on storage shared by all nodes" in error
+        temporaries = [name for name in result["left"] if name.startswith(".ckpt.tmp-")]
+        assert not temporaries, f"rank {rank}'s view keeps temporaries: {temporaries}"
+    assert results[0]["left"] == ["ckpt"], results[0]["left"]
+    assert results[0]["step"] == 2, "the previous checkpoint must stay the committed one"
+    meta = read_meta(root / "ckpt")
+    assert meta["lightning"]["global_step"] == 2 and verify_files(root / "ckpt", meta) == []
+    assert results[1]["how"] == ("redirected writes" if redirect else "mount namespace"), (
+        "this machine cannot make a private mount namespace: the test ran with redirected writes only"
+    )

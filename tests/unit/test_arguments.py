@@ -1,0 +1,62 @@
+"""Every argument of both strategies is checked at construction (issue: none accepted and ignored).
+
+The table below must name a bad value for every parameter of ``ZeroStrategy`` and
+``ZeroFabricStrategy``: a new parameter without a check (and an entry here) fails this test.
+"""
+
+from __future__ import annotations
+
+import inspect
+from datetime import timedelta
+
+import pytest
+import torch
+
+BAD = {
+    # ours: ZeroConfig and ZeroOptions
+    "stage": 3,
+    "bucket_cap_mb": 0,
+    "first_bucket_cap_mb": -1.0,
+    "overlap_comm": "yes",
+    "overlap_param_gather": 1,
+    "reduce_dtype": "fp8",
+    "find_unused_parameters": "no",
+    "align_numel": 0,
+    "skip_nonfinite_steps": -1,
+    "log_comm_stats": "yes",
+    "sharded_checkpoint": "no",
+    "async_checkpoint": 1,
+    "broadcast_buffers": None,
+    # Lightning's DDPStrategy
+    "accelerator": "cpu",
+    "parallel_devices": ["cpu"],
+    "cluster_environment": "slurm",
+    "checkpoint_io": "torch",
+    "precision_plugin": "bf16-mixed",
+    "precision": "bf16-mixed",
+    "process_group_backend": 7,
+    "timeout": 30,
+    "start_method": "thread",
+}
+GOOD = {"timeout": timedelta(seconds=30), "parallel_devices": [torch.device("cpu")], "start_method": "spawn"}
+
+
+def _strategies() -> list[type]:
+    from lightning_zero import ZeroFabricStrategy, ZeroStrategy
+
+    return [ZeroStrategy, ZeroFabricStrategy]
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["ZeroStrategy", "ZeroFabricStrategy"])
+def test_every_argument_has_a_check(index: int) -> None:
+    cls = _strategies()[index]
+    names = [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
+    unchecked = [n for n in names if n not in BAD]
+    assert not unchecked, f"{cls.__name__}: add a check and a bad value in BAD for {unchecked}"
+    for name in names:
+        with pytest.raises((TypeError, ValueError)) as caught:
+            cls(**{name: BAD[name]})
+        message = str(caught.value)
+        assert name in message and repr(BAD[name]) in message, (name, message)
+    for name, value in GOOD.items():
+        cls(**{name: value})  # the checks accept what is valid
