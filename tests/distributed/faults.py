@@ -49,7 +49,8 @@ def _arm(fault: str, rank: int, opt: ShardedAdamW, timeout_s: float, marks: dict
         if marks.get("step") == FAULT_STEP:
             if fault == "kill_mid_step":
                 os.kill(os.getpid(), signal.SIGKILL)
-            if fault == "hang_mid_step":
+            if fault == "hang_mid_step" and not marks.get("hung"):  # once, not once per bucket
+                marks["hung"] = 1.0
                 time.sleep(HANG * timeout_s)
         return original(*args, **kwargs)
 
