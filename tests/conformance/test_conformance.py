@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 from tests.conformance.cases import CASES
 from tests.conformance.module import ConformanceModule
 from tests.conformance.runner import launched_strategies, ours_of, run_case
+from tests.launch import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-10
@@ -48,14 +48,7 @@ def _launch(group: int, tmp: Path) -> list[dict[str, Any]]:
             "--workdir",
             str(tmp / "work"),
         ]
-        proc = subprocess.run(
-            [*cmd, "--cases", ",".join(_GROUPS[group])],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        proc = run_script([*cmd, "--cases", ",".join(_GROUPS[group])], 2, cwd=ROOT, env=env, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         _RESULTS[group] = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
     return _RESULTS[group]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 from lightning_zero.checkpoint import EXTRA, META
 from lightning_zero.cli import main as cli
 from tests.distributed.test_lightning_parity import ROOT
+from tests.launch import run_script
 
 
 def run_fits(cases: list[dict[str, Any]], tmp_path: Path, timeout_s: float = 180) -> list[list[dict]]:
@@ -31,12 +31,11 @@ def run_fits(cases: list[dict[str, Any]], tmp_path: Path, timeout_s: float = 180
     out = tmp_path / "reports"
     out.mkdir()
     script = [sys.executable, "-m", "tests.distributed.async_fit"]
-    proc = subprocess.run(
+    proc = run_script(
         [*script, "--out-dir", str(out), "--cases", json.dumps(cases)],
+        2,
         cwd=ROOT,
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
-        capture_output=True,
-        text=True,
         timeout=timeout_s,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 
 from tests.distributed.resume_fit import expected_rows
 from tests.distributed.test_lightning_parity import ROOT, max_diff
+from tests.launch import run_script
 
 BATCH = 4  # per rank and micro-batch: G = 2 ranks x 1 x 4 = 1 rank x 2 x 4 = 8
 
@@ -28,7 +28,7 @@ def launch(cases: list[dict[str, Any]], tmp_path: Path, devices: int) -> list[li
     out = tmp_path / "result.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cases = [{"strategy": "zero", "devices": devices, "batch_size": BATCH, **case} for case in cases]
-    proc = subprocess.run(
+    proc = run_script(
         [
             sys.executable,
             "-m",
@@ -38,10 +38,9 @@ def launch(cases: list[dict[str, Any]], tmp_path: Path, devices: int) -> list[li
             "--cases",
             json.dumps(cases),
         ],
+        devices,
         cwd=ROOT,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint import read_meta, verify_files
+from tests.launch import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"steps": 8, "accum": 2, "clip": 0.05}  # warmup + cosine schedule, two param groups
@@ -29,15 +29,9 @@ def launch(
     """Run the cases in one launch of ``devices`` processes (Lightning's launcher, or ``launcher``)."""
     out = tmp_path / f"result-{devices}.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [*(launcher or [sys.executable]), "-m", "tests.distributed.fabric_loop", "--out", str(out)]
-        + ["--devices", str(devices), "--cases", json.dumps(cases)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    command = [*(launcher or [sys.executable]), "-m", "tests.distributed.fabric_loop", "--out", str(out)]
+    command += ["--devices", str(devices), "--cases", json.dumps(cases)]
+    proc = run_script(command, 1 if launcher else devices, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=False)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from lightning_zero.checkpoint import META, shard_name
 from tests.distributed.lit_fit import fit
 from tests.distributed.test_async_checkpoint import assert_same_checkpoint
 from tests.distributed.test_lightning_parity import ROOT, launch, max_diff
+from tests.launch import run_script
 
 GLOBAL = 12  # rows of the repeated dataset: the global batch at every step
 
@@ -88,12 +88,11 @@ def kill_rank_mid_save(ck: Path, out: Path) -> tuple[int, float]:
     (exit status, seconds until every rank has ended)."""
     cases = [case(2, steps=7, checkpoint_dir=str(ck), die_at_save=3)]  # saves: step2, last, step4 (dies)
     start = time.monotonic()
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, "-m", "tests.distributed.lit_fit", "--out", str(out), "--cases", json.dumps(cases)],
+        2,
         cwd=ROOT,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
         timeout=180,
     )
     return proc.returncode, time.monotonic() - start

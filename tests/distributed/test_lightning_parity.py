@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from tests.distributed.lit_fit import fit
+from tests.launch import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,12 +26,11 @@ def launch(
     """Run the fits in a fresh multi-process launch (never inside pytest: see FIELD-NOTES)."""
     out = tmp_path / "result.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, "-m", "tests.distributed.lit_fit", "--out", str(out), "--cases", json.dumps(cases)],
+        max(1 if "validate_ckpt" in case else case.get("devices", 2) for case in cases),  # lit_fit's defaults
         cwd=ROOT,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=timeout_s,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

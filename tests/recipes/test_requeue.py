@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from recipes.sbatch import ROOT
+from tests.launch import run_script
 from tests.recipes.params import assert_same_parameters
 
 STEPS, SIGNAL_AT = 12, 5
@@ -48,12 +48,11 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[dict
         "--root",
         str(root / "runs"),
     ]
-    run = subprocess.run(
+    run = run_script(
         [*command, "--cases", json.dumps(CASES)],
+        2,
         cwd=ROOT,
         env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
