@@ -325,11 +325,14 @@ class SlurmRequeue(Callback):
             return  # ended before setup: nothing trained, nothing to resume
         marks = Path(self._checkpoint.dirpath).parent / ".requeue"
         failure = peer_failure(exception)
-        if failure is None:
-            record_own_error(marks, trainer.global_rank, exception)
-        elif self.peer_failure_requeues > 0:
-            done = after_peer_failure(marks, trainer.global_rank, failure, self.peer_failure_requeues)
-            print(f"rank {trainer.global_rank}: {done}", flush=True)
+        try:
+            if failure is None:
+                record_own_error(marks, trainer.global_rank, exception)
+            elif self.peer_failure_requeues > 0:
+                done = after_peer_failure(marks, trainer.global_rank, failure, self.peer_failure_requeues)
+                print(f"rank {trainer.global_rank}: {done}", flush=True)
+        except Exception as err:  # noqa: BLE001 - the exception being handled must stay the one raised
+            print(f"rank {trainer.global_rank}: no requeue decision ({err!r})", flush=True)
 
 
 def requeued_resume_path(
