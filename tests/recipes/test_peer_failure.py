@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -109,3 +110,20 @@ def test_a_bad_bound_is_refused(bad: object) -> None:
         (TypeError, ValueError), match=f"peer_failure_requeues={bad!r}|peer_failure_requeues={bad}"
     ):
         SlurmRequeue(bad)  # type: ignore[arg-type]
+
+
+def test_a_failure_to_record_never_replaces_the_exception_being_handled(
+    tmp_path: Path, scontrol: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run directory cannot take the record (here a file stands where `.requeue` would go): Lightning's
+    `on_exception` must return, so the user sees the exception that ended the run, plus one line."""
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    (tmp_path / ".requeue").write_text("not a directory")
+    callback = SlurmRequeue(3)
+    callback._checkpoint = SimpleNamespace(dirpath=str(tmp_path / "checkpoints"))  # type: ignore[assignment]
+    trainer = SimpleNamespace(global_rank=1)
+    for exception in (ValueError("a bug of this rank"), FAILURE):
+        callback.on_exception(trainer, None, exception)  # type: ignore[arg-type]
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 2 and all(line.startswith("rank 1: no requeue decision (") for line in said), said
+    assert requeues(scontrol) == []
