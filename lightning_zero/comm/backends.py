@@ -18,6 +18,7 @@ Asynchronous collectives return a handle with ``wait()`` (and ``is_completed()``
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Any
 
@@ -56,7 +57,7 @@ class _Split:
         return True
 
 
-class Backend:
+class Backend(ABC):
     """The collectives of one process group (see the module docstring). Methods that return a
     handle are asynchronous; the others block."""
 
@@ -67,32 +68,41 @@ class Backend:
         self.device = device
         """Device of control tensors: NCCL moves only CUDA tensors, gloo only CPU ones."""
 
+    @abstractmethod
     def reduce_scatter(self, output: Tensor, input_: Tensor) -> Any:
-        raise NotImplementedError
+        """Implemented by each backend."""
 
+    @abstractmethod
     def all_reduce(self, tensor: Tensor, op: str) -> Any:
-        raise NotImplementedError
+        """Implemented by each backend."""
 
+    @abstractmethod
     def all_gather(self, output: Tensor, input_: Tensor) -> Any:
-        raise NotImplementedError
+        """Implemented by each backend."""
 
+    @abstractmethod
     def broadcast(self, tensor: Tensor, src: int) -> None:
-        raise NotImplementedError
+        """Implemented by each backend."""
 
+    @abstractmethod
     def all_gather_tensor(self, output: Tensor, input_: Tensor) -> None:
-        raise NotImplementedError
+        """Implemented by each backend."""
 
+    @abstractmethod
     def gather(self, tensor: Tensor, out: Tensor | None, dst: int) -> None:
-        raise NotImplementedError
+        """Implemented by each backend."""
 
+    @abstractmethod
     def all_gather_object(self, obj: Any) -> list[Any]:
-        raise NotImplementedError
+        """Implemented by each backend."""
 
+    @abstractmethod
     def broadcast_object(self, obj: Any, src: int) -> Any:
-        raise NotImplementedError
+        """Implemented by each backend."""
 
+    @abstractmethod
     def new_group(self, backend: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
-        raise NotImplementedError
+        """Implemented by each backend."""
 
 
 class SingleProcess(Backend):
