@@ -8,6 +8,10 @@ with what that launcher gives each rank in its environment (``MASTER_ADDR``, ``M
 ``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``), all ranks together. Lightning then sees processes created
 externally (``LightningEnvironment``) and every rank runs exactly what it runs under its launcher, which
 re-runs the same command with those variables; only the imports overlap.
+
+Each rank is forked from a warm interpreter (``tests.zygote``: Lightning already imported) where the
+command allows it, so a launch does not pay the import at all; ``LZ_TEST_ZYGOTE=0`` starts fresh
+processes instead.
 """
 
 from __future__ import annotations
@@ -20,11 +24,48 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tests import zygote
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _run_all(
+    command: Sequence[str], envs: Sequence[Mapping[str, str]], *, cwd: Path, timeout: float
+) -> tuple[list[int], list[str], list[str]]:
+    """Start ``command`` once per environment in ``envs`` (process r in rank slot r), all at once; wait
+    for all, killing all at ``timeout``. Returns each process's exit status, stdout and stderr."""
+    if zygote.enabled():
+        zygote.start(len(envs), envs[0])  # every slot's zygote at once, before the deadline starts
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
+        procs = []
+        for rank, rank_env in enumerate(envs):
+            out = open(Path(logs, f"{rank}.out"), "w")  # noqa: SIM115 - closed below, after the wait
+            err = open(Path(logs, f"{rank}.err"), "w")  # noqa: SIM115
+            procs.append(
+                (zygote.popen(command, slot=rank, cwd=cwd, env=rank_env, stdout=out, stderr=err), out, err)
+            )
+        try:
+            for proc, _, _ in procs:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise subprocess.TimeoutExpired(list(command), timeout) from None
+        finally:
+            for proc, out, err in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                out.close()
+                err.close()
+        outs = [Path(logs, f"{rank}.out").read_text() for rank in range(len(envs))]
+        errs = [Path(logs, f"{rank}.err").read_text() for rank in range(len(envs))]
+    codes = [proc.returncode for proc, _, _ in procs]
+    assert all(code is not None for code in codes)
+    return codes, outs, errs  # type: ignore[return-value]
 
 
 def run_ranks(
@@ -44,33 +85,15 @@ def run_ranks(
         subprocess.TimeoutExpired: when a rank is still running after ``timeout`` seconds.
     """
     port = str(free_port())
-    deadline = time.monotonic() + timeout
-    with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
-        procs = []
-        for rank in range(world_size):
-            rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK="0")
-            rank_env.update(LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-            out = open(Path(logs, f"{rank}.out"), "w")  # noqa: SIM115 - closed below, after the wait
-            err = open(Path(logs, f"{rank}.err"), "w")  # noqa: SIM115
-            procs.append(
-                (subprocess.Popen(list(command), cwd=cwd, env=rank_env, stdout=out, stderr=err), out, err)
-            )
-        try:
-            for proc, _, _ in procs:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise subprocess.TimeoutExpired(list(command), timeout) from None
-        finally:
-            for proc, out, err in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                out.close()
-                err.close()
-        stdout = "".join(f"--- rank {r} ---\n{Path(logs, f'{r}.out').read_text()}" for r in range(world_size))
-        stderr = "".join(f"--- rank {r} ---\n{Path(logs, f'{r}.err').read_text()}" for r in range(world_size))
-    codes = [proc.returncode for proc, _, _ in procs]
+    envs = []
+    for rank in range(world_size):
+        rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK="0")
+        rank_env.update(LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+        envs.append(rank_env)
+    codes, outs, errs = _run_all(command, envs, cwd=cwd, timeout=timeout)
     status = next((code for code in codes if code != 0), 0)
+    stdout = "".join(f"--- rank {r} ---\n{text}" for r, text in enumerate(outs))
+    stderr = "".join(f"--- rank {r} ---\n{text}" for r, text in enumerate(errs))
     return subprocess.CompletedProcess(list(command), status, stdout, stderr)
 
 
@@ -86,4 +109,5 @@ def run_script(
     env = dict(os.environ if env is None else env)
     if world_size > 1:
         return run_ranks(command, world_size, cwd=cwd, env=env, timeout=timeout)
-    return subprocess.run(list(command), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    codes, outs, errs = _run_all(command, [env], cwd=cwd, timeout=timeout)
+    return subprocess.CompletedProcess(list(command), codes[0], outs[0], errs[0])
