@@ -6,6 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (0: one process); a whole test file runs on one worker
+PYTEST_WORKERS ?= 2
 
 .PHONY: install train test lint bench clean
 
@@ -21,7 +23,7 @@ train: install
 	$(PY) -m recipes.pretrain $(ARGS)
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check lightning_zero recipes tests benchmarks

@@ -125,18 +125,6 @@ def test_bad_override_fails_before_writing(tmp_path: Path) -> None:
     assert result.returncode != 0 and "nodez" in result.stderr and not out.exists()
 
 
-def test_generated_sbatch_runs_the_recipe_on_two_tasks(slurm: None, tmp_path: Path) -> None:
-    job_id = submit_generated(
-        [*SLURM_TWO_TASKS, f"output_root={tmp_path}", "run_name=slurm_e2e", *TINY], tmp_path
-    )
-    state = wait_for_job(job_id, deadline_s=300)
-    log = (tmp_path / "slurm_e2e" / f"slurm-{job_id}.out").read_text()
-    assert state == "COMPLETED", log[-3000:]
-    assert f"SLURM job {job_id}: world size 2" in log and "MEMBER: 1/2" in log
-    meta = read_meta(tmp_path / "slurm_e2e" / "checkpoints" / "last.ckpt")
-    assert meta["world_size"] == 2 and meta["lightning"]["global_step"] == 6
-
-
 def assert_same_shards(ours: Path, reference: Path) -> None:
     """Two sharded checkpoints of 2 ranks hold bit-identical parameters and optimizer state."""
     for rank in (0, 1):
@@ -155,16 +143,15 @@ def _free_port() -> int:
 def test_torchrun_two_nodes_matches_one_node(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     common = [f"output_root={tmp_path}", *TINY]
-    one = subprocess.run(
+    port = _free_port()
+    one = subprocess.Popen(  # the reference runs meanwhile: its ranks start one after the other
         [sys.executable, "-m", "recipes.pretrain", "run_name=one_node", "trainer.devices=2", *common],
         cwd=ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=300,
     )
-    assert one.returncode == 0, one.stderr[-3000:]
-    port = _free_port()
     nodes = [
         subprocess.Popen(
             [
@@ -192,11 +179,12 @@ def test_torchrun_two_nodes_matches_one_node(tmp_path: Path) -> None:
         for _node in (0, 1)
     ]
     try:
-        outputs = [p.communicate(timeout=300)[0] for p in nodes]
+        outputs = [p.communicate(timeout=300)[0] for p in (one, *nodes)]
     finally:
-        for p in nodes:
+        for p in (one, *nodes):
             p.kill()
-    assert all(p.returncode == 0 for p in nodes), outputs[0][-3000:] + outputs[1][-3000:]
+    assert one.returncode == 0, outputs[0][-3000:]
+    assert all(p.returncode == 0 for p in nodes), outputs[1][-3000:] + outputs[2][-3000:]
     a, b = (tmp_path / name / "checkpoints" / "last.ckpt" for name in ("one_node", "two_nodes"))
     assert read_meta(b)["world_size"] == 2
     assert_same_shards(b, a)
@@ -225,7 +213,7 @@ def test_requeue_resumes_from_its_checkpoint_and_finishes(slurm: None, tmp_path:
     no step trained twice, every sample of the uninterrupted order trained once, the series pruned
     to its newest step checkpoint plus `last`, and the same parameters and optimizer state as an
     uninterrupted run of the same command (run locally while SLURM holds the requeued job)."""
-    steps, every = 30, 5
+    steps, every = 20, 5
     common = [
         "trainer.devices=2",
         f"trainer.max_steps={steps}",
@@ -300,7 +288,8 @@ def _job_pids(job_id: str, task: int | None = None) -> list[int]:
 
 
 def test_a_killed_rank_requeues_the_job_which_resumes_and_finishes(slurm: None, tmp_path: Path) -> None:
-    """Rank 1 is SIGKILLed part-way (what the out-of-memory killer or a crashed node does to one task):
+    """The generated sbatch script runs the recipe on two SLURM tasks (one job, world size 2), and
+    rank 1 is SIGKILLed part-way (what the out-of-memory killer or a crashed node does to one task):
     rank 0 ends on the broken connection at once (`CommError`), requeues the job itself (one requeue, the
     first of `cluster.peer_failure_requeues`; srun runs with --kill-on-bad-exit=0 so it may), and the
     requeued job resumes from the newest complete checkpoint of the series and ends at max_steps."""
@@ -337,6 +326,7 @@ def test_a_killed_rank_requeues_the_job_which_resumes_and_finishes(slurm: None, 
     state = wait_for_job(job_id, deadline_s=300)
     text = log.read_text()
     assert state == "COMPLETED", text[-3000:]
+    assert f"SLURM job {job_id}: world size 2" in text and "MEMBER: 1/2" in text, text[-3000:]
     assert f"rank 0: requeued SLURM job {job_id} after a peer failure (1 of at most 3)" in text, text[-3000:]
     assert "Restarts=1" in _job_info(job_id)
     starts = [int(n) for n in re.findall(r"from global step (\d+)", text)]
