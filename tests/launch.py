@@ -33,27 +33,49 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_all(
-    command: Sequence[str], envs: Sequence[Mapping[str, str]], *, cwd: Path, timeout: float
+def launch_env(**extra: str) -> dict[str, str]:
+    """The environment of a launched test process: this one, one thread per process (2 ranks share the
+    machine's 2 cores) and no warnings printed, plus ``extra``. One environment for every launch means
+    one set of zygotes per pytest process (a zygote is started per startup environment)."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
+
+
+def run_processes(
+    commands: Sequence[Sequence[str]],
+    envs: Sequence[Mapping[str, str]],
+    *,
+    cwd: Path,
+    timeout: float,
+    stop_on_failure: bool = False,
 ) -> tuple[list[int], list[str], list[str]]:
-    """Start ``command`` once per environment in ``envs`` (process r in rank slot r), all at once; wait
-    for all, killing all at ``timeout``. Returns each process's exit status, stdout and stderr."""
+    """Start ``commands[r]`` with ``envs[r]`` as rank slot r, all at once; wait for all, killing all at
+    ``timeout`` (and, with ``stop_on_failure``, as soon as one ends with a non-zero status). Returns
+    each process's exit status (negative: the signal that ended it), stdout and stderr.
+
+    Raises:
+        subprocess.TimeoutExpired: when a process is still running after ``timeout`` seconds.
+    """
     if zygote.enabled():
         zygote.start(len(envs), envs[0])  # every slot's zygote at once, before the deadline starts
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         procs = []
-        for rank, rank_env in enumerate(envs):
+        for rank, (command, rank_env) in enumerate(zip(commands, envs, strict=True)):
             out = open(Path(logs, f"{rank}.out"), "w")  # noqa: SIM115 - closed below, after the wait
             err = open(Path(logs, f"{rank}.err"), "w")  # noqa: SIM115
             procs.append(
                 (zygote.popen(command, slot=rank, cwd=cwd, env=rank_env, stdout=out, stderr=err), out, err)
             )
         try:
-            for proc, _, _ in procs:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise subprocess.TimeoutExpired(list(command), timeout) from None
+            while True:
+                codes = [proc.poll() for proc, _, _ in procs]
+                if all(code is not None for code in codes):
+                    break
+                if stop_on_failure and any(code not in (None, 0) for code in codes):
+                    break
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(list(commands[0]), timeout)
+                time.sleep(0.02)
         finally:
             for proc, out, err in procs:
                 if proc.poll() is None:
@@ -90,7 +112,7 @@ def run_ranks(
         rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK="0")
         rank_env.update(LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
         envs.append(rank_env)
-    codes, outs, errs = _run_all(command, envs, cwd=cwd, timeout=timeout)
+    codes, outs, errs = run_processes([command] * world_size, envs, cwd=cwd, timeout=timeout)
     status = next((code for code in codes if code != 0), 0)
     stdout = "".join(f"--- rank {r} ---\n{text}" for r, text in enumerate(outs))
     stderr = "".join(f"--- rank {r} ---\n{text}" for r, text in enumerate(errs))
@@ -109,5 +131,5 @@ def run_script(
     env = dict(os.environ if env is None else env)
     if world_size > 1:
         return run_ranks(command, world_size, cwd=cwd, env=env, timeout=timeout)
-    codes, outs, errs = _run_all(command, [env], cwd=cwd, timeout=timeout)
+    codes, outs, errs = run_processes([command], [env], cwd=cwd, timeout=timeout)
     return subprocess.CompletedProcess(list(command), codes[0], outs[0], errs[0])

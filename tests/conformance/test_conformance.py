@@ -12,7 +12,6 @@ The cases run in a few launches of 2 CPU processes (one launch runs many cases i
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 from tests.conformance.cases import CASES
 from tests.conformance.module import ConformanceModule
 from tests.conformance.runner import launched_strategies, ours_of, run_case
-from tests.launch import run_script
+from tests.launch import launch_env, run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-10
@@ -38,7 +37,7 @@ def _launch(group: int, tmp: Path) -> list[dict[str, Any]]:
     if group not in _RESULTS:
         tmp.mkdir(parents=True, exist_ok=True)
         out = tmp / f"group{group}.pt"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        env = launch_env()
         cmd = [
             sys.executable,
             "-m",

@@ -1,81 +1,90 @@
-"""Run a function on N real gloo ranks (fresh processes), with a deadline, and collect results.
+"""Run a function on N real gloo ranks (separate processes), with a deadline, and collect results.
 
-``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes that join one gloo process
-group through a file rendezvous, call ``fn(rank, world_size, *args)`` and send back its (picklable)
-return value. Any rank failing, or the deadline passing, kills all ranks and raises with every
-rank's traceback, so a distributed bug fails the test instead of hanging CI.
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (forked from the test session's
+zygotes through ``tests.launch``, or fresh ones) that join one gloo process group through a file
+rendezvous, call ``fn(rank, world_size, *args)`` and send back its (picklable) return value. Any rank
+failing, or the deadline passing, kills all ranks and raises with every rank's traceback, so a
+distributed bug fails the test instead of hanging CI.
 
 ``run_ranks_each(calls, world_size)`` makes several such calls in turn in one launch (a launch costs
-seconds of imports per rank); a call that raises is reported as its own error and the next one runs.
+seconds of imports per rank when it cannot fork); a call that raises is reported as its own error and
+the next one runs.
 """
 
 from __future__ import annotations
 
-import io
-import os
+import pickle
+import subprocess
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.launch import launch_env, run_processes
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def _entry(
-    fn: Callable[..., Any], rank: int, world_size: int, init_file: str, queue: Any, args: tuple
-) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def _rank_main(call: str, rank: int, world_size: int, init_file: str, result: str) -> int:
+    """One rank: run the pickled ``(fn, args)`` in ``call`` and save ``(ok, value or traceback)``."""
     torch.set_num_threads(1)
     try:
+        with open(call, "rb") as f:
+            fn, args = pickle.load(f)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
-        buffer = io.BytesIO()  # plain bytes: tensors in a Queue would live in shared memory the child frees
-        torch.save(result, buffer)
-        queue.put((rank, True, buffer.getvalue()))
+        outcome: tuple[bool, Any] = (True, fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - everything goes back to the test
-        queue.put((rank, False, traceback.format_exc()))
+        outcome = (False, traceback.format_exc())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    torch.save(outcome, result)
+    return 0 if outcome[0] else 1
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
     """``[fn(0, N, *args), ..., fn(N-1, N, *args)]``, each computed in its own process."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, init_file, queue, args))
+        call = Path(tmp, "call.pkl")
+        call.write_bytes(pickle.dumps((fn, args)))
+        init_file, results = Path(tmp, "rendezvous"), [Path(tmp, f"result{r}.pt") for r in range(world_size)]
+        commands = [
+            [sys.executable, "-m", "tests.distributed.harness", str(call), str(r), str(world_size)]
+            + [str(init_file), str(results[r])]
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
-        results: dict[int, Any] = {}
         errors: list[str] = []
         try:
-            for _ in range(world_size):
-                rank, ok, payload = queue.get(timeout=timeout_s)
-                if ok:
-                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-                else:
-                    errors.append(f"rank {rank}:\n{payload}")
-                    break
-        except Exception as exc:  # queue.Empty: a rank hung
-            errors.append(
-                f"no result within {timeout_s} s ({type(exc).__name__}); got ranks {sorted(results)}"
+            codes, outs, errs = run_processes(
+                commands, [launch_env()] * world_size, cwd=ROOT, timeout=timeout_s, stop_on_failure=True
             )
-        finally:
-            for p in procs:
-                p.join(timeout=5 if not errors else 0.5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+        except subprocess.TimeoutExpired:
+            done = [r for r in range(world_size) if results[r].exists()]
+            raise RuntimeError(
+                f"distributed run failed:\nno result within {timeout_s} s; got {done}"
+            ) from None
+        values: dict[int, Any] = {}
+        for r in range(world_size):
+            if results[r].exists():
+                ok, value = torch.load(results[r], weights_only=False)
+                if ok:
+                    values[r] = value
+                else:
+                    errors.append(f"rank {r}:\n{value}")
+        if not errors:  # a rank that ended without a result (killed, or crashed in C++)
+            errors = [
+                f"rank {r} ended with status {codes[r]}:\n{outs[r][-2000:]}{errs[r][-3000:]}"
+                for r in range(world_size)
+                if r not in values
+            ]
     if errors:
         raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return [values[r] for r in range(world_size)]
 
 
 def _each(
@@ -112,3 +121,8 @@ def ranks(runs: dict[str, list[Any] | RuntimeError], name: str) -> list[Any]:
     if isinstance(result, RuntimeError):
         raise result
     return result
+
+
+if __name__ == "__main__":
+    call_file, rank_arg, size_arg, rendezvous, result_file = sys.argv[1:]
+    sys.exit(_rank_main(call_file, int(rank_arg), int(size_arg), rendezvous, result_file))

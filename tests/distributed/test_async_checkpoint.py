@@ -11,7 +11,6 @@ The fits of both tests run in one 2-rank launch (a module fixture), each test's 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import torch
 from lightning_zero.checkpoint import EXTRA, META
 from lightning_zero.cli import main as cli
 from tests.distributed.test_lightning_parity import ROOT
-from tests.launch import run_script
+from tests.launch import launch_env, run_script
 
 
 def run_fits(cases: list[dict[str, Any]], tmp_path: Path, timeout_s: float = 180) -> list[list[dict]]:
@@ -35,7 +34,7 @@ def run_fits(cases: list[dict[str, Any]], tmp_path: Path, timeout_s: float = 180
         [*script, "--out-dir", str(out), "--cases", json.dumps(cases)],
         2,
         cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+        env=launch_env(),
         timeout=timeout_s,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -8,7 +8,6 @@ epoch ends (15 steps per epoch); the checkpoint at step 20 is mid-epoch.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import torch
 
 from tests.distributed.resume_fit import expected_rows
 from tests.distributed.test_lightning_parity import ROOT, max_diff
-from tests.launch import run_script
+from tests.launch import launch_env, run_script
 
 BATCH = 4  # per rank and micro-batch: G = 2 ranks x 1 x 4 = 1 rank x 2 x 4 = 8
 
@@ -26,7 +25,7 @@ BATCH = 4  # per rank and micro-batch: G = 2 ranks x 1 x 4 = 1 rank x 2 x 4 = 8
 def launch(cases: list[dict[str, Any]], tmp_path: Path, devices: int) -> list[list[dict[str, Any]]]:
     """Run the fits in one fresh launch of `devices` processes; results[rank][case]."""
     out = tmp_path / "result.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = launch_env()
     cases = [{"strategy": "zero", "devices": devices, "batch_size": BATCH, **case} for case in cases]
     proc = run_script(
         [

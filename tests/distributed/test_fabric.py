@@ -8,7 +8,6 @@ The loops run in ``tests/distributed/fabric_loop.py`` launches (one per world si
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint import read_meta, verify_files
-from tests.launch import run_script
+from tests.launch import launch_env, run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"steps": 8, "accum": 2, "clip": 0.05}  # warmup + cosine schedule, two param groups
@@ -28,7 +27,7 @@ def launch(
 ) -> list[dict[str, Any]]:
     """Run the cases in one launch of ``devices`` processes (Lightning's launcher, or ``launcher``)."""
     out = tmp_path / f"result-{devices}.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = launch_env()
     command = [*(launcher or [sys.executable]), "-m", "tests.distributed.fabric_loop", "--out", str(out)]
     command += ["--devices", str(devices), "--cases", json.dumps(cases)]
     proc = run_script(command, 1 if launcher else devices, cwd=ROOT, env=env, timeout=300)

@@ -1,15 +1,16 @@
 """A dead or hung peer ends every other rank within the process group's timeout, with an error naming
 the operation, and never leaves a half checkpoint committed.
 
-Each fault runs two fresh processes (``tests.distributed.faults``) on a gloo group with a 6 s timeout;
-rank 1 dies (SIGKILL) or hangs at step 2, dies while its background writer writes its shard, or dies
-or hangs while it reads its part of a checkpoint being resumed (which must stay intact). The
-test measures, on rank 0, the seconds from the start of the faulty step to the end of its run, and
-bounds them by the timeout plus a margin (torch's default would be 30 minutes).
+Each fault runs two processes (``tests.distributed.faults``, through ``tests.launch``) on a gloo
+group with a 6 s timeout; rank 1 dies (SIGKILL) or hangs at step 2, dies while its background writer
+writes its shard, or dies or hangs while it reads its part of a checkpoint being resumed (which must
+stay intact). The test measures, on rank 0, the seconds from the start of the faulty step to the end of
+its run, and bounds them by the timeout plus a margin (torch's default would be 30 minutes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from lightning_zero.checkpoint import read_meta, verify_files
+from tests.launch import launch_env, run_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 6.0
@@ -29,36 +31,23 @@ MARGIN_S = 20.0  # process exit and a loaded 2-core machine; far below any defau
 
 
 def _run(fault: str, tmp: Path) -> dict[int, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     init = tmp / "rendezvous"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.distributed.faults",
-                str(tmp),
-                fault,
-                str(r),
-                "2",
-                str(init),
-                str(TIMEOUT_S),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
+    commands = [
+        [
+            sys.executable,
+            "-m",
+            "tests.distributed.faults",
+            str(tmp),
+            fault,
+            str(r),
+            "2",
+            str(init),
+            str(TIMEOUT_S),
+        ]
         for r in range(2)
     ]
-    deadline = time.monotonic() + 120
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):  # a rank still running: the asserts say which
+        run_processes(commands, [launch_env()] * 2, cwd=ROOT, timeout=120)
     results = {}
     for r in range(2):
         file = tmp / f"rank{r}.json"

@@ -8,7 +8,6 @@ or an earlier launch, or the killed fit, wrote. Each test reads its own cases' r
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from lightning_zero.checkpoint import META, shard_name
 from tests.distributed.lit_fit import fit
 from tests.distributed.test_async_checkpoint import assert_same_checkpoint
 from tests.distributed.test_lightning_parity import ROOT, launch, max_diff
-from tests.launch import run_script
+from tests.launch import launch_env, run_script
 
 GLOBAL = 12  # rows of the repeated dataset: the global batch at every step
 
@@ -92,7 +91,7 @@ def kill_rank_mid_save(ck: Path, out: Path) -> tuple[int, float]:
         [sys.executable, "-m", "tests.distributed.lit_fit", "--out", str(out), "--cases", json.dumps(cases)],
         2,
         cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        env=launch_env(),
         timeout=180,
     )
     return proc.returncode, time.monotonic() - start

@@ -6,7 +6,6 @@ The launched fits run in one launch per world size (a module fixture); each test
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed.lit_fit import fit
-from tests.launch import run_script
+from tests.launch import launch_env, run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +24,7 @@ def launch(
 ) -> list[dict[str, torch.Tensor]]:
     """Run the fits in a fresh multi-process launch (never inside pytest: see FIELD-NOTES)."""
     out = tmp_path / "result.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = launch_env()
     proc = run_script(
         [sys.executable, "-m", "tests.distributed.lit_fit", "--out", str(out), "--cases", json.dumps(cases)],
         max(1 if "validate_ckpt" in case else case.get("devices", 2) for case in cases),  # lit_fit's defaults

@@ -10,7 +10,6 @@ in the series before that resume. The real SLURM requeue is in `tests/cluster/`.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from recipes.sbatch import ROOT
-from tests.launch import run_script
+from tests.launch import launch_env, run_script
 from tests.recipes.params import assert_same_parameters
 
 STEPS, SIGNAL_AT = 12, 5
@@ -52,7 +51,7 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[dict
         [*command, "--cases", json.dumps(CASES)],
         2,
         cwd=ROOT,
-        env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"),
+        env=launch_env(),
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]

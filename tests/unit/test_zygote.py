@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 from tests import zygote
-from tests.launch import run_ranks, run_script
+from tests.launch import launch_env, run_ranks, run_script
 
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # the launched tests' environment
+ENV = launch_env()  # the launched tests' environment
 
 SCRIPT = """
 import atexit, os, sys, threading, time
