@@ -13,6 +13,7 @@ the next one runs.
 
 from __future__ import annotations
 
+import importlib.util
 import pickle
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -30,12 +32,24 @@ from tests.launch import launch_env, run_processes
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _import_file(path: str) -> ModuleType:
+    """The script at ``path`` imported as a module (its ``if __name__ == "__main__"`` part not run)."""
+    spec = importlib.util.spec_from_file_location("__harness_caller__", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _rank_main(call: str, rank: int, world_size: int, init_file: str, result: str) -> int:
     """One rank: run the pickled ``(fn, args)`` in ``call`` and save ``(ok, value or traceback)``."""
     torch.set_num_threads(1)
     try:
         with open(call, "rb") as f:
             fn, args = pickle.load(f)
+        if isinstance(fn, tuple):  # a function of the caller's script: (its file, its name)
+            fn = getattr(_import_file(fn[0]), fn[1])
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         outcome: tuple[bool, Any] = (True, fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - everything goes back to the test
@@ -51,7 +65,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     """``[fn(0, N, *args), ..., fn(N-1, N, *args)]``, each computed in its own process."""
     with tempfile.TemporaryDirectory() as tmp:
         call = Path(tmp, "call.pkl")
-        call.write_bytes(pickle.dumps((fn, args)))
+        # A function of the script that called us (``__main__``) is found again by file and name, as
+        # multiprocessing's spawn would re-import that script.
+        main = sys.modules["__main__"]
+        ref = (main.__file__, fn.__name__) if fn.__module__ == "__main__" else fn
+        call.write_bytes(pickle.dumps((ref, args)))
         init_file, results = Path(tmp, "rendezvous"), [Path(tmp, f"result{r}.pt") for r in range(world_size)]
         commands = [
             [sys.executable, "-m", "tests.distributed.harness", str(call), str(r), str(world_size)]
