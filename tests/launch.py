@@ -33,11 +33,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def launch_env(**extra: str) -> dict[str, str]:
     """The environment of a launched test process: this one, one thread per process (2 ranks share the
-    machine's 2 cores) and no warnings printed, plus ``extra``. One environment for every launch means
-    one set of zygotes per pytest process (a zygote is started per startup environment)."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
+    machine's 2 cores), no warnings printed and the repository first on the import path (for the
+    processes a launched one starts elsewhere), plus ``extra``. One environment for every launch means one
+    set of zygotes per pytest process (a zygote is started per startup environment)."""
+    paths = [
+        str(ROOT),
+        *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(ROOT)],
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(paths))
+    env.update(extra)
+    return env
 
 
 def run_processes(

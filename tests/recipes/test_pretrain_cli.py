@@ -1,8 +1,9 @@
 """`python -m recipes.pretrain` end to end: a short 2-rank run, its resume with `ckpt_path=last`, and the
 bad inputs that must fail with one clear message, a non-zero status and earlier runs untouched.
 
-Every run that trains goes through a subprocess (a 2-process Lightning fit inside pytest would re-run
-pytest as rank 1). Commands that end before any training (the refusals, `--cfg job`) run in this
+Every run that trains goes through a separate process (a 2-process Lightning fit inside pytest would
+re-run pytest as rank 1): rank 0 forked from a warm interpreter (`tests.launch`), the rank Lightning's
+launcher starts a fresh one. Commands that end before any training (the refusals, `--cfg job`) run in this
 interpreter the way `python -m` runs them (`runpy`, `sys.argv`, the exit status from `SystemExit`),
 which saves a fresh interpreter's ~10 s of imports each; one refusal also runs as a real subprocess and
 must give the same status and message, so the in-process runs stand for the command.
@@ -26,6 +27,7 @@ from omegaconf import OmegaConf
 
 from recipes.training.module import lr_factor
 from tests.conf.compose import flatten, group_file_values
+from tests.launch import launch_env, run_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 150
@@ -39,20 +41,22 @@ class Result:
     stderr: str
 
 
-def pretrain(*overrides: str, timeout_s: int = TIMEOUT_S, without: tuple[str, ...] = ()) -> Result:
-    """`python -m recipes.pretrain OVERRIDES`; `without`: in an environment lacking those packages."""
+def pretrain(
+    *overrides: str, timeout_s: int = TIMEOUT_S, without: tuple[str, ...] = (), fresh: bool = False
+) -> Result:
+    """`python -m recipes.pretrain OVERRIDES`, rank 0 forked from a warm interpreter (`tests.launch`;
+    the ranks Lightning's launcher starts are fresh processes) unless `fresh`; `without`: in a fresh
+    interpreter lacking those packages."""
     # A test run inside a SLURM job or a launcher must not make Lightning join that job instead.
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in LAUNCH_VARS}
-    env = {**inherited, "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "0"}
-    launch = ["-m", "tests.recipes.without_packages", ",".join(without)] if without else ["-m"]
-    proc = subprocess.run(
-        [sys.executable, *launch, "recipes.pretrain", *overrides],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
+    env = {k: v for k, v in launch_env(HYDRA_FULL_ERROR="0").items() if not k.startswith("SLURM_")}
+    env = {k: v for k, v in env.items() if k not in LAUNCH_VARS}
+    command = [sys.executable, "-m", "recipes.pretrain", *overrides]
+    if not without and not fresh:
+        proc = run_script(command, 1, cwd=REPO_ROOT, env=env, timeout=timeout_s)
+        return Result(proc.returncode, proc.stdout, proc.stderr)
+    if without:
+        command[1:2] = ["-m", "tests.recipes.without_packages", ",".join(without)]
+    proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -247,7 +251,7 @@ def test_a_refusal_through_the_command_line_is_the_one_run_in_process(
     status and message as the in-process run the other cases use. (A refusal of ours, exit status 2
     after validation, runs as a real command in the missing-package test below.)"""
     overrides, expected = BAD_INPUTS[0]
-    there = refuse(lambda *o: pretrain(*o, timeout_s=60), overrides, expected, earlier_run)
+    there = refuse(lambda *o: pretrain(*o, timeout_s=60, fresh=True), overrides, expected, earlier_run)
     here = refuse(pretrain_here, overrides, expected, earlier_run)
     assert there.returncode == here.returncode == 1, (there.returncode, here.returncode)
     assert here.stderr.strip() and here.stderr.strip() in there.stderr, (here.stderr, there.stderr)
