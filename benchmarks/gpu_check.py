@@ -7,13 +7,14 @@ Parts (each prints its figures and goes into ``DIR/gpu_check.json``; a part that
 with its error and the next one runs):
 
   1. ``parity``: the sharded Adam update on the device, world size 1 on NCCL (the CUDA control
-     tensors, CUDA-event wait timing and fused kernels), against ``torch.optim.AdamW(fused=True)``
-     in fp32 after 20 steps; and bf16 parameters with fp32 masters against fp32 AdamW (loose).
+     tensors, CUDA-event wait timing, turned on and read back, and fused kernels), against
+     ``torch.optim.AdamW(fused=True)`` in fp32 after 20 steps; and bf16 parameters with fp32
+     masters against fp32 AdamW (loose).
   2. ``train``: the recipe's GPT at ~125M and ~350M parameters, ``bf16-mixed`` and ``bf16-true``,
      under ``"ddp"`` and ``"zero"`` (one GPU: the CUDA path of the strategy, not its communication):
-     tokens/s, MFU (recipes' FLOP count over the device's dense bf16 peak), peak CUDA memory
-     against the per-parameter formula, communication wait from CUDA events, then
-     ``trainer.test(ckpt_path="best")`` after ``fit``.
+     tokens/s, MFU (recipes' FLOP count over the device's dense bf16 peak), peak CUDA memory (reset
+     after the previous configuration is freed) against each strategy's per-parameter formula,
+     communication wait from CUDA events, then ``trainer.test(ckpt_path="best")`` after ``fit``.
   3. ``two_processes``: 2 processes on the one GPU with gloo (NCCL refuses two ranks on one GPU):
      the sharded optimizer's parameters against AdamW on the global batch after 6 steps, fp32.
 
@@ -23,6 +24,7 @@ Figures, not assertions; quote ratios.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -42,8 +44,12 @@ SIZES = {  # the recipe's Llama-style GPT (tied embeddings)
     "tiny": {"n_layer": 2, "n_head": 2, "d_model": 64, "mlp_hidden": 128},
 }
 BYTES_PER_PARAM = {  # model state per parameter at world size 1 (ZeRO paper's accounting)
-    "bf16-mixed": 16,  # fp32 params 4 + fp32 grads 4 + Adam moments 8
-    "bf16-true": 2 + 4 + 4 + 8,  # bf16 params + fp32 grad accumulation + fp32 master + moments (zero)
+    ("bf16-mixed", "ddp"): 4 + 4 + 8,  # fp32 params + fp32 grads + fp32 Adam moments
+    ("bf16-mixed", "zero"): 4 + 4 + 8,  # the same, grads in the flat buffer
+    # torch's AdamW keeps its moments in the parameters' dtype: all bf16
+    ("bf16-true", "ddp"): 2 + 2 + 2 + 2,
+    # bf16 params + fp32 gradient accumulation + fp32 master + fp32 moments
+    ("bf16-true", "zero"): 2 + 4 + 4 + 8,
 }
 
 
@@ -69,6 +75,8 @@ def part_parity(device: str) -> dict[str, Any]:
         model, reference = model.to(device, dtype), reference.to(device)
         config = ZeroConfig(bucket_cap_mb=0.25, first_bucket_cap_mb=0.1)
         opt = ShardedAdamW(model.parameters(), lr=1e-3, config=config, param_order=model.parameters())
+        if device == "cuda":
+            opt.engine.time_device_waits()  # CUDA-event wait timing, read back below
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
         for step in range(20):
             g = torch.Generator(device=device).manual_seed(step)
@@ -83,9 +91,13 @@ def part_parity(device: str) -> dict[str, Any]:
             (a.float() - b).abs().max().item()
             for a, b in zip(model.parameters(), reference.parameters(), strict=True)
         )
+        opt.engine.flush_timings()
+        stats = opt.engine.comm_stats
         out[str(dtype).removeprefix("torch.")] = {
             "max_abs_diff_after_20_steps": diff,
             "buckets": len(opt.engine.plan.buckets),
+            "collectives": stats.collectives,
+            "comm_wait_s": stats.wait_s,  # from CUDA events on cuda, a host timer on cpu
         }
     return out
 
@@ -137,8 +149,11 @@ def _train_one(
         enable_model_summary=False,
         default_root_dir=str(root),
     )
-    if args.device == "cuda":
+    if args.device == "cuda":  # the previous configuration's trainer and model are freed first
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if args.device == "cuda" else None
     start = time.perf_counter()
     trainer.fit(module, DataLoader(data, batch_size=batch), DataLoader(data, batch_size=batch))
     wall = time.perf_counter() - start
@@ -152,7 +167,8 @@ def _train_one(
         "mfu": metrics.get("mfu"),
         "fit_wall_s": wall,
         "peak_cuda_gib": None if peak is None else peak / 2**30,
-        "model_state_formula_gib": params * BYTES_PER_PARAM[precision] / 2**30,
+        "cuda_allocated_before_fit_gib": None if before is None else before / 2**30,
+        "model_state_formula_gib": params * BYTES_PER_PARAM[(precision, strategy_name)] / 2**30,
         "comm_wait_s_last_step": metrics.get("zero/comm_wait_s"),
         "test_after_fit_best": tested[0] if tested else None,
         "best_checkpoint": Path(checkpoint.best_model_path).name,

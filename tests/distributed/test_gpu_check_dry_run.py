@@ -27,3 +27,10 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
             assert "error" not in run, (key, run)
             assert run["tokens_per_s"] > 0 and run["test_after_fit_best"]["test/loss"] > 0, key
     assert report["two_processes"]["max_abs_diff_vs_adamw_rank0"] <= 1e-4
+    parity = report["parity"]["float32"]
+    assert parity["collectives"] > 0 and parity["comm_wait_s"] > 0.0  # the wait timing is read back
+    # torch's AdamW keeps bf16 moments for bf16 parameters (8 bytes each); ours fp32 masters (18)
+    ddp, zero = (
+        report["train"][f"tiny/bf16-true/{name}"]["model_state_formula_gib"] for name in ("ddp", "zero")
+    )
+    assert abs(ddp / zero - 8 / 18) < 1e-12, (ddp, zero)
