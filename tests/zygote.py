@@ -80,7 +80,9 @@ def startup_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 
 
 def enabled() -> bool:
-    return os.environ.get("LZ_TEST_ZYGOTE", "1") != "0"
+    """Zygotes serve the pytest process only: what a launched process (a benchmark script, a harness run
+    inside one) launches in turn starts fresh, and a script run by hand never starts servers."""
+    return os.environ.get("LZ_TEST_ZYGOTE", "1") != "0" and "pytest" in sys.modules
 
 
 # ---------------------------------------------------------------------------------------------- server

@@ -4,20 +4,17 @@ CPU keeps every part of it working, so the device time of a future session is no
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.launch import launch_env, run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--steps", "4"]
-    proc = subprocess.run(
-        [*cmd, "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_script([*cmd, "--out", str(tmp_path)], 1, cwd=ROOT, env=launch_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["parity"]["float32"]["max_abs_diff_after_20_steps"] <= 1e-6
