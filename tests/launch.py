@@ -70,13 +70,17 @@ def run_processes(
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         procs = []
-        for rank, (command, rank_env) in enumerate(zip(commands, envs, strict=True)):
-            out = open(Path(logs, f"{rank}.out"), "w")  # noqa: SIM115 - closed below, after the wait
-            err = open(Path(logs, f"{rank}.err"), "w")  # noqa: SIM115
-            procs.append(
-                (zygote.popen(command, slot=rank, cwd=cwd, env=rank_env, stdout=out, stderr=err), out, err)
-            )
         try:
+            for rank, (command, rank_env) in enumerate(zip(commands, envs, strict=True)):
+                out = open(Path(logs, f"{rank}.out"), "w")  # noqa: SIM115 - closed below, after the wait
+                err = open(Path(logs, f"{rank}.err"), "w")  # noqa: SIM115
+                try:
+                    proc = zygote.popen(command, slot=rank, cwd=cwd, env=rank_env, stdout=out, stderr=err)
+                except BaseException:
+                    out.close()
+                    err.close()
+                    raise
+                procs.append((proc, out, err))
             while True:
                 codes = [proc.poll() for proc, _, _ in procs]
                 if all(code is not None for code in codes):

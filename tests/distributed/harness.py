@@ -88,12 +88,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             ) from None
         values: dict[int, Any] = {}
         for r in range(world_size):
-            if results[r].exists():
+            try:  # a rank killed while writing (another one failed first) left a partial file
                 ok, value = torch.load(results[r], weights_only=False)
-                if ok:
-                    values[r] = value
-                else:
-                    errors.append(f"rank {r}:\n{value}")
+            except (FileNotFoundError, RuntimeError, EOFError, pickle.UnpicklingError):
+                continue
+            if ok:
+                values[r] = value
+            else:
+                errors.append(f"rank {r}:\n{value}")
         if not errors:  # a rank that ended without a result (killed, or crashed in C++)
             errors = [
                 f"rank {r} ended with status {codes[r]}:\n{outs[r][-2000:]}{errs[r][-3000:]}"
