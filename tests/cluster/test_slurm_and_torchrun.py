@@ -9,7 +9,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from lightning_zero.checkpoint import read_meta, shard_name
 from recipes.data.sampling import global_batch
 from recipes.sbatch import ROOT, compose_config, sbatch_script
 from recipes.training.lineage import is_complete
+from tests.launch import free_port
 
 SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
 TINY = ["trainer.max_steps=6", "trainer.val_check_interval=3", "sample.max_new_tokens=5"]
@@ -134,16 +134,10 @@ def assert_same_shards(ours: Path, reference: Path) -> None:
             assert all(torch.equal(x, y) for x, y in zip(mine[key], tensors, strict=True)), (rank, key)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_torchrun_two_nodes_matches_one_node(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     common = [f"output_root={tmp_path}", *TINY]
-    port = _free_port()
+    port = free_port()
     one = subprocess.Popen(  # the reference runs meanwhile: its ranks start one after the other
         [sys.executable, "-m", "recipes.pretrain", "run_name=one_node", "trainer.devices=2", *common],
         cwd=ROOT,
