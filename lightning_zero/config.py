@@ -14,7 +14,9 @@ class ZeroConfig:
     """How gradients are bucketed, communicated and sharded. Every field has a default."""
 
     stage: int = 2
-    """1: all-reduce each bucket and keep the owned slice; 2: reduce-scatter each bucket."""
+    """1: all-reduce each bucket and keep the owned slice; 2: reduce-scatter each bucket; 3: as 2, and
+    the parameters are sharded too: each unit's are all-gathered around its forward and backward
+    (:mod:`lightning_zero.engine.unit_gather`; needs the model, e.g. ``ShardedAdamW(module=...)``)."""
     bucket_cap_mb: float = 25.0
     """Size cap of a gradient bucket in MiB of parameter data (torch DDP's default)."""
     first_bucket_cap_mb: float = 1.0
@@ -50,11 +52,26 @@ class ZeroConfig:
     one min/max pass over each bucket and, unless ``find_unused_parameters`` already makes one, one
     small all-reduce and one host synchronisation per step (:mod:`lightning_zero.engine.nonfinite`)."""
 
+    reshard_after_forward: bool = True
+    """Stage 3: free each unit's full parameters after its forward and gather them again for its
+    backward (the root's stay). ``False`` keeps them from forward to backward: one all-gather per
+    step fewer, ZeRO-2's parameter memory at the peak."""
+    prefetch_units: int = 1
+    """Stage 3: how many units ahead (forward order, then backward order) to start gathering while a
+    unit computes; with ``reshard_after_forward`` at most ``1 + prefetch_units`` units and the root
+    hold full parameters at once."""
+    unit_modules: tuple[type, ...] | None = None
+    """Stage 3: the module classes that are units of gathering (e.g. ``(Block,)``); ``None``: each
+    module held in an ``nn.ModuleList``/``nn.Sequential`` with at least ``min_unit_numel`` trainable
+    elements (:mod:`lightning_zero.layout.units`). The rest is the root unit."""
+    min_unit_numel: int = 100_000
+    """Stage 3 without ``unit_modules``: smaller blocks join the root unit (a gather per unit costs a
+    collective's latency)."""
+
     def __post_init__(self) -> None:
-        if self.stage not in (1, 2):
-            raise ValueError(
-                f"stage must be 1 or 2, got {self.stage!r} (stage 3, sharded parameters, is not supported)"
-            )
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        self._check_stage3_fields()
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
@@ -75,9 +92,35 @@ class ZeroConfig:
                 f"skip_nonfinite_steps must be an integer >= 0 (0: off; K > 0: skip steps with inf/NaN "
                 f"gradients, raise at the K-th in a row), got {skips!r}"
             )
-        for name in ("overlap_comm", "overlap_param_gather", "find_unused_parameters"):
+        flags = ("overlap_comm", "overlap_param_gather", "find_unused_parameters", "reshard_after_forward")
+        for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def _check_stage3_fields(self) -> None:
+        prefetch, numel, classes = self.prefetch_units, self.min_unit_numel, self.unit_modules
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch_units must be an integer >= 0, got {prefetch!r}")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"min_unit_numel must be an integer >= 0, got {numel!r}")
+        if classes is not None and (
+            not isinstance(classes, tuple) or not all(isinstance(c, type) for c in classes)
+        ):
+            raise ValueError(f"unit_modules must be None or a tuple of module classes, got {classes!r}")
+        defaults = {"reshard_after_forward": True, "prefetch_units": 1, "unit_modules": None}
+        changed = [name for name, value in defaults.items() if getattr(self, name) != value]
+        if self.min_unit_numel != 100_000:
+            changed.append("min_unit_numel")
+        if self.stage != 3 and changed:
+            raise ValueError(
+                f"{', '.join(changed)} only apply to stage 3 (sharded parameters), got stage={self.stage}; "
+                "leave them at their defaults or set stage=3"
+            )
+        if self.stage == 3 and self.overlap_param_gather:
+            raise ValueError(
+                "overlap_param_gather applies to stages 1 and 2; stage 3 always gathers parameters in "
+                "the forward (prefetch_units sets how far ahead)"
+            )
 
     def wire_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         """The dtype a gradient of ``param_dtype`` travels in."""

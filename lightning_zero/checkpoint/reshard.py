@@ -154,11 +154,7 @@ def load_sharded(engine: ShardEngine, path: Path, meta: dict[str, Any], with_opt
         by_name = {layout.params[i]["name"]: int(s) for i, s in enumerate(meta["steps"].tolist())}
         shards.steps = [by_name[p.name] for p in engine.plan.params]
         _load_group_hyperparameters(engine, meta)
-    handles = [
-        engine.comm.all_gather(engine.flat.bucket(b), engine.flat.shard(b)) for b in engine.plan.buckets
-    ]
-    for handle in handles:
-        engine.comm.wait(handle)
+    engine.publish_shards()
 
 
 def _source(data: dict[str, list[Tensor]], key: str, bucket: int) -> Tensor | None:

@@ -11,6 +11,8 @@ One engine per set of trainable parameters. Its parts:
     gradient, moments by name) and the optimizer's update rule applied to them;
   * ``gather`` (:mod:`lightning_zero.engine.param_gather`): the per-bucket parameter all-gather,
     optionally left in flight into the next forward;
+  * ``units`` (stage 3, :mod:`lightning_zero.engine.unit_gather`): the parameters sharded too, each
+    unit's gathered around its forward and backward; the step then gathers nothing;
   * ``comm`` (:mod:`lightning_zero.comm`, the only caller of ``torch.distributed``).
 
 Who talks to it how: the optimizer (:class:`~lightning_zero.ShardedAdamW`) and the integrations
@@ -30,8 +32,8 @@ every rank, before any update or gather.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +49,10 @@ from lightning_zero.engine.plan_check import check_same_plan
 from lightning_zero.engine.reducer import GradReducer
 from lightning_zero.engine.replan import Parked, carry_state
 from lightning_zero.engine.shard_state import ShardState, UpdateRule
+from lightning_zero.engine.unit_gather import UnitGather
 from lightning_zero.layout.buckets import ParamSpec, plan_buckets
 from lightning_zero.layout.flat import FlatParams
+from lightning_zero.layout.units import find_units
 
 
 @dataclass(frozen=True)
@@ -78,9 +82,11 @@ class ShardEngine:
         param_order: the parameters in registration order (buckets follow its reverse); ``None``:
             the order of the groups.
         param_names: names for plans, errors and checkpoints.
+        module: the model the parameters belong to: its units are gathered and freed at stage 3
+            (required there; unused below).
 
     Raises:
-        ValueError: no trainable parameter.
+        ValueError: no trainable parameter; stage 3 without ``module``.
         PlanMismatchError: the ranks do not build the same bucket plan (checked at construction).
     """
 
@@ -92,8 +98,15 @@ class ShardEngine:
         rule: UpdateRule,
         param_order: Iterable[torch.nn.Parameter] | None = None,
         param_names: dict[torch.nn.Parameter, str] | None = None,
+        module: torch.nn.Module | None = None,
     ) -> None:
+        if config.stage == 3 and module is None:
+            raise ValueError(
+                "stage 3 shards the parameters and gathers them around each unit's forward: pass the "
+                "model (ShardedAdamW(..., module=model))"
+            )
         self.param_groups = param_groups
+        self.module = module
         self.config = config
         self.comm = comm
         self.rule = rule
@@ -118,13 +131,27 @@ class ShardEngine:
             ParamSpec(self._names.get(p, f"param{i}"), tuple(p.shape), p.dtype) for i, p in enumerate(order)
         ]
         config = self.config
+        layout = None
+        if config.stage == 3:
+            assert self.module is not None  # checked in __init__
+            layout = find_units(self.module, order, config.unit_modules, config.min_unit_numel)
         self.plan = plan_buckets(
-            specs, self.comm.world_size, config.bucket_cap_mb, config.first_bucket_cap_mb, config.align_numel
+            specs,
+            self.comm.world_size,
+            config.bucket_cap_mb,
+            config.first_bucket_cap_mb,
+            config.align_numel,
+            units=None if layout is None else layout.of_param,
         )
         check_same_plan(self.plan, self.comm)
         self.params_in_order = order
-        self.flat = FlatParams(order, self.plan, self.comm.rank)
+        self.flat = FlatParams(order, self.plan, self.comm.rank, sharded=layout is not None)
         self.gather = ParamGather(self.plan, self.flat, self.comm, config.overlap_param_gather)
+        self.units = None
+        if layout is not None:
+            self.units = UnitGather(
+                self.plan, self.flat, self.comm, layout, config.reshard_after_forward, config.prefetch_units
+            )
         self.reducer = GradReducer(order, self.plan, self.flat, self.comm, config, self.guard)
         self.state = ShardState(
             self.plan,
@@ -165,6 +192,11 @@ class ShardEngine:
                 "the trainable parameters changed in the middle of a gradient accumulation window; "
                 "change requires_grad or add param groups at an optimizer-step boundary"
             )
+        if self.units is not None:
+            raise RuntimeError(
+                "the trainable parameters changed, and stage 3 cannot re-plan yet; keep requires_grad "
+                "and the param groups fixed during training, or use stage 1 or 2"
+            )
         if param_order is not None:
             self._param_order = list(param_order)
         if param_names is not None:
@@ -189,6 +221,38 @@ class ShardEngine:
         """``module``'s submodules wait in their forward for the buckets holding their parameters."""
         self.gather.install_forward_waits(module, self.params_in_order)
 
+    def gather_root(self) -> None:
+        """Stage 3: gather the root unit before a step function that uses it without calling the
+        model's forward (a no-op below stage 3)."""
+        if self.units is not None:
+            self.units.gather_root()
+
+    @contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Inside, every planned parameter holds its full value (stage 3 gathers every unit, then frees
+        them; below stage 3, the gathers in flight complete). For reading: at stage 3 writes to the
+        parameters inside are lost at the exit. All ranks."""
+        if self.units is None:
+            self.wait_for_params()
+            yield
+            return
+        self.units.gather_all()
+        try:
+            yield
+        finally:
+            self.units.free_all()
+
+    def publish_shards(self) -> None:
+        """After this rank's parameter shards were written (a checkpoint load): the full parameters
+        follow them (below stage 3 every bucket is all-gathered; at stage 3 every unit is freed, the
+        next forward gathers it). All ranks."""
+        if self.units is not None:
+            self.units.free_all()
+            return
+        handles = [self.comm.all_gather(self.flat.bucket(b), self.flat.shard(b)) for b in self.plan.buckets]
+        for handle in handles:
+            self.comm.wait(handle)
+
     def wait_for_params(self, root_only: bool = False) -> None:
         """Complete the parameter all-gathers still in flight (a no-op without overlap); with
         ``root_only``, only the buckets holding parameters that the module given to
@@ -211,6 +275,11 @@ class ShardEngine:
         training; the gradient hooks stay removed (call after :meth:`remove_hooks`)."""
         if self.is_bound():
             return
+        if self.units is not None:
+            raise RuntimeError(
+                "stage 3: the parameters were given new storage (module.to(...) or a dtype change after "
+                "the optimizer was built); move the model before building the optimizer"
+            )
         self.flat = FlatParams(self.params_in_order, self.plan, self.comm.rank)
         device = self.flat.device
         for record in self.state.records:
@@ -235,6 +304,8 @@ class ShardEngine:
         gradient hooks). The state stays: saving after it still works."""
         self.gather.remove_hooks()
         self.reducer.remove_hooks()
+        if self.units is not None:
+            self.units.remove_hooks()
 
     # ---- gradients --------------------------------------------------------------------------
 
@@ -319,6 +390,12 @@ class ShardEngine:
             self.guard.updated()
         self.state.adopt_external_writes()
         self.state.count_steps(used_mask)
+        if self.units is not None:  # stage 3: the next forward gathers each unit from the shards
+            self.units.free_all()
+            for b in range(len(self.plan.buckets)):
+                self.state.update_bucket(b, self.param_groups, used_mask)
+            self.reducer.reset()
+            return
         for b in self.gather.order():  # each bucket's gather overlaps the next one's update
             self.state.update_bucket(b, self.param_groups, used_mask)
             self.gather.launch(b)
@@ -363,9 +440,12 @@ class ShardEngine:
         return self.comm.all_gather_floats(values)
 
     def min_elements_per_step(self) -> int:
-        """Stage 2's lower bound on the elements a rank sends per step: ``2·Ψ·(N−1)/N`` (padded Ψ)."""
-        numel = sum(b.padded_numel for b in self.plan.buckets)
-        return 2 * numel * (self.comm.world_size - 1) // self.comm.world_size
+        """The elements a rank must send per step at stage 2 or 3: ``2·Ψ·(N−1)/N`` (padded Ψ), plus at
+        stage 3 with ``reshard_after_forward`` the backward's second gather of every unit but the root."""
+        numel = 2 * sum(b.padded_numel for b in self.plan.buckets)
+        if self.units is not None and self.config.reshard_after_forward:
+            numel += sum(b.padded_numel for b in self.plan.buckets if b.unit != 0)
+        return numel * (self.comm.world_size - 1) // self.comm.world_size
 
     def memory(self) -> EngineMemory:
         """What this rank holds (see :class:`EngineMemory`)."""

@@ -59,6 +59,11 @@ class ZeroOptions:
     def __post_init__(self) -> None:
         for name in ("log_comm_stats", "sharded_checkpoint", "async_checkpoint", "broadcast_buffers"):
             _check_bool(name, getattr(self, name))
+        if self.config.stage == 3:
+            raise ValueError(
+                "stage=3 (sharded parameters) is not yet available in the Trainer and Fabric strategies, "
+                "only in a standalone ShardedAdamW(..., module=model); use stage 1 or 2 here, got 3"
+            )
         if self.async_checkpoint and not self.sharded_checkpoint:
             raise ValueError("async_checkpoint=True needs sharded_checkpoint=True (directories of shards)")
 

@@ -3,7 +3,9 @@
 Parameters are taken in *reverse registration order*, the order in which backward usually
 produces their gradients, and packed greedily into buckets of at most ``bucket_cap_mb`` (the first
 bucket is capped at ``first_bucket_cap_mb`` so that communication starts early in backward, as torch
-DDP does). A bucket never mixes dtypes; a parameter larger than the cap gets a bucket of its own.
+DDP does). A bucket never mixes dtypes, nor *units* (stage 3 gathers and frees the parameters of one
+unit, e.g. a transformer block, together: :mod:`lightning_zero.layout.units`); a parameter larger
+than the cap gets a bucket of its own.
 Each bucket is then padded (see :mod:`lightning_zero.layout.partition`) and laid out back to back in one
 flat buffer per dtype.
 
@@ -56,6 +58,8 @@ class Bucket:
     """``numel`` plus padding: a multiple of ``world_size * align_numel``."""
     buffer_offset: int
     """First element of the bucket in the flat buffer of its dtype."""
+    unit: int = 0
+    """The unit of gathering its parameters belong to (stage 3; ``0``, the root, otherwise)."""
 
     @property
     def padding(self) -> int:
@@ -90,7 +94,8 @@ class BucketPlan:
             names = ",".join(
                 f"{self.params[s.param_index].name}{list(self.params[s.param_index].shape)}" for s in b.slots
             )
-            lines.append(f"bucket {b.index} {b.dtype} numel={b.numel} padded={b.padded_numel}: {names}")
+            unit = f" unit={b.unit}" if b.unit else ""
+            lines.append(f"bucket {b.index} {b.dtype} numel={b.numel} padded={b.padded_numel}{unit}: {names}")
         return lines
 
     def fingerprint(self) -> int:
@@ -105,6 +110,7 @@ def plan_buckets(
     bucket_cap_mb: float = 25.0,
     first_bucket_cap_mb: float = 1.0,
     align_numel: int = 1,
+    units: Sequence[int] | None = None,
 ) -> BucketPlan:
     """Pack ``params`` (given in registration order) into buckets, last parameter first.
 
@@ -114,12 +120,13 @@ def plan_buckets(
         bucket_cap_mb: size cap of every bucket but the first, in MiB of parameter data.
         first_bucket_cap_mb: size cap of the first bucket (the last parameters), in MiB.
         align_numel: buckets are padded to a multiple of ``world_size * align_numel`` elements.
+        units: the unit of gathering of each parameter (stage 3); a bucket holds one unit only.
 
     Returns:
         The plan. Buckets are numbered in the order their gradients are expected to be ready.
 
     Raises:
-        ValueError: on a non-positive cap or world size, or no parameters.
+        ValueError: on a non-positive cap or world size, no parameters, or ``units`` of another length.
     """
     if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
         raise ValueError(
@@ -130,6 +137,9 @@ def plan_buckets(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not params:
         raise ValueError("no trainable parameters to plan buckets for")
+    if units is not None and len(units) != len(params):
+        raise ValueError(f"units has {len(units)} entries for {len(params)} parameters")
+    unit_of = list(units) if units is not None else [0] * len(params)
     groups: list[list[int]] = []  # parameter indices per bucket
     current_bytes = 0
     for index in reversed(range(len(params))):
@@ -137,17 +147,22 @@ def plan_buckets(
         nbytes = spec.numel * spec.element_size
         cap_mb = first_bucket_cap_mb if len(groups) <= 1 else bucket_cap_mb
         fits = bool(groups) and current_bytes + nbytes <= cap_mb * MB
-        if fits and params[groups[-1][0]].dtype == spec.dtype:
+        last = groups[-1][0] if groups else index
+        if fits and params[last].dtype == spec.dtype and unit_of[last] == unit_of[index]:
             groups[-1].append(index)
             current_bytes += nbytes
         else:
             groups.append([index])
             current_bytes = nbytes
-    return _layout(params, groups, world_size, align_numel)
+    return _layout(params, groups, world_size, align_numel, unit_of)
 
 
 def _layout(
-    params: Sequence[ParamSpec], groups: list[list[int]], world_size: int, align_numel: int
+    params: Sequence[ParamSpec],
+    groups: list[list[int]],
+    world_size: int,
+    align_numel: int,
+    unit_of: list[int],
 ) -> BucketPlan:
     buckets = []
     buffer_numel: dict[torch.dtype, int] = {}
@@ -159,6 +174,7 @@ def _layout(
             offset += params[i].numel
         padded = padded_numel(offset, world_size, align_numel)
         start = buffer_numel.get(dtype, 0)
-        buckets.append(Bucket(bucket_index, dtype, tuple(slots), offset, padded, start))
+        unit = unit_of[indices[0]]
+        buckets.append(Bucket(bucket_index, dtype, tuple(slots), offset, padded, start, unit))
         buffer_numel[dtype] = start + padded
     return BucketPlan(tuple(params), tuple(buckets), world_size, buffer_numel)

@@ -1,9 +1,20 @@
-"""Parameters as views into one flat buffer per dtype (no ``torch.distributed``).
+"""Parameters as views into flat buffers (no ``torch.distributed``).
 
-After :class:`FlatParams` binds them, every trainable parameter's ``.data`` is a view into the flat
-buffer of its dtype at the place the :class:`~lightning_zero.buckets.BucketPlan` gives it. The
-all-gather of updated parameters then writes straight into the parameters, and a rank's shard of
-a bucket is a plain slice. Padding elements are zero and belong to no parameter.
+Stages 1 and 2 (:class:`FlatParams` with ``sharded=False``): after binding, every trainable
+parameter's ``.data`` is a view into the flat buffer of its dtype at the place the
+:class:`~lightning_zero.layout.buckets.BucketPlan` gives it. The all-gather of updated parameters
+then writes straight into the parameters, and a rank's shard of a bucket is a plain slice. Padding
+elements are zero and belong to no parameter.
+
+Stage 3 (``sharded=True``): each bucket has a buffer of its own, and this rank keeps its shard of
+it in a separate, persistent ``(shard_numel,)`` tensor. The full buffer exists only while its unit
+is gathered: :meth:`FlatParams.free` shrinks the buffer's storage to nothing (every view of it,
+including those autograd saved for backward, loses the memory) and points the parameters at a
+*placeholder*: the right shape, one NaN element broadcast, so a read outside the unit's forward
+gives NaN and an in-place write raises, instead of reading freed memory.
+:meth:`FlatParams.materialize` gives the storage back (contents undefined until an all-gather
+fills it) and points the parameters at their views again, the same storage object as before, so a
+tensor saved in forward sees the gathered values in backward.
 
 Anything that replaces a parameter's storage afterwards (``module.to(other_device)``,
 ``module.half()``) unbinds it; bind after the model has its final device and dtype.
@@ -21,9 +32,11 @@ from lightning_zero.layout.partition import shard_range
 
 
 class FlatParams:
-    """Flat buffers holding the parameters of a plan, one per dtype."""
+    """Flat buffers holding the parameters of a plan: one per dtype, or one per bucket (stage 3)."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], plan: BucketPlan, rank: int) -> None:
+    def __init__(
+        self, params: Sequence[torch.nn.Parameter], plan: BucketPlan, rank: int, sharded: bool = False
+    ) -> None:
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(
@@ -32,32 +45,93 @@ class FlatParams:
         self.device = devices.pop()
         self.plan = plan
         self.rank = rank
-        self.buffers: dict[torch.dtype, Tensor] = {
-            dtype: torch.zeros(numel, dtype=dtype, device=self.device)
-            for dtype, numel in plan.buffer_numel.items()
-        }
+        self.sharded = sharded
+        self.params = list(params)
+        self.buffers: dict[torch.dtype, Tensor] = {}
+        """Stages 1 and 2: the flat buffer of each dtype."""
+        self.full: list[Tensor] = []
+        """Stage 3: ``(padded_numel,)`` per bucket; its storage is empty while the bucket is freed."""
+        self.shards: list[Tensor] = []
+        """Stage 3: ``(shard_numel,)`` per bucket, this rank's persistent shard."""
+        if sharded:
+            self.full = [torch.zeros(b.padded_numel, dtype=b.dtype, device=self.device) for b in plan.buckets]
+        else:
+            self.buffers = {
+                dtype: torch.zeros(numel, dtype=dtype, device=self.device)
+                for dtype, numel in plan.buffer_numel.items()
+            }
+        self._views: list[Tensor] = [torch.empty(0)] * len(self.params)
         with torch.no_grad():
             for bucket in plan.buckets:
                 flat = self.bucket(bucket)
                 for slot in bucket.slots:
                     param = params[slot.param_index]
-                    view = flat[slot.bucket_offset : slot.bucket_offset + slot.numel]
-                    view.copy_(param.detach().reshape(-1))
-                    param.data = view.view_as(param)
-        self._data_ptrs = [0] * len(params)
-        for bucket in plan.buckets:
-            for slot in bucket.slots:
-                self._data_ptrs[slot.param_index] = params[slot.param_index].data_ptr()
+                    view = flat[slot.bucket_offset : slot.bucket_offset + slot.numel].view_as(param)
+                    view.copy_(param.detach())
+                    param.data = view
+                    self._views[slot.param_index] = view
+            if sharded:
+                for bucket in plan.buckets:
+                    start, end = shard_range(bucket.padded_numel, plan.world_size, rank)
+                    self.shards.append(self.full[bucket.index][start:end].clone())
+        self._placeholders: dict[torch.dtype, Tensor] = {}
+        self._gathered = [True] * len(plan.buckets)
 
     def is_bound(self, params: Sequence[torch.nn.Parameter]) -> bool:
-        """Whether ``params`` (in plan order) still are the views this object bound."""
-        return all(p.data_ptr() == ptr for p, ptr in zip(params, self._data_ptrs, strict=True))
+        """Whether ``params`` (in plan order) still are the views (or placeholders) this object bound."""
+        if len(params) != len(self.params):
+            return False
+        for param, view, ours in zip(params, self._views, self.params, strict=True):
+            if param is not ours:
+                return False
+            if param.data_ptr() != view.data_ptr() and not self._is_placeholder(param):
+                return False
+        return True
 
     def bucket(self, bucket: Bucket) -> Tensor:
-        """The whole bucket, padding included: ``(padded_numel,)``."""
+        """The whole bucket, padding included: ``(padded_numel,)`` (stage 3: only while gathered)."""
+        if self.sharded:
+            return self.full[bucket.index]
         return self.buffers[bucket.dtype][bucket.buffer_offset : bucket.buffer_offset + bucket.padded_numel]
 
     def shard(self, bucket: Bucket) -> Tensor:
         """This rank's shard of the bucket: ``(padded_numel // world_size,)``."""
+        if self.sharded:
+            return self.shards[bucket.index]
         start, end = shard_range(bucket.padded_numel, self.plan.world_size, self.rank)
         return self.bucket(bucket)[start:end]
+
+    def is_gathered(self, bucket: Bucket) -> bool:
+        """Whether the bucket's full buffer holds storage (always, below stage 3)."""
+        return self._gathered[bucket.index]
+
+    @torch.no_grad()
+    def free(self, bucket: Bucket) -> None:
+        """Stage 3: release the bucket's full buffer; its parameters become placeholders."""
+        if not self._gathered[bucket.index]:
+            return
+        self.full[bucket.index].untyped_storage().resize_(0)
+        for slot in bucket.slots:
+            param = self.params[slot.param_index]
+            param.data = self._placeholder(param.dtype).expand(param.shape)
+        self._gathered[bucket.index] = False
+
+    def materialize(self, bucket: Bucket) -> None:
+        """Stage 3: storage for the bucket's full buffer again (to be filled by an all-gather), and its
+        parameters pointed back at their views of it."""
+        if self._gathered[bucket.index]:
+            return
+        full = self.full[bucket.index]
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        for slot in bucket.slots:
+            self.params[slot.param_index].data = self._views[slot.param_index]
+        self._gathered[bucket.index] = True
+
+    def _placeholder(self, dtype: torch.dtype) -> Tensor:
+        if dtype not in self._placeholders:
+            self._placeholders[dtype] = torch.full((1,), float("nan"), dtype=dtype, device=self.device)
+        return self._placeholders[dtype]
+
+    def _is_placeholder(self, param: Tensor) -> bool:
+        placeholder = self._placeholders.get(param.dtype)
+        return placeholder is not None and param.data_ptr() == placeholder.data_ptr()

@@ -62,6 +62,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         param_order: the parameters in registration order (e.g. ``module.parameters()``); buckets
             follow its reverse. Defaults to the order of ``params``.
         param_names: names used in error messages, plans and checkpoints.
+        module: the model. Required at stage 3 (``config.stage=3``), whose parameters are sharded
+            too and gathered around each unit's forward and backward by hooks on ``module``; then
+            ``param_order`` and ``param_names`` default to ``module``'s. Parameters outside a
+            forward are readable only inside ``opt.full_parameters()``.
 
     Raises:
         ValueError: on an unsupported option, value or parameter; on a plan mismatch between ranks.
@@ -84,6 +88,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         process_group: ProcessGroup | None = None,
         param_order: Iterable[torch.nn.Parameter] | None = None,
         param_names: dict[torch.nn.Parameter, str] | None = None,
+        module: torch.nn.Module | None = None,
     ) -> None:
         _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults = dict(
@@ -102,7 +107,12 @@ class ShardedAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_group(group)
         comm = Comm(process_group)
-        self.engine = ShardEngine(self.param_groups, self.config, comm, AdamRule(), param_order, param_names)
+        if module is not None:
+            param_order = module.parameters() if param_order is None else param_order
+            param_names = {p: n for n, p in module.named_parameters()} if param_names is None else param_names
+        self.engine = ShardEngine(
+            self.param_groups, self.config, comm, AdamRule(), param_order, param_names, module
+        )
         """The buffers, hooks, collectives and shard state (:class:`~lightning_zero.engine.ShardEngine`)."""
 
     @classmethod
@@ -174,6 +184,12 @@ class ShardedAdamW(torch.optim.Optimizer):
         ``root_only``, only those of the parameters the module given to :meth:`install_forward_waits`
         owns itself (its submodules wait in their own forward)."""
         self.engine.wait_for_params(root_only)
+
+    def full_parameters(self) -> AbstractContextManager[None]:
+        """Inside ``with opt.full_parameters():`` every parameter holds its full value: at stage 3 every
+        unit is gathered (and freed at the exit; writes inside are not kept), below it the gathers in
+        flight complete. Call on all ranks."""
+        return self.engine.full_parameters()
 
     def is_bound(self) -> bool:
         """Whether every planned parameter still is a view of the flat buffers (``module.to(...)`` or

@@ -47,3 +47,36 @@ def uses_extra(step: int, rank: int) -> bool:
     if step % 3 == 2:
         return False
     return not (rank == 1 and step % 2 == 1)
+
+
+class Block(nn.Module):
+    """A residual block with a gate that some steps leave unused (a unit at stage 3)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.gate = nn.Parameter(torch.randn(width) * 0.1)
+
+    def forward(self, h: torch.Tensor, use_gate: bool) -> torch.Tensor:
+        out = h + torch.tanh(self.fc(self.norm(h)))
+        return out * (1 + self.gate) if use_gate else out
+
+
+class BlockNet(nn.Module):
+    """TinyNet's inputs and outputs with three blocks in an ``nn.ModuleList`` between (stage 3's units),
+    a frozen layer, and a gate in the middle block used as ``uses_extra`` says."""
+
+    def __init__(self, width: int = 13) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, width)
+        self.frozen = nn.Linear(width, width)
+        self.frozen.requires_grad_(False)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(3))
+        self.out = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.frozen(torch.relu(self.inp(x))))
+        for i, block in enumerate(self.blocks):
+            h = block(h, use_extra and i == 1)
+        return self.out(h)

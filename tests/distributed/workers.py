@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 from lightning_zero import ShardedAdamW, ZeroConfig
-from tests.distributed.models import TinyNet, batch, param_groups, uses_extra
+from tests.distributed.models import BlockNet, TinyNet, batch, param_groups, uses_extra
+
+NETS = {"tiny": TinyNet, "blocks": BlockNet}
 
 
 def parity(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -34,6 +36,10 @@ def _parity_case(
     param_overlap: bool = False,
     width: int = 13,
     align_numel: int = 1,
+    net: str = "tiny",
+    reshard: bool = True,
+    prefetch: int = 1,
+    bucket_cap_mb: float = 0.0004,
 ) -> dict[str, Any]:
     """``no_sync=False``: every micro-batch's backward communicates (accumulation by hand, as a
     manual-optimization loop does under DDP); the sum must be the same. ``param_overlap``: the
@@ -41,17 +47,18 @@ def _parity_case(
     (:func:`_defer_gathers`), so any read before the right wait sees stale parameters."""
     torch_dtype = getattr(torch, dtype)
     torch.manual_seed(0)
-    model = TinyNet(width).to(torch_dtype)
+    model = NETS[net](width).to(torch_dtype)
     reference = copy.deepcopy(model)
     config = ZeroConfig(
         stage=stage,
-        bucket_cap_mb=0.0004,
-        first_bucket_cap_mb=0.0002,
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_cap_mb=bucket_cap_mb / 2,
         overlap_comm=overlap,
         find_unused_parameters=True,
         reduce_dtype=reduce_dtype,
         overlap_param_gather=param_overlap,
         align_numel=align_numel,
+        **(_stage3_settings(reshard, prefetch) if stage == 3 else {}),
     )
     names = {p: n for n, p in model.named_parameters()}
     opt = ShardedAdamW(
@@ -61,13 +68,15 @@ def _parity_case(
         config=config,
         param_order=model.parameters(),
         param_names=names,
+        module=model if stage == 3 else None,
     )
     ref_opt = torch.optim.AdamW(param_groups(reference), lr=3e-2, amsgrad=amsgrad)
     if param_overlap:
         _defer_gathers(opt.engine.comm)
         opt.install_forward_waits(model)
-    max_diff = []
+    max_diff, elements = [], []
     for step in range(steps):
+        opt.engine.comm.stats.reset()
         for micro in range(accum):
             x, y = batch(step, micro, rank, micro_size, torch_dtype)
             loss = torch.nn.functional.mse_loss(model(x, uses_extra(step, rank)), y) / accum
@@ -91,23 +100,32 @@ def _parity_case(
             opt.clip_grad_norm_(clip)
             torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.grad is not None], clip)
         opt.step()
+        elements.append(opt.engine.comm.stats.elements_sent)
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
         if not param_overlap:
-            max_diff.append(_max_diff(model, reference))
-    opt.wait_for_params()  # reading parameters outside a forward: the documented contract
-    max_diff.append(_max_diff(model, reference))
-    moved = max(
-        (a - b).abs().max().item()
-        for a, b in zip(model.parameters(), TinyNet_init(torch_dtype, width), strict=True)
-    )
+            with opt.engine.full_parameters():
+                max_diff.append(_max_diff(model, reference))
+    with opt.engine.full_parameters():  # reading parameters outside a forward: the documented contract
+        max_diff.append(_max_diff(model, reference))
+        moved = max(
+            (a - b).abs().max().item()
+            for a, b in zip(model.parameters(), _initial(net, torch_dtype, width), strict=True)
+        )
     return {
         "max_diff": max_diff,
         "moved": moved,
         "buckets": len(opt.engine.plan.buckets),
         "adopted": opt.engine.reducer.adopted,
+        "elements": elements,
+        "min_elements": opt.engine.min_elements_per_step(),
+        "units": [b.unit for b in opt.engine.plan.buckets],
     }
+
+
+def _stage3_settings(reshard: bool, prefetch: int) -> dict[str, Any]:
+    return {"min_unit_numel": 0, "reshard_after_forward": reshard, "prefetch_units": prefetch}
 
 
 def _max_diff(model: torch.nn.Module, reference: torch.nn.Module) -> float:
@@ -142,9 +160,9 @@ def _xy_extra(step: int, micro: int, rank: int, size: int, dtype: torch.dtype): 
     return x, uses_extra(step, rank), y
 
 
-def TinyNet_init(dtype: torch.dtype, width: int = 13) -> list[torch.Tensor]:  # noqa: N802
+def _initial(net: str, dtype: torch.dtype, width: int) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    return [p.detach() for p in TinyNet(width).to(dtype).parameters()]
+    return [p.detach() for p in NETS[net](width).to(dtype).parameters()]
 
 
 def count_collectives(

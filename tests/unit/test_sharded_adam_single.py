@@ -131,7 +131,13 @@ def test_bf16_params_keep_fp32_master() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"stage": 3}, "stage must be 1 or 2, got 3"),
+        ({"stage": 4}, "stage must be 1, 2 or 3, got 4"),
+        ({"reshard_after_forward": False}, "reshard_after_forward only apply to stage 3"),
+        ({"stage": 1, "prefetch_units": 2}, "prefetch_units only apply to stage 3.*got stage=1"),
+        ({"stage": 3, "prefetch_units": -1}, "prefetch_units must be an integer >= 0, got -1"),
+        ({"stage": 3, "unit_modules": [torch.nn.Linear]}, "unit_modules must be None or a tuple"),
+        ({"stage": 3, "min_unit_numel": 1.5}, "min_unit_numel must be an integer >= 0, got 1.5"),
+        ({"stage": 3, "overlap_param_gather": True}, "overlap_param_gather applies to stages 1 and 2"),
         ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a number > 0"),
         ({"reduce_dtype": "int8"}, "reduce_dtype must be None or one of"),
         ({"overlap_comm": "yes"}, "overlap_comm"),

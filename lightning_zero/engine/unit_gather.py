@@ -1,0 +1,234 @@
+"""Stage 3: each unit's parameters are all-gathered just before they are used and freed after.
+
+Between steps a rank holds only its shard of every bucket (:mod:`lightning_zero.layout.flat`,
+``sharded=True``); a unit (:mod:`lightning_zero.layout.units`: a block, or the root's remaining
+parameters) is *gathered* — its buckets' full buffers given storage and all-gathered from every
+rank's shard — at these moments:
+
+  * **forward**: a pre-hook on the unit's module gathers it (waiting only for its own buckets) and
+    launches the gather of the next ``prefetch_units`` units in the order the last forward ran them
+    (registration order on the first step), so the next unit's gather overlaps this one's forward.
+    After the forward, with ``reshard_after_forward`` (the default) the unit is freed at once; the
+    root never is (the loss and the first backward need it at once). A forward without gradients
+    (evaluation) frees every unit after it, root included.
+  * **backward**: a hook on the unit's outputs (``register_multi_grad_hook``, fires before the
+    unit's backward) gathers it again if it was freed, and prefetches the unit that ran before it
+    in forward. When every parameter of the unit has delivered its gradient (the reducer, whose
+    hooks run first, has taken it into its bucket's reduce-scatter), the unit is freed; at the end
+    of backward every unit still gathered is.
+  * **activation checkpointing**: a recomputed forward runs inside backward; its pre-hook gathers
+    the unit, its post-hook leaves it gathered for the backward that follows.
+
+So at most ``1 + prefetch_units`` units (plus the root) hold full parameters at once with
+``reshard_after_forward``; without it every unit stays gathered from its forward to its backward
+(ZeRO-2's parameter memory, one gather per step fewer). Elements sent per step: one all-gather of
+every unit in forward, another of every unit but the root in backward (with
+``reshard_after_forward``), one reduce-scatter of the gradients: ``(3Ψ - Ψ_root)(N-1)/N``.
+
+Limits: every rank must run the same units in the same order (the gathers are collectives);
+parameters are readable outside their unit's forward and backward only through
+:meth:`UnitGather.gather_all` (elsewhere they read NaN, and writes raise); a parameter used
+outside its unit's forward gets a gradient from those NaN values, which raises here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from lightning_zero.comm.communicator import Comm
+from lightning_zero.layout.buckets import Bucket, BucketPlan
+from lightning_zero.layout.flat import FlatParams
+from lightning_zero.layout.units import UnitLayout
+
+
+@dataclass
+class _Unit:
+    """One unit's buckets and per-step state (lives and dies together)."""
+
+    index: int
+    name: str
+    buckets: list[Bucket]
+    params: list[int]
+    pending: list[object] = field(default_factory=list)
+    """Gathers launched and not yet waited for."""
+    arrived: set[int] = field(default_factory=set)
+    """Parameters whose gradient arrived in this backward."""
+
+
+class UnitGather:
+    """The hooks and gathers of stage 3 for one model and one plan."""
+
+    def __init__(
+        self,
+        plan: BucketPlan,
+        flat: FlatParams,
+        comm: Comm,
+        layout: UnitLayout,
+        reshard_after_forward: bool,
+        prefetch_units: int,
+    ) -> None:
+        self.plan, self.flat, self.comm, self.layout = plan, flat, comm, layout
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch_units = prefetch_units
+        by_unit: dict[int, list[Bucket]] = {}
+        for bucket in plan.buckets:
+            by_unit.setdefault(bucket.unit, []).append(bucket)
+        self.units = [
+            _Unit(u, layout.names[u] or "<root>", by_unit.get(u, []), layout.params_of(u))
+            for u in range(len(layout.modules))
+        ]
+        self._order: list[int] = [u for u in range(1, len(self.units))]  # forward order, last step's
+        self._running: list[int] = []  # forward order of this step so far
+        self._callback_queued = False
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        for unit, module in zip(self.units, layout.modules, strict=True):
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward(unit.index)))
+            self._hooks.append(module.register_forward_hook(self._post_forward(unit.index)))
+        for index in range(len(plan.params)):
+            param = flat.params[index]
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._arrival(index)))
+        self.free_all()
+
+    # ---- gathering --------------------------------------------------------------------------
+
+    def gathered(self, unit: int) -> bool:
+        """Whether ``unit``'s full parameters have storage (filled, or being filled)."""
+        return all(self.flat.is_gathered(b) for b in self.units[unit].buckets)
+
+    def gather(self, unit: int, wait: bool = True) -> None:
+        """Launch ``unit``'s all-gathers unless it is gathered; with ``wait``, complete them."""
+        state = self.units[unit]
+        if not self.gathered(unit):
+            for bucket in state.buckets:
+                self.flat.materialize(bucket)
+                state.pending.append(
+                    self.comm.all_gather(
+                        self.flat.bucket(bucket), self.flat.shard(bucket), what="parameter all-gather"
+                    )
+                )
+        if wait:
+            for handle in state.pending:
+                self.comm.wait(handle)
+            state.pending.clear()
+
+    def free(self, unit: int) -> None:
+        """Release ``unit``'s full parameters (after its gathers in flight complete)."""
+        state = self.units[unit]
+        for handle in state.pending:
+            self.comm.wait(handle)
+        state.pending.clear()
+        for bucket in state.buckets:
+            self.flat.free(bucket)
+
+    def free_all(self) -> None:
+        """Release every unit (the state between optimizer steps)."""
+        for unit in range(len(self.units)):
+            self.free(unit)
+
+    def gather_all(self) -> None:
+        """Every unit gathered (to read or save full parameters); :meth:`free_all` releases them."""
+        for unit in range(len(self.units)):
+            self.gather(unit, wait=False)
+        for unit in range(len(self.units)):
+            self.gather(unit)
+
+    def gather_root(self) -> None:
+        """Gather the root unit before a step function that uses it without calling its forward
+        (Lightning calls ``training_step``, not ``forward``); starts this step's forward order."""
+        self._running = []
+        self.gather(0)
+        self._prefetch(0, self._order)
+
+    def _prefetch(self, after: int, order: Sequence[int]) -> None:
+        """Launch the gathers of the ``prefetch_units`` units that follow ``after`` in ``order`` (the
+        first ones after the root)."""
+        if after != 0 and after not in order:
+            return
+        start = 0 if after == 0 else order.index(after) + 1
+        for unit in order[start : start + self.prefetch_units]:
+            self.gather(unit, wait=False)
+
+    # ---- hooks ------------------------------------------------------------------------------
+
+    def _pre_forward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
+        @torch.compiler.disable
+        def hook(module: torch.nn.Module, args: object) -> None:
+            if unit == 0:
+                self._running = []
+            elif unit not in self._running and not _in_backward():
+                self._running.append(unit)
+            self.gather(unit)
+            if not _in_backward():
+                self._prefetch(unit, self._order)
+
+        return hook
+
+    def _post_forward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
+        @torch.compiler.disable
+        def hook(module: torch.nn.Module, args: object, output: object) -> None:
+            if _in_backward():  # recomputation for activation checkpointing: its backward follows
+                return
+            if unit == 0:
+                self._order = list(self._running)
+            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not (torch.is_grad_enabled() and outputs):
+                self.free(unit)  # no backward will come through this forward
+                return
+            torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward(unit), mode="any")
+            if self.reshard_after_forward and unit != 0:
+                self.free(unit)
+
+        return hook
+
+    def _pre_backward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
+        def hook(grad: torch.Tensor) -> None:
+            self._queue_end_of_backward()
+            self.gather(unit)
+            self._prefetch(unit, self._running[::-1])
+
+        return hook
+
+    def _arrival(self, index: int):  # noqa: ANN202 - a closure over the parameter index
+        def hook(param: torch.nn.Parameter) -> None:
+            self._queue_end_of_backward()
+            unit = self.layout.of_param[index]
+            state = self.units[unit]
+            if not self.gathered(unit):
+                raise RuntimeError(
+                    f"stage 3: parameter {self.plan.params[index].name!r} got a gradient while its unit "
+                    f"{state.name!r} was not gathered: it was used outside that module's forward. "
+                    "Choose units (unit_modules) whose forward uses every parameter they hold"
+                )
+            state.arrived.add(index)
+            if unit != 0 and len(state.arrived) == len(state.params):
+                self.free(unit)
+
+        return hook
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self._running:
+            self._order = list(self._running)
+        for state in self.units:
+            state.arrived.clear()
+        self.free_all()
+
+    def remove_hooks(self) -> None:
+        """Remove every hook (the units stay as they are)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (a recomputation)."""
+    return torch._C._current_graph_task_id() != -1

@@ -1,0 +1,50 @@
+"""Stage 3 (parameters sharded too) on 1, 2 and 3 gloo ranks equals torch.optim.AdamW on the same
+global batch, and sends exactly the elements its schedule says. One launch per world size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.distributed.harness import ranks, run_ranks_each
+from tests.distributed.workers import parity
+
+BLOCKS = {"stage": 3, "net": "blocks", "steps": 6, "bucket_cap_mb": 1.0}  # one bucket per unit
+CASES = [
+    {**BLOCKS, "accum": 1, "clip": None},
+    {**BLOCKS, "accum": 4, "clip": 0.05},
+    {**BLOCKS, "accum": 1, "clip": 0.05, "reshard": False},
+    {**BLOCKS, "accum": 4, "clip": None, "reshard": False},
+    {**BLOCKS, "accum": 3, "clip": 0.05, "no_sync": False, "prefetch": 0},
+    {**BLOCKS, "accum": 2, "clip": 0.05, "prefetch": 2, "width": 12, "bucket_cap_mb": 0.0004},
+]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[Any] | RuntimeError]:
+    return {f"stage3_{size}": run_ranks_each([(parity, (CASES,))], size)[0] for size in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_stage3_float64_parity_with_accumulation_clipping_and_unused_parameters(
+    world_size: int, runs: dict
+) -> None:
+    for rank_results in ranks(runs, f"stage3_{world_size}"):
+        for case, result in zip(CASES, rank_results, strict=True):
+            assert result["moved"] > 1e-2, f"parameters barely moved in {case}: the test would be vacuous"
+            assert max(result["max_diff"]) <= 1e-10, (case, result["max_diff"])
+            assert len(set(result["units"])) == 4, "three blocks and the root"
+            assert len(result["units"]) > 4 if case["bucket_cap_mb"] < 1 else len(result["units"]) == 5
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stage3_sends_two_gathers_and_a_reduce_scatter_per_step(world_size: int, runs: dict) -> None:
+    """One all-gather of every unit in forward, one more of every block in backward (none with
+    ``reshard_after_forward=False``), one reduce-scatter: ``(3Ψ - Ψ_root)(N-1)/N`` elements, no more."""
+    for rank_results in ranks(runs, f"stage3_{world_size}"):
+        for case, result in zip(CASES, rank_results, strict=True):
+            if case["accum"] == 1:
+                assert result["elements"] == [result["min_elements"]] * case["steps"], case
+    resharded, kept = ranks(runs, f"stage3_{world_size}")[0][0], ranks(runs, f"stage3_{world_size}")[0][2]
+    assert resharded["min_elements"] > kept["min_elements"] > 0

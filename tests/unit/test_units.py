@@ -1,0 +1,144 @@
+"""Stage 3's layout without a process group: units of gathering, unit-aligned buckets, freed buffers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero import ShardedAdamW, ZeroConfig
+from lightning_zero.layout.buckets import ParamSpec, plan_buckets
+from lightning_zero.layout.flat import FlatParams
+from lightning_zero.layout.units import find_units
+from tests.distributed.models import Block, BlockNet
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _index(params: list[nn.Parameter], param: nn.Parameter) -> int:
+    return next(i for i, p in enumerate(params) if p is param)
+
+
+def test_blocks_of_a_module_list_are_units_and_the_rest_is_the_root() -> None:
+    model = BlockNet()
+    params = _trainable(model)
+    layout = find_units(model, params)
+    assert layout.names == ("", "blocks.0", "blocks.1", "blocks.2")
+    names = {p: n for n, p in model.named_parameters()}
+    for param, unit in zip(params, layout.of_param, strict=True):
+        expected = int(names[param].split(".")[1]) + 1 if names[param].startswith("blocks.") else 0
+        assert unit == expected, names[param]
+
+
+def test_small_blocks_join_the_root_and_classes_choose_units() -> None:
+    model = BlockNet()
+    params = _trainable(model)
+    block_numel = sum(p.numel() for p in model.blocks[0].parameters())
+    assert find_units(model, params, min_unit_numel=block_numel + 1).names == ("",)
+    blocks = ("blocks.0", "blocks.1", "blocks.2")
+    assert find_units(model, params, min_unit_numel=block_numel).names[1:] == blocks
+    by_class = find_units(model, params, unit_modules=(nn.Linear,))
+    assert by_class.names == ("", "inp", "blocks.0.fc", "blocks.1.fc", "blocks.2.fc", "out")
+    norm_weight = _index(params, model.blocks[1].norm.weight)
+    assert by_class.of_param[norm_weight] == 0, "a LayerNorm outside every unit belongs to the root"
+
+
+def test_a_weight_tied_across_units_belongs_to_the_root() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    model[2].weight = model[0].weight
+    params = list(dict.fromkeys(model.parameters()))
+    layout = find_units(model, params)
+    assert layout.of_param[_index(params, model[0].weight)] == 0
+    assert layout.of_param[_index(params, model[1].weight)] == 2
+    assert layout.names == ("", "0", "1", "2")
+
+
+def test_a_bucket_never_holds_two_units() -> None:
+    rng = random.Random(3)
+    for _ in range(50):
+        n = rng.randint(1, 30)
+        specs = [ParamSpec(f"p{i}", (rng.randint(1, 300),), torch.float32) for i in range(n)]
+        units = sorted(rng.randint(0, 5) for _ in range(n))
+        plan = plan_buckets(specs, rng.randint(1, 4), 0.0004, 0.0002, units=units)
+        for bucket in plan.buckets:
+            assert {units[s.param_index] for s in bucket.slots} == {bucket.unit}
+        assert sorted(s.param_index for b in plan.buckets for s in b.slots) == list(range(n))
+    with pytest.raises(ValueError, match="units has 1 entries for 2 parameters"):
+        plan_buckets(specs[:2], 1, units=[0])
+
+
+def test_a_freed_bucket_holds_no_storage_and_its_parameters_read_nan_and_refuse_writes() -> None:
+    block = Block(6).double()
+    params = list(block.parameters())
+    values = [p.detach().clone() for p in params]
+    plan = plan_buckets([ParamSpec(str(i), tuple(p.shape), p.dtype) for i, p in enumerate(params)], 2)
+    flat = FlatParams(params, plan, rank=1, sharded=True)
+    bucket = plan.buckets[0]
+    assert flat.shard(bucket).untyped_storage().data_ptr() != flat.bucket(bucket).untyped_storage().data_ptr()
+    flat.free(bucket)
+    assert flat.bucket(bucket).untyped_storage().nbytes() == 0
+    assert all(p.shape == v.shape for p, v in zip(params, values, strict=True))
+    assert torch.isnan(block.fc.weight.sum())
+    with pytest.raises(RuntimeError, match="single memory location"):
+        block.fc.weight.data.add_(1)
+    assert flat.is_bound(params)
+    flat.materialize(bucket)
+    start = plan.shard_numel(bucket)
+    flat.bucket(bucket)[start:].copy_(flat.shard(bucket))  # what rank 1 contributes to the all-gather
+    assert plan.buckets[0].slots[-1].param_index == 0  # buckets run backwards: the norm's weight is last
+    torch.testing.assert_close(params[0], values[0], rtol=0, atol=0)  # in rank 1's half
+
+
+def test_stage3_at_world_size_one_equals_adamw_and_frees_every_unit_between_steps() -> None:
+    torch.manual_seed(0)
+    model, reference = BlockNet().double(), BlockNet().double()
+    reference.load_state_dict(model.state_dict())
+    opt = ShardedAdamW(
+        _trainable(model),
+        lr=1e-2,
+        config=ZeroConfig(stage=3, min_unit_numel=0, find_unused_parameters=True),
+        module=model,
+    )
+    ref_opt = torch.optim.AdamW(_trainable(reference), lr=1e-2)
+    gathered_in_forward = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(
+            lambda *_: gathered_in_forward.append(sum(opt.engine.units.gathered(u) for u in range(1, 4)))
+        )
+    for step in range(4):
+        x = torch.randn(3, 7, dtype=torch.float64)
+        for net, optimizer in ((model, opt), (reference, ref_opt)):
+            net(x, step % 2 == 0).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        flat = opt.engine.flat
+        assert all(flat.bucket(b).untyped_storage().nbytes() == 0 for b in opt.engine.plan.buckets)
+        assert torch.isnan(model.out.weight).all(), "outside a forward parameters are placeholders"
+        with opt.engine.full_parameters():
+            for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+    assert max(gathered_in_forward) == 2, "a block and the next one prefetched, never more"
+    with pytest.raises(ValueError, match="pass the model"):
+        ShardedAdamW(_trainable(model), config=ZeroConfig(stage=3))
+
+
+class _CallsNoOutputForward(BlockNet):
+    """Uses the output layer's parameters without calling its forward."""
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.frozen(torch.relu(self.inp(x))))
+        return torch.nn.functional.linear(h, self.out.weight, self.out.bias)
+
+
+def test_a_unit_whose_parameters_are_used_without_its_forward_is_an_error_naming_it() -> None:
+    model = _CallsNoOutputForward().double()
+    config = ZeroConfig(stage=3, unit_modules=(nn.Linear,))
+    ShardedAdamW(_trainable(model), config=config, module=model)
+    loss = model(torch.randn(2, 7, dtype=torch.float64)).sum()
+    assert torch.isnan(loss), "the output layer's parameters were read as placeholders"
+    with pytest.raises(RuntimeError, match=r"'out.bias' got a gradient while its unit 'out' was not"):
+        loss.backward()
