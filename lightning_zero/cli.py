@@ -3,7 +3,7 @@
     lightning-zero consolidate SRC DST [--weights-only]
                                      a checkpoint directory -> one standard Lightning checkpoint file
     lightning-zero verify SRC        completeness, sizes, sha256 and metadata of a checkpoint directory
-    lightning-zero estimate ...      model-state memory per rank for ddp / zero1 / zero2
+    lightning-zero estimate ...      model-state memory per rank for ddp / zero1 / zero2 / zero3
 
 Exit status: 0 on success, 1 when ``verify`` or ``consolidate`` finds a problem, 2 on bad arguments.
 """
@@ -90,8 +90,18 @@ def _consolidate(src: Path, dst: Path, weights_only: bool, force: bool) -> int:
     return 0
 
 
-def estimate(params: float, world_size: int, precision: str, bucket_cap_mb: float) -> None:
-    """Print model-state bytes per rank (no activations) for DDP and ZeRO stage 1 / 2."""
+def estimate(
+    params: float,
+    world_size: int,
+    precision: str,
+    bucket_cap_mb: float,
+    stage: int | None = None,
+    unit_params: float = 0.0,
+    prefetch_units: int = 1,
+) -> None:
+    """Print model-state bytes per rank (no activations) for DDP and ZeRO stages 1 / 2 / 3 (``stage``:
+    that one only). Stage 3 holds ``1 + prefetch_units`` gathered units of ``unit_params`` (one
+    block) at once, besides the root's parameters, which this estimate does not know of."""
     p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
     separate_master = m_bytes > p_bytes
     n = world_size
@@ -103,18 +113,32 @@ def estimate(params: float, world_size: int, precision: str, bucket_cap_mb: floa
         # ours, both stages: full parameters, fp32 shard gradient, sharded moments (+ master if 16-bit)
         "zero1": params * (p_bytes + (m_bytes + adam + (m_bytes if separate_master else 0)) / n) + in_flight,
         "zero2": params * (p_bytes + (m_bytes + adam + (m_bytes if separate_master else 0)) / n) + in_flight,
+        # stage 3: the parameters sharded too, plus the units gathered at once
+        "zero3": params * (p_bytes + m_bytes + adam + (m_bytes if separate_master else 0)) / n
+        + (1 + prefetch_units) * unit_params * p_bytes
+        + in_flight,
     }
+    if stage is not None:
+        rows = {name: value for name, value in rows.items() if name in ("ddp", f"zero{stage}")}
     print(
         f"{params / 1e9:.3g}B parameters, {world_size} ranks, {precision}: model state per rank "
         "(parameters, gradients, optimizer; no activations)"
     )
     for name, nbytes in rows.items():
         print(f"  {name:<6} {nbytes / 2**30:10.2f} GiB")
-    print(
-        f"  (zero rows include up to {POOL_SLOTS} x {bucket_cap_mb:g} MiB of gradient buckets in flight; "
-        "stage 1 sends "
-        "1.5x stage 2's bytes for the same memory)"
-    )
+    print(f"  (zero rows include up to {POOL_SLOTS} x {bucket_cap_mb:g} MiB of gradient buckets in flight)")
+    if "zero1" in rows:
+        print("  (stage 1 sends 1.5x stage 2's bytes for the same memory)")
+    if "zero3" in rows:
+        units = (
+            f"{1 + prefetch_units} gathered units of {unit_params / 1e6:.4g}M parameters"
+            if unit_params
+            else "no gathered unit (--unit-params: the parameters of one block)"
+        )
+        print(
+            f"  (zero3 includes {units}; the root's parameters, gathered for the whole step, come on top; "
+            "it sends 1.5x stage 2's elements)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     p_est.add_argument("--world-size", type=int, required=True)
     p_est.add_argument("--precision", choices=sorted(_PRECISION_BYTES), default="bf16-true")
     p_est.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p_est.add_argument("--stage", type=int, choices=(1, 2, 3), help="only this stage's row (besides ddp)")
+    p_est.add_argument("--unit-params", type=float, default=0.0, help="stage 3: parameters of one block")
+    p_est.add_argument("--prefetch-units", type=int, default=1, help="stage 3: units gathered ahead")
     args = parser.parse_args(argv)
     if args.command == "consolidate":
         return _consolidate(args.src, args.dst, args.weights_only, args.force)
@@ -144,7 +171,20 @@ def main(argv: list[str] | None = None) -> int:
         return verify(args.src)
     if args.world_size < 1 or args.params <= 0:
         parser.error(f"--world-size must be >= 1 and --params > 0, got {args.world_size} and {args.params}")
-    estimate(args.params, args.world_size, args.precision, args.bucket_cap_mb)
+    if args.unit_params < 0 or args.prefetch_units < 0:
+        parser.error(
+            "--unit-params and --prefetch-units must be >= 0, "
+            f"got {args.unit_params} and {args.prefetch_units}"
+        )
+    estimate(
+        args.params,
+        args.world_size,
+        args.precision,
+        args.bucket_cap_mb,
+        args.stage,
+        args.unit_params,
+        args.prefetch_units,
+    )
     return 0
 
 

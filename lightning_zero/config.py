@@ -71,7 +71,6 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
-        self._check_stage3_fields()
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
@@ -96,6 +95,7 @@ class ZeroConfig:
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self._check_stage3_fields()
 
     def _check_stage3_fields(self) -> None:
         prefetch, numel, classes = self.prefetch_units, self.min_unit_numel, self.unit_modules

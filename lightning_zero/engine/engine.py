@@ -52,6 +52,7 @@ from lightning_zero.engine.shard_state import ShardState, UpdateRule
 from lightning_zero.engine.unit_gather import UnitGather
 from lightning_zero.layout.buckets import ParamSpec, plan_buckets
 from lightning_zero.layout.flat import FlatParams
+from lightning_zero.layout.partition import shard_range
 from lightning_zero.layout.units import find_units
 
 
@@ -221,6 +222,12 @@ class ShardEngine:
         """``module``'s submodules wait in their forward for the buckets holding their parameters."""
         self.gather.install_forward_waits(module, self.params_in_order)
 
+    def gather_all_units(self) -> None:
+        """Stage 3: gather every unit (each is freed again by its next forward or backward, or at the
+        next step); a no-op below stage 3. All ranks."""
+        if self.units is not None:
+            self.units.gather_all()
+
     def gather_root(self) -> None:
         """Stage 3: gather the root unit before a step function that uses it without calling the
         model's forward (a no-op below stage 3)."""
@@ -228,10 +235,12 @@ class ShardEngine:
             self.units.gather_root()
 
     @contextmanager
-    def full_parameters(self) -> Iterator[None]:
+    def full_parameters(self, writeback: bool = False) -> Iterator[None]:
         """Inside, every planned parameter holds its full value (stage 3 gathers every unit, then frees
-        them; below stage 3, the gathers in flight complete). For reading: at stage 3 writes to the
-        parameters inside are lost at the exit. All ranks."""
+        them; below stage 3, the gathers in flight complete). At stage 3 writes to the parameters
+        inside are lost at the exit, unless ``writeback``: then each rank keeps its slice of what the
+        parameters hold at the exit (identical writes on every rank, e.g. a broadcast, stay
+        consistent) and the fp32 masters are re-read. All ranks."""
         if self.units is None:
             self.wait_for_params()
             yield
@@ -239,6 +248,12 @@ class ShardEngine:
         self.units.gather_all()
         try:
             yield
+            if writeback:
+                with torch.no_grad():
+                    for bucket in self.plan.buckets:
+                        start, end = shard_range(bucket.padded_numel, self.comm.world_size, self.comm.rank)
+                        self.flat.shard(bucket).copy_(self.flat.bucket(bucket)[start:end])
+                self.state.refresh_master()
         finally:
             self.units.free_all()
 
@@ -280,6 +295,11 @@ class ShardEngine:
                 "stage 3: the parameters were given new storage (module.to(...) or a dtype change after "
                 "the optimizer was built); move the model before building the optimizer"
             )
+        self._rebind()
+
+    def _rebind(self) -> None:
+        """Flat buffers of stages 1 and 2 built from the parameters' current values, and every record
+        pointed at them (on the parameters' device)."""
         self.flat = FlatParams(self.params_in_order, self.plan, self.comm.rank)
         device = self.flat.device
         for record in self.state.records:
@@ -289,6 +309,19 @@ class ShardEngine:
             record.grad = record.grad.to(device)
             record.moments = {name: t.to(device) for name, t in record.moments.items()}
         self.gather = ParamGather(self.plan, self.flat, self.comm, self.config.overlap_param_gather)
+
+    @torch.no_grad()
+    def unshard(self) -> None:
+        """Stage 3, after training: every unit gathered for good and the unit hooks removed, so the
+        model holds its full parameters again, as under DDP after ``fit`` (the full model's memory on
+        every rank). The engine keeps its shards for saving, laid out as at stage 2 from here on. All
+        ranks; a no-op below stage 3."""
+        if self.units is None:
+            return
+        self.units.gather_all()
+        self.units.remove_hooks()
+        self.units = None
+        self._rebind()
 
     def refresh_master(self) -> None:
         """Re-read separate (fp32) master shards from the parameters, after parameters were loaded."""

@@ -20,7 +20,8 @@ them; everything they do with the sharded engine lives here, once, and imports n
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import importlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -59,10 +60,11 @@ class ZeroOptions:
     def __post_init__(self) -> None:
         for name in ("log_comm_stats", "sharded_checkpoint", "async_checkpoint", "broadcast_buffers"):
             _check_bool(name, getattr(self, name))
-        if self.config.stage == 3:
+        if self.config.stage == 3 and not self.sharded_checkpoint:
             raise ValueError(
-                "stage=3 (sharded parameters) is not yet available in the Trainer and Fabric strategies, "
-                "only in a standalone ShardedAdamW(..., module=model); use stage 1 or 2 here, got 3"
+                "sharded_checkpoint=False is not supported at stage 3 (one file gathered on rank 0 would "
+                "need the whole model there); save directories and convert one with `lightning-zero "
+                "consolidate DIR FILE`, which streams parameter by parameter"
             )
         if self.async_checkpoint and not self.sharded_checkpoint:
             raise ValueError("async_checkpoint=True needs sharded_checkpoint=True (directories of shards)")
@@ -74,7 +76,10 @@ class ZeroOptions:
         Raises:
             ValueError: a bad value, named with what would be valid.
         """
-        config = ZeroConfig(**{f.name: arguments[f.name] for f in fields(ZeroConfig) if f.name in arguments})
+        settings = {f.name: arguments[f.name] for f in fields(ZeroConfig) if f.name in arguments}
+        if settings.get("unit_modules") is not None:
+            settings["unit_modules"] = resolve_classes("unit_modules", settings["unit_modules"])
+        config = ZeroConfig(**settings)
         own = {f.name: arguments[f.name] for f in fields(cls) if f.name != "config" and f.name in arguments}
         return cls(config=config, **own)
 
@@ -83,6 +88,34 @@ class ZeroOptions:
         for name in names:
             if getattr(self, name):
                 raise ValueError(f"{name}=True is supported by {reason}; use the default False")
+
+
+def resolve_classes(name: str, value: Any) -> tuple[type, ...]:
+    """Module classes from a list of classes or dotted import paths (``"recipes.model.gpt.Block"``,
+    what a YAML config can hold).
+
+    Raises:
+        ValueError: naming the argument, its value and the entry that is no importable module class.
+    """
+    entries = [value] if isinstance(value, str | type) else value
+    if not isinstance(entries, Sequence):  # a list, a tuple, or a config's list
+        raise ValueError(f"{name} must be a list of module classes or import paths, got {value!r}")
+    classes = []
+    for entry in entries:
+        cls = entry
+        if isinstance(entry, str):
+            module_name, _, attr = entry.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module_name), attr) if module_name else None
+            except (ImportError, AttributeError):
+                cls = None
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            raise ValueError(
+                f"{name}: {entry!r} is not an importable torch.nn.Module class (a class, or a path like "
+                f"'package.module.Block'), in {value!r}"
+            )
+        classes.append(cls)
+    return tuple(classes)
 
 
 def sharded_of(optimizer: Any) -> ShardedAdamW:
@@ -123,7 +156,8 @@ class ZeroFrontEnd:
             TypeError: ``optimizer`` is not a ``torch.optim.Adam``/``AdamW``.
             PlanMismatchError: the ranks do not build the same plan.
         """
-        sharded = make_twin(optimizer, self.config, module.named_parameters())
+        stage3 = self.config.stage == 3
+        sharded = make_twin(optimizer, self.config, module.named_parameters(), module if stage3 else None)
         for scheduler in schedulers:
             repoint_scheduler(scheduler, sharded)
         self.optimizer = sharded
@@ -187,8 +221,10 @@ class ZeroFrontEnd:
             self.engine.wait_for_params()
 
     def teardown(self) -> None:
-        """Remove the engine's hooks (waiting for gathers in flight); its state stays for saving."""
+        """Remove the engine's hooks (waiting for gathers in flight); its state stays for saving. At
+        stage 3 the model gets its full parameters back first, as after a fit under DDP. All ranks."""
         if self.engine is not None:
+            self.engine.unshard()
             self.engine.remove_hooks()
 
     def follow_module(self) -> None:

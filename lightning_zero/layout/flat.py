@@ -113,7 +113,7 @@ class FlatParams:
         self.full[bucket.index].untyped_storage().resize_(0)
         for slot in bucket.slots:
             param = self.params[slot.param_index]
-            param.data = self._placeholder(param.dtype).expand(param.shape)
+            param.data = self._placeholder(param.dtype).view(()).expand(param.shape)
         self._gathered[bucket.index] = False
 
     def materialize(self, bucket: Bucket) -> None:

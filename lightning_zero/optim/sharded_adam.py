@@ -185,11 +185,12 @@ class ShardedAdamW(torch.optim.Optimizer):
         owns itself (its submodules wait in their own forward)."""
         self.engine.wait_for_params(root_only)
 
-    def full_parameters(self) -> AbstractContextManager[None]:
+    def full_parameters(self, writeback: bool = False) -> AbstractContextManager[None]:
         """Inside ``with opt.full_parameters():`` every parameter holds its full value: at stage 3 every
-        unit is gathered (and freed at the exit; writes inside are not kept), below it the gathers in
-        flight complete. Call on all ranks."""
-        return self.engine.full_parameters()
+        unit is gathered (and freed at the exit), below it the gathers in flight complete. Writes
+        inside are kept at stage 3 only with ``writeback=True`` (each rank keeps its own slice of what
+        it wrote: write the same values on every rank). Call on all ranks."""
+        return self.engine.full_parameters(writeback)
 
     def is_bound(self) -> bool:
         """Whether every planned parameter still is a view of the flat buffers (``module.to(...)`` or

@@ -29,9 +29,13 @@ def twin_class(optimizer_cls: type) -> type[ShardedAdamW]:
 
 
 def make_twin(
-    optimizer: torch.optim.Optimizer, config: ZeroConfig, named_parameters: Iterable[tuple[str, Any]]
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig,
+    named_parameters: Iterable[tuple[str, Any]],
+    module: torch.nn.Module | None = None,
 ) -> ShardedAdamW:
-    """The sharded twin of ``optimizer`` for a module with ``named_parameters`` (registration order).
+    """The sharded twin of ``optimizer`` for a module with ``named_parameters`` (registration order);
+    ``module``: the model, needed at stage 3.
 
     Must be called on all ranks (the bucket plans are compared).
 
@@ -45,6 +49,7 @@ def make_twin(
         config=config,
         param_order=[p for _, p in named],
         param_names={p: n for n, p in named},
+        module=module,
     )
 
 

@@ -26,7 +26,13 @@ from tests.conf.compose import CONF_DIR, compose_pretrain, group_options
 
 # Mandatory values some options leave open (`???`), filled the way a user would.
 REQUIRED = {"data": ["data.path=README.md"], "cluster": ["cluster.partition=debug"]}
-PARAMS_M = {"tiny": (1, 3), "gpt2_124m": (115, 130), "llama_1b": (1000, 1200), "llama_7b": (6500, 7000)}
+PARAMS_M = {
+    "tiny": (1, 3),
+    "gpt2_124m": (115, 130),
+    "llama_1b": (1000, 1200),
+    "llama_7b": (6500, 7000),
+    "llama_70b": (68000, 70000),
+}
 
 
 def _model(cfg: DictConfig) -> GPT:
@@ -114,7 +120,7 @@ def test_strategy_options(name: str) -> None:
         assert isinstance(instantiate(cfg.strategy), DDPStrategy)
         return
     assert cfg.strategy._target_ == "lightning_zero.ZeroStrategy"
-    assert cfg.strategy.stage == {"zero": 2, "zero1": 1, "zero2": 2}[name]
+    assert cfg.strategy.stage == {"zero": 2, "zero1": 1, "zero2": 2, "zero3": 3}[name]
     assert cfg.strategy.bucket_cap_mb == 25 and cfg.strategy.overlap_comm is True
     lightning_zero = pytest.importorskip("lightning_zero")
     strategy = instantiate(cfg.strategy)

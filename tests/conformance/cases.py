@@ -16,6 +16,7 @@ Fields of a case (all optional):
   ours       our strategies to run (default ``runner.OURS``: zero, and zero with overlap_param_gather;
              cases in ``STAGE1`` add zero1)
   refused    a substring of the error our strategies must raise (the reference must succeed)
+  zero3_refused  the same, for stage 3 only (``"zero3"``: what it refuses and stages 1 and 2 do not)
   object     use strategy objects (``ZeroStrategy(...)``, ``DDPStrategy()``) instead of names
   strategy_kwargs  arguments both strategy objects take (``object`` cases), e.g. ``broadcast_buffers``
   compile_module  fit ``torch.compile(model, backend="aot_eager")`` (Lightning unwraps and recompiles)
@@ -37,6 +38,9 @@ def _add(name: str, **case: Any) -> None:
     CASES[name] = case
 
 
+_BETWEEN_STEPS = "stage 3 holds no full parameters between an optimizer step and the next forward"
+"""Stage 3's refusal of callbacks that may read or write parameters between steps (the trainable set
+changing during fit, EMA, SWA, in-place writes): they would meet placeholders there."""
 _LR_MONITOR = ["LearningRateMonitor", {"logging_interval": "step", "log_momentum": True}]
 
 # every torch LR scheduler a Lightning user returns, at step interval, with LearningRateMonitor
@@ -108,6 +112,7 @@ _add(
     callbacks=[["FreezeAt", {"step": 3}]],
     trainer={"max_steps": 8},
     reference="ddp_find_unused_parameters_true",
+    zero3_refused=_BETWEEN_STEPS,
 )
 _add(
     "add_param_group_mid_fit",
@@ -115,6 +120,7 @@ _add(
     callbacks=[["AddGroupAt", {"step": 3}]],
     trainer={"max_steps": 8, "use_distributed_sampler": False},
     reference="single",
+    zero3_refused=_BETWEEN_STEPS,
 )
 _add(
     "base_finetuning",
@@ -122,6 +128,7 @@ _add(
     callbacks=[["Finetune", {}]],
     trainer={"max_epochs": 3, "limit_train_batches": 3, "use_distributed_sampler": False},
     reference="single",
+    zero3_refused=_BETWEEN_STEPS,
 )
 
 # buffers, parameter readers and writers, gradient norms
@@ -162,11 +169,13 @@ _add(
     module={"batchnorm": True},
     trainer={"max_epochs": 3, "limit_train_batches": 4},
     callbacks=[["StochasticWeightAveraging", {"swa_lrs": 0.005, "swa_epoch_start": 1}]],
+    zero3_refused=_BETWEEN_STEPS,
 )
 _add(
     "ema_callback",
     callbacks=[["EMA", {}]],
     trainer={"max_steps": 6, "val_check_interval": 3, "limit_val_batches": 2},
+    zero3_refused=_BETWEEN_STEPS,
 )
 _add(
     "param_reads_at_phase_changes",
@@ -231,11 +240,16 @@ _add("overfit_batches", trainer={"max_steps": 6, "overfit_batches": 2})
 _add("strategy_objects", trainer={"max_steps": 5, "accumulate_grad_batches": 2}, object=True)
 _add("compile_blocks", module={"compile_blocks": True}, trainer={"max_steps": 4})
 _add("compile_module", compile_module=True, module={"log_metrics": False}, trainer={"max_steps": 4})
-_add("registered_name", trainer={"max_steps": 5, "accumulate_grad_batches": 2}, ours=["zero_by_name"])
+_add(
+    "registered_name",
+    trainer={"max_steps": 5, "accumulate_grad_batches": 2},
+    ours=["zero_by_name", "zero3_by_name"],
+)
 _add(
     "write_weights_in_place_bf16",
     trainer={"max_steps": 4, "precision": "bf16-true"},
     callbacks=[["WriteWeightsAt", {"step": 2}]],
+    zero3_refused=_BETWEEN_STEPS,
 )
 
 # fp32: the sharded update runs the kernel family of the user's AdamW (torch's fused kernel and its

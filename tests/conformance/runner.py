@@ -25,7 +25,7 @@ from tests.conformance import module as M
 from tests.conformance.cases import CASES, STAGE1
 
 WORLD_SIZE = 2
-OURS = ["zero", "zero_overlap"]
+OURS = ["zero", "zero_overlap", "zero3"]
 """Our strategies every case runs under unless it names its own; cases that exercise the gradient
 path (where stage 1 differs: all-reduce instead of reduce-scatter) add "zero1" (``cases.STAGE1``)."""
 CALLBACKS: dict[str, Any] = {
@@ -52,8 +52,12 @@ def _strategy(name: str, as_object: bool, kwargs: dict[str, Any]) -> Any:
         overlap = name == "zero_overlap"  # parameter gathers left in flight into the next forward
         stage = 1 if name == "zero1" else 2
         return ZeroStrategy(stage=stage, overlap_param_gather=overlap, **_SMALL_BUCKETS, **kwargs)
-    if name == "zero_by_name":
-        return "zero"
+    if name == "zero3":  # the backbone's two Linear layers are units, the head the root's
+        from lightning_zero import ZeroStrategy
+
+        return ZeroStrategy(stage=3, min_unit_numel=0, **_SMALL_BUCKETS, **kwargs)
+    if name in ("zero_by_name", "zero3_by_name"):
+        return name.removesuffix("_by_name")
     if as_object and name == "ddp":
         return DDPStrategy(**kwargs)
     return name

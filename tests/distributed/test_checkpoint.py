@@ -16,13 +16,13 @@ import torch
 
 from lightning_zero.checkpoint import META, read_meta, shard_name
 from tests.distributed.harness import ranks, run_ranks_each
-from tests.distributed.models import TinyNet, param_groups
-from tests.distributed.workers_ckpt import global_batch, load_error, resume_phase, save_phase
+from tests.distributed.models import param_groups
+from tests.distributed.workers_ckpt import NETS, global_batch, load_error, resume_phase, save_phase
 
 
-def reference_params(steps: int) -> dict[str, torch.Tensor]:
+def reference_params(steps: int, net: str = "tiny") -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = TinyNet().double()
+    model = NETS[net]().double()
     opt = torch.optim.AdamW(param_groups(model), lr=3e-2)
     for step in range(steps):
         x, y = global_batch(step)
@@ -41,7 +41,14 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert [g["lr"] for g in a["param_groups"]] == [g["lr"] for g in b["param_groups"]]
 
 
-RESHARD = [(2, 3, (2, 2)), (3, 2, (1, 2)), (2, 1, (2, 1))]  # (saved on, loaded on, (stage saved, loaded))
+RESHARD = [  # (saved on, loaded on, (stage saved, loaded), model): stage 3's buckets follow its units
+    (2, 3, (2, 2), "tiny"),
+    (3, 2, (1, 2), "tiny"),
+    (2, 1, (2, 1), "tiny"),
+    (2, 3, (3, 2), "blocks"),
+    (2, 1, (3, 3), "blocks"),
+    (3, 2, (2, 3), "blocks"),
+]
 DAMAGES = ["missing", "truncated", "altered"]
 
 
@@ -86,8 +93,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list
     resumes and loads what round 1 wrote."""
     tmp = tmp_path_factory.mktemp("checkpoint")
     saves: dict[str, tuple[int, Callable[..., Any], tuple]] = {
-        f"save_{a}_{b}": (a, save_phase, (str(tmp / f"reshard_{a}_{b}"), stages[0], 5))
-        for a, b, stages in RESHARD
+        f"save_{a}_{b}_s{s[0]}{s[1]}_{net}": (
+            a,
+            save_phase,
+            (str(tmp / f"reshard_{a}_{b}_s{s[0]}{s[1]}_{net}"), s[0], 5, net),
+        )
+        for a, b, s, net in RESHARD
     }
     saves["same_save"] = (2, save_phase, (str(tmp / "same"), 2, 5))
     saves["same_uninterrupted"] = (2, save_phase_then_more, (str(tmp / "other"),))
@@ -100,8 +111,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list
     meta = torch.load(future / META, weights_only=True)
     torch.save(dict(meta, format_version=99), future / META)
     loads: dict[str, tuple[int, Callable[..., Any], tuple]] = {
-        f"resume_{a}_{b}": (b, resume_phase, (str(tmp / f"reshard_{a}_{b}"), stages[1], 5, 5))
-        for a, b, stages in RESHARD
+        f"resume_{a}_{b}_s{s[0]}{s[1]}_{net}": (
+            b,
+            resume_phase,
+            (str(tmp / f"reshard_{a}_{b}_s{s[0]}{s[1]}_{net}"), s[1], 5, 5, 0.0004, net),
+        )
+        for a, b, s, net in RESHARD
     }
     loads["same_resumed"] = (2, resume_phase, (str(tmp / "same"), 2, 5, 5))
     for damage in DAMAGES:
@@ -114,20 +129,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list
 
 @pytest.mark.parametrize(
     # 2 -> 2 is test_same_world_size_resume_is_bit_identical's (and the Fabric tests reload 2 -> 2 too)
-    ("saved_on", "loaded_on", "stages"),
+    ("saved_on", "loaded_on", "stages", "net"),
     RESHARD,
 )
 def test_reshard_and_continue_equals_single_process(
-    saved_on: int, loaded_on: int, stages: tuple[int, int], runs: tuple[Path, dict]
+    saved_on: int, loaded_on: int, stages: tuple[int, int], net: str, runs: tuple[Path, dict]
 ) -> None:
-    path = runs[0] / f"reshard_{saved_on}_{loaded_on}"
-    saved_state = ranks(runs[1], f"save_{saved_on}_{loaded_on}")[0]
+    """Across world sizes and stages: stage 3 saves the same format, and loads any other stage's."""
+    run = f"{saved_on}_{loaded_on}_s{stages[0]}{stages[1]}_{net}"
+    path = runs[0] / f"reshard_{run}"
+    saved_state = ranks(runs[1], f"save_{run}")[0]
     assert sorted(p.name for p in Path(path).iterdir()) == sorted(
         [META, "model_extra.pt"] + [shard_name(r, saved_on) for r in range(saved_on)]
     )
-    results = ranks(runs[1], f"resume_{saved_on}_{loaded_on}")
+    results = ranks(runs[1], f"resume_{run}")
     assert_same_state(results[0]["loaded"], saved_state)  # bit-identical state after resharding
-    expected = reference_params(10)
+    expected = reference_params(10, net)
     for rank_result in results:
         for name, value in rank_result["final"].items():
             torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-10)
@@ -199,7 +216,12 @@ def test_estimate_cli(capsys: pytest.CaptureFixture[str]) -> None:
     from lightning_zero.cli import main
 
     assert main(["estimate", "--params", "1e9", "--world-size", "8", "--precision", "32-true"]) == 0
-    lines = {line.split()[0]: float(line.split()[1]) for line in capsys.readouterr().out.splitlines()[1:4]}
+    lines = {line.split()[0]: float(line.split()[1]) for line in capsys.readouterr().out.splitlines()[1:5]}
     # fp32 Adam: DDP 20 bytes/param (with its bucket copy); zero2 4 + 12/8 bytes/param + 75 MiB in flight
     assert lines["ddp"] == pytest.approx(20e9 / 2**30, rel=1e-3)
     assert lines["zero2"] == pytest.approx((5.5e9 + 75 * 2**20) / 2**30, rel=1e-3)
+    assert lines["zero3"] == pytest.approx((2e9 + 75 * 2**20) / 2**30, abs=0.006)  # 16/8 bytes/param
+    argv = ["estimate", "--params", "1e9", "--world-size", "8", "--stage", "3", "--unit-params", "1e7"]
+    assert main([*argv, "--precision", "bf16-true"]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:3]]
+    assert rows == ["ddp", "zero3"]

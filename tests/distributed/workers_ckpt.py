@@ -11,7 +11,9 @@ from lightning_zero import ShardedAdamW, ZeroConfig
 from lightning_zero.checkpoint import CheckpointError, read_meta, save_sharded
 from lightning_zero.checkpoint.reshard import load_sharded, preflight
 from lightning_zero.optim.full_state import gather_full_state
-from tests.distributed.models import TinyNet, param_groups
+from tests.distributed.models import BlockNet, TinyNet, param_groups
+
+NETS = {"tiny": TinyNet, "blocks": BlockNet}
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4
 
@@ -25,11 +27,13 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build(
-    stage: int, amsgrad: bool = False, seed: int = 0, cap_mb: float = 0.0004
-) -> tuple[TinyNet, ShardedAdamW]:
+    stage: int, amsgrad: bool = False, seed: int = 0, cap_mb: float = 0.0004, net: str = "tiny"
+) -> tuple[torch.nn.Module, ShardedAdamW]:
+    """``net="blocks"`` at stage 3: three blocks are units (buckets never span two)."""
     torch.manual_seed(seed)
-    model = TinyNet().double()
-    config = ZeroConfig(stage=stage, bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb / 2)
+    model = NETS[net]().double()
+    units = {"min_unit_numel": 0} if stage == 3 else {}
+    config = ZeroConfig(stage=stage, bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb / 2, **units)
     opt = ShardedAdamW(
         param_groups(model),
         lr=3e-2,
@@ -37,11 +41,18 @@ def build(
         config=config,
         param_order=model.parameters(),
         param_names={p: n for n, p in model.named_parameters()},
+        module=model if stage == 3 else None,
     )
     return model, opt
 
 
-def train(model: TinyNet, opt: ShardedAdamW, steps: range, rank: int, world_size: int) -> None:
+def params_of(model: torch.nn.Module, opt: ShardedAdamW) -> dict[str, torch.Tensor]:
+    """Full copies of the parameters (at stage 3 gathered for the read)."""
+    with opt.full_parameters():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(model: torch.nn.Module, opt: ShardedAdamW, steps: range, rank: int, world_size: int) -> None:
     per_rank = GLOBAL_BATCH // world_size
     for step in steps:
         x, y = global_batch(step)
@@ -52,18 +63,28 @@ def train(model: TinyNet, opt: ShardedAdamW, steps: range, rank: int, world_size
         opt.zero_grad()
 
 
-def save_phase(rank: int, world_size: int, path: str, stage: int, steps: int) -> dict[str, Any] | None:
-    model, opt = build(stage)
+def save_phase(
+    rank: int, world_size: int, path: str, stage: int, steps: int, net: str = "tiny"
+) -> dict[str, Any] | None:
+    model, opt = build(stage, net=net)
     train(model, opt, range(steps), rank, world_size)
     save_sharded(opt.engine, path, {"global_step": steps}, {}, stage)
     return gather_full_state(opt.engine)
 
 
 def resume_phase(
-    rank: int, world_size: int, path: str, stage: int, start: int, steps: int, cap_mb: float = 0.0004
+    rank: int,
+    world_size: int,
+    path: str,
+    stage: int,
+    start: int,
+    steps: int,
+    cap_mb: float = 0.0004,
+    net: str = "tiny",
 ) -> dict[str, Any]:
-    model, opt = build(stage, cap_mb=cap_mb)
-    with torch.no_grad():  # scramble what the checkpoint must restore (the frozen layer is not in it)
+    model, opt = build(stage, cap_mb=cap_mb, net=net)
+    # scramble what the checkpoint must restore (the frozen layer is not in it)
+    with torch.no_grad(), opt.full_parameters(writeback=True):
         for p in model.parameters():
             if p.requires_grad:
                 p.normal_()
@@ -71,13 +92,9 @@ def resume_phase(
     preflight(opt.engine, Path(path), meta)
     load_sharded(opt.engine, Path(path), meta)
     loaded = gather_full_state(opt.engine)
-    loaded_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loaded_params = params_of(model, opt)
     train(model, opt, range(start, start + steps), rank, world_size)
-    return {
-        "loaded": loaded,
-        "loaded_params": loaded_params,
-        "final": {n: p.detach().clone() for n, p in model.named_parameters()},
-    }
+    return {"loaded": loaded, "loaded_params": loaded_params, "final": params_of(model, opt)}
 
 
 def load_error(rank: int, world_size: int, path: str, width: int = 13) -> str:

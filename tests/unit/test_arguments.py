@@ -14,7 +14,7 @@ import torch
 
 BAD = {
     # ours: ZeroConfig and ZeroOptions
-    "stage": 3,
+    "stage": 4,
     "bucket_cap_mb": 0,
     "first_bucket_cap_mb": -1.0,
     "overlap_comm": "yes",
@@ -23,6 +23,10 @@ BAD = {
     "find_unused_parameters": "no",
     "align_numel": 0,
     "skip_nonfinite_steps": -1,
+    "reshard_after_forward": "yes",
+    "prefetch_units": -1,
+    "unit_modules": ["no.such.Block"],
+    "min_unit_numel": -1,
     "log_comm_stats": "yes",
     "sharded_checkpoint": "no",
     "async_checkpoint": 1,

@@ -167,7 +167,32 @@ def test_refuses_other_optimizers_and_options() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"stage": 3}, "got 3"),
+        ({"stage": 3, "sharded_checkpoint": False}, "sharded_checkpoint=False is not supported at stage 3"),
+        ({"stage": 3, "unit_modules": ["torch.nn.Linear", "torch.nn.nope"]}, "'torch.nn.nope' is not an"),
+        ({"stage": 3, "unit_modules": "os.path"}, "'os.path' is not an importable torch.nn.Module class"),
+        ({"unit_modules": ["torch.nn.Linear"]}, "unit_modules only apply to stage 3.*got stage=2"),
+    ],
+)
+def test_stage3_arguments_are_checked(kwargs: dict, match: str) -> None:
+    from lightning_zero import ZeroStrategy
+
+    with pytest.raises(ValueError, match=match):
+        ZeroStrategy(**kwargs)
+    strategy = ZeroStrategy(stage=3, unit_modules=["torch.nn.Linear"])
+    assert strategy.zero_config.unit_modules == (torch.nn.Linear,)
+
+
+def test_fabric_refuses_stage3_for_now() -> None:
+    from lightning_zero import ZeroFabricStrategy
+
+    with pytest.raises(ValueError, match="stage=3 .* not yet available in the Fabric strategy"):
+        ZeroFabricStrategy(stage=3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stage": 4}, "got 4"),
         ({"bucket_cap_mb": 0}, "got 0"),
         ({"reduce_dtype": "fp8"}, "'fp8'"),
         ({"sharded_checkpoint": "no"}, "sharded_checkpoint must be True or False, got 'no'"),
@@ -200,6 +225,11 @@ def test_strategy_names_are_registered() -> None:
         pl.Trainer(strategy="zero", accelerator="cpu", devices=1, logger=False).strategy.zero_config.stage
         == 2
     )
+    zero3 = pl.Trainer(strategy="zero3", accelerator="cpu", devices=1, logger=False).strategy
+    assert zero3.zero_config.stage == 3
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    assert "zero2" in STRATEGY_REGISTRY and "zero3" not in STRATEGY_REGISTRY, "Fabric: stages 1 and 2 only"
 
 
 def test_second_backward_before_step_accumulates_like_torch() -> None:

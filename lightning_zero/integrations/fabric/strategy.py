@@ -114,6 +114,12 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
             start_method=start_method,
         )
         options = ZeroOptions.from_arguments(locals())  # every argument checked first
+        if options.config.stage == 3:
+            raise ValueError(
+                "stage=3 (sharded parameters) is not yet available in the Fabric strategy, only in the "
+                "Trainer strategy and a standalone ShardedAdamW(..., module=model); use stage 1 or 2 "
+                "here, got 3"
+            )
         options.refuse(
             ("log_comm_stats", "async_checkpoint"),
             "the Trainer strategy only: a Fabric loop has no end-of-fit hook to report a background "
@@ -243,7 +249,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        register_names(cls, strategy_registry)
+        register_names(cls, strategy_registry, max_stage=2)  # stage 3: the Trainer strategy only, so far
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):

@@ -58,21 +58,31 @@ from lightning_zero.integrations.names import register_names
 from lightning_zero.integrations.trainer.checkpointing import ShardedCheckpointing
 from lightning_zero.integrations.trainer.load import install as install_loader
 from lightning_zero.integrations.trainer.monitor import CommStatsMonitor, SkippedStepsMonitor
-from lightning_zero.integrations.trainer.param_barrier import ParamReadBarrier
+from lightning_zero.integrations.trainer.param_barrier import (
+    ParamReadBarrier,
+    PhaseGather,
+    parameter_readers,
+)
 from lightning_zero.integrations.trainer.precision import shard_aware
 from lightning_zero.optim import ShardedAdamW
 
 
 class ZeroStrategy(ShardedCheckpointing):
-    """ZeRO stage 1 or 2 data parallelism with a sharded Adam/AdamW.
+    """ZeRO stage 1, 2 or 3 data parallelism with a sharded Adam/AdamW.
 
     Args:
         stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
-        find_unused_parameters, align_numel, skip_nonfinite_steps: see :class:`~lightning_zero.ZeroConfig`
+        find_unused_parameters, align_numel, skip_nonfinite_steps, reshard_after_forward,
+        prefetch_units, unit_modules, min_unit_numel: see :class:`~lightning_zero.ZeroConfig`
             (validated there). With ``skip_nonfinite_steps=K > 0`` a step whose gradients hold inf/NaN
             on any rank is skipped on every rank, ``zero/skipped_steps`` is logged, and the ``K``-th
             skipped step in a row raises :class:`~lightning_zero.NonFiniteGradientError` naming
-            ``trainer.global_step`` and the ranks.
+            ``trainer.global_step`` and the ranks. ``unit_modules`` also takes import paths
+            (``["recipes.model.gpt.Block"]``). At stage 3 (``"zero3"``) every rank holds only its shard
+            of the parameters during ``fit``; callbacks and LightningModule hooks that run between an
+            optimizer step and the next forward (``on_train_batch_end``, ...) are refused unless they
+            declare ``reads_parameters_between_steps = False``; after ``fit`` the model holds its full
+            parameters again.
         log_comm_stats: log per step the seconds spent waiting on communication, their share of the
             step, and the elements and bytes sent (``zero/*`` metrics).
         sharded_checkpoint: ``save_checkpoint`` writes a directory, one shard file per rank
@@ -107,6 +117,10 @@ class ZeroStrategy(ShardedCheckpointing):
         find_unused_parameters: bool = False,
         align_numel: int = 1,
         skip_nonfinite_steps: int = 0,
+        reshard_after_forward: bool = True,
+        prefetch_units: int = 1,
+        unit_modules: Any = None,
+        min_unit_numel: int = 100_000,
         log_comm_stats: bool = False,
         sharded_checkpoint: bool = True,
         async_checkpoint: bool = False,
@@ -179,11 +193,13 @@ class ZeroStrategy(ShardedCheckpointing):
         self._fit_running, self._unwinding = fitting, False
         self._check_checkpoint_targets(trainer)
         if fitting:
+            self._refuse_parameter_readers(trainer)
             self.setup_optimizers(trainer)
             self._shard_optimizer()  # compares bucket plans first: a mismatch is an error, not a hang
-            ZeroFrontEnd.sync_module_states(self.model)  # identical start on every rank, as DDP does
             engine = self._zero.engine
             assert engine is not None and self.lightning_module is not None
+            with engine.full_parameters(writeback=True):  # stage 3: every rank keeps its slice
+                ZeroFrontEnd.sync_module_states(self.model)  # identical start on every rank, as DDP does
             engine.refresh_master()
             self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
             callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
@@ -199,9 +215,26 @@ class ZeroStrategy(ShardedCheckpointing):
                 engine.install_forward_waits(self.lightning_module)
                 callbacks[:] = [cb for cb in callbacks if not isinstance(cb, ParamReadBarrier)]
                 callbacks.insert(0, ParamReadBarrier(engine.wait_for_params, trainer))
+            if self.zero_config.stage == 3:
+                callbacks[:] = [cb for cb in callbacks if not isinstance(cb, PhaseGather)]
+                callbacks.insert(0, PhaseGather(engine.gather_all_units, trainer))
         else:
             ZeroFrontEnd.sync_module_states(self.model)
         self.setup_precision_plugin()
+
+    def _refuse_parameter_readers(self, trainer: pl.Trainer) -> None:
+        """Stage 3: code that may read parameters between steps would read placeholders (NaN)."""
+        if self.zero_config.stage != 3:
+            return
+        readers = parameter_readers(trainer)
+        if readers:
+            raise ValueError(
+                f"stage 3 holds no full parameters between an optimizer step and the next forward, where "
+                f"{', '.join(readers)} override(s) hooks (on_train_batch_end, on_train_batch_start, "
+                "on_train_epoch_end/start) that may read them, e.g. an EMA or SWA of the weights. Use "
+                "stage 1 or 2 for them, or set `reads_parameters_between_steps = False` on a callback or "
+                "LightningModule whose hooks do not read parameters"
+            )
 
     def _check_checkpoint_targets(self, trainer: pl.Trainer) -> None:
         """Before any work: a checkpoint IO plugin or a URL that sharded saves could not honour."""
@@ -248,12 +281,23 @@ class ZeroStrategy(ShardedCheckpointing):
         # a non-finite-gradient error names Lightning's step, also after a resume
         self._zero.count_steps_from(module.trainer.global_step)
         self._zero.before_forward(module)
-        if self._zero.engine is not None:  # training_step, not the root's forward: its pre-hook won't fire
-            self._zero.engine.wait_for_params(root_only=True)
+        self._before_step_function()
         output = super().training_step(*args, **kwargs)
         # manual optimization: Lightning turns DDP's sync off around the forward
         self._zero.after_forward(sync_applies=module.automatic_optimization)
         return output
+
+    def _before_step_function(self) -> None:
+        """Lightning calls ``training_step``/``validation_step``, not the root's forward, so the root's
+        forward pre-hook does not run before them: its parameters are waited for (overlapped
+        gathers) or gathered (stage 3) here."""
+        engine = self._zero.engine
+        if engine is None:
+            return
+        if self.zero_config.stage == 3:
+            engine.gather_root()
+        else:
+            engine.wait_for_params(root_only=True)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -262,6 +306,7 @@ class ZeroStrategy(ShardedCheckpointing):
         module = self.lightning_module
         assert module is not None
         self._zero.before_forward(module)
+        self._before_step_function()
         output = super().validation_step(*args, **kwargs)
         self._zero.after_forward(sync_applies=module.automatic_optimization)
         return output
