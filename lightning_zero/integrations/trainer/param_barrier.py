@@ -58,7 +58,9 @@ def _hooks_that_read(trainer: pl.Trainer, this: Callback, hooks: tuple[str, ...]
     others = [cb for cb in trainer.callbacks if cb is not this]  # type: ignore[attr-defined]
     module = trainer.lightning_module
     readers = {hook: _may_read(module, hook, pl.LightningModule) for hook in hooks}
-    return {hook: read or any(_may_read(cb, hook, Callback) for cb in others) for hook, read in readers.items()}
+    for hook in hooks:
+        readers[hook] = readers[hook] or any(_may_read(cb, hook, Callback) for cb in others)
+    return readers
 
 
 def parameter_readers(trainer: pl.Trainer) -> list[str]:
