@@ -1,4 +1,4 @@
-"""Step time, memory and traffic of zero2 / zero1 / ddp / ddp+ZeroRedundancyOptimizer, in one go.
+"""Step time, memory and traffic of zero3 / zero2 / zero1 / ddp / FSDP2 / ddp+ZeRO-optimizer, in one go.
 
     python benchmarks/step_time.py [--model small|large|gpt2|both] [--steps 20] [--devices 2]
 
@@ -52,6 +52,10 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import lightning_zero  # noqa: E402
 
 STRATEGIES = (
+    "zero3",
+    "zero3-keep",
+    "fsdp2",
+    "fsdp2-keep",
     "zero2",
     "zero2-overlap",
     "zero2-5MB",
@@ -66,7 +70,11 @@ STRATEGIES = (
 forward). ``zero2-5MB``: 5 MiB buckets (at 25 MiB a 68 MB model is three buckets).
 ``zero2-nonfinite``: with ``skip_nonfinite_steps`` (a min/max pass per bucket before it is sent, one
 small all-reduce and one host synchronisation per step). ``-fused``: ``AdamW(fused=True)`` (the others
-use torch's default AdamW; the sharded update runs the kernel family the user's optimizer asks for)."""
+use torch's default AdamW; the sharded update runs the kernel family the user's optimizer asks for).
+``zero3``: parameters sharded too, each block a unit (``-keep``: ``reshard_after_forward=False``).
+``fsdp2``: torch's ``fully_shard`` on every block and the root through Lightning's
+``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)``, ``reshard_after_forward=True``
+(``-keep``: ``False``, FSDP2's ZeRO-2); its elements sent are not counted."""
 MODELS = {
     "small": {"layers": 6, "dim": 384, "vocab": 8192},
     "large": {"layers": 4, "dim": 512, "vocab": 32768},
@@ -127,9 +135,17 @@ class GPT(L.LightningModule):
     reads_parameters_between_steps = False  # its batch hooks only time: overlap_param_gather need not wait
 
     def __init__(
-        self, vocab: int, dim: int, layers: int, seq: int, zero_redundancy: bool, fused: bool = False
+        self,
+        vocab: int,
+        dim: int,
+        layers: int,
+        seq: int,
+        zero_redundancy: bool,
+        fused: bool = False,
+        fsdp2_reshard: bool | None = None,
     ) -> None:
         super().__init__()
+        self.fsdp2_reshard = fsdp2_reshard
         self.emb, self.pos = nn.Embedding(vocab, dim), nn.Parameter(torch.zeros(seq, dim))
         self.blocks = nn.ModuleList(Block(dim, max(1, dim // 64)) for _ in range(layers))
         self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
@@ -138,6 +154,16 @@ class GPT(L.LightningModule):
         self.step_s: list[float] = []
         self.wait_s: list[float] = []
         self.counted = {"elements": 0}
+
+    def configure_model(self) -> None:
+        if self.fsdp2_reshard is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.fsdp2_reshard)
+        fully_shard(self, mesh=mesh, reshard_after_forward=self.fsdp2_reshard)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         mask = torch.triu(torch.full((idx.shape[1],) * 2, float("-inf")), diagonal=1)
@@ -200,6 +226,7 @@ class GPT(L.LightningModule):
         self.figures = optimizer_and_grad_bytes(self.trainer, self)
         opt = getattr(self.trainer.strategy, "sharded_optimizer", None)
         self.alone_s = collectives_alone_s(opt) if opt is not None else None
+        self.min_elements = opt.engine.min_elements_per_step() if opt is not None else None
 
 
 def optimizer_and_grad_bytes(trainer: L.Trainer, model: GPT) -> tuple[int, int, int]:
@@ -211,34 +238,38 @@ def optimizer_and_grad_bytes(trainer: L.Trainer, model: GPT) -> tuple[int, int, 
     inner = trainer.optimizers[0]
     inner = getattr(inner, "optim", inner)  # ZeroRedundancyOptimizer keeps the local optimizer in .optim
     state = sum(
-        t.numel() * t.element_size()
+        _local_bytes(t)
         for s in inner.state.values()
         for t in s.values()
         if isinstance(t, torch.Tensor) and t.ndim > 0
     )
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     return state, grads, model.counted["elements"]
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds of ``tensor`` (an FSDP2 DTensor: its local shard)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
 
 
 def collectives_alone_s(opt: Any, repeats: int = 3) -> float:
     """Seconds one step's gradient and parameter collectives take with nothing else running."""
     opt.wait_for_params()
+    engine, stage = opt.engine, opt.config.stage
     times = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        for b, bucket in enumerate(opt.engine.plan.buckets):
+        for b, bucket in enumerate(engine.plan.buckets):
             wire = torch.zeros(bucket.padded_numel)
-            grad = opt.engine.reducer.grad_shards[b]
-            out = grad if opt.config.stage == 2 else wire
-            opt.engine.comm.wait(
-                opt.engine.comm.reduce_scatter(grad, wire)
-                if opt.config.stage == 2
-                else opt.engine.comm.all_reduce(out)
-            )
-            opt.engine.comm.wait(
-                opt.engine.comm.all_gather(opt.engine.flat.bucket(bucket), opt.engine.flat.shard(bucket))
-            )
+            grad = engine.reducer.grad_shards[b]
+            comm = engine.comm
+            comm.wait(comm.reduce_scatter(grad, wire) if stage >= 2 else comm.all_reduce(wire))
+            full = torch.empty(bucket.padded_numel)  # stage 3's full buffers hold no storage here
+            gathers = 2 if stage == 3 and bucket.unit != 0 and opt.config.reshard_after_forward else 1
+            for _ in range(gathers):
+                comm.wait(comm.all_gather(full, engine.flat.shard(bucket)))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -259,16 +290,23 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         args.seq,
         zero_redundancy=name.endswith("Optimizer"),
         fused=name.endswith("fused"),
+        fsdp2_reshard=(not name.endswith("keep")) if name.startswith("fsdp2") else None,
     )
     strategy: Any = "ddp" if name.startswith("ddp") else name
     if name.startswith("zero"):
         cap = 5.0 if name.endswith("5MB") else args.bucket_cap_mb
+        stage3 = {"unit_modules": (Block,), "reshard_after_forward": not name.endswith("keep")}
         strategy = lightning_zero.ZeroStrategy(
             stage=int(name[4]),
             bucket_cap_mb=cap,
             overlap_param_gather=name.endswith("overlap"),
             skip_nonfinite_steps=3 if name.endswith("nonfinite") else 0,
+            **(stage3 if name.startswith("zero3") else {}),
         )
+    if name.startswith("fsdp2"):
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     trainer = L.Trainer(
         strategy=strategy,
         devices=args.devices,
@@ -282,6 +320,7 @@ def run_one(name: str, args: argparse.Namespace) -> None:
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     state_b, grad_b, sent = model.figures
     figures = {
+        "min_elements": model.min_elements,
         "step_s": model.step_s[3:],
         "wait_s": model.wait_s[3:],
         "alone_s": model.alone_s,
@@ -343,6 +382,24 @@ def report(args: argparse.Namespace) -> None:
             f"{saved:>14}{heap or float('nan'):>14.0f}{heap_saved:>14}"
         )
     print(f"\nminimum elements sent per rank and step: 2Ψ(N−1)/N = {minimum / 1e6:.2f}M")
+    for name, ranks in rows.items():
+        if name.startswith("zero3"):
+            own = ranks[0]["min_elements"]
+            print(
+                f"{name}: its schedule's elements per step, (2Ψ + Ψ gathered again in backward)(N−1)/N = "
+                f"{own / 1e6:.2f}M; sent {ranks[0]['elements_sent'] / own:.2f}x that"
+            )
+    if "zero2" in rows:
+        zero2_rss = max(r["peak_rss_mb"] for r in rows["zero2"])
+        param_mb = 4 * params * (n - 1) / n / 2**20
+        for name, ranks in rows.items():
+            if name.startswith(("zero3", "fsdp2")):
+                rss = max(r["peak_rss_mb"] for r in ranks)
+                print(
+                    f"{name}: peak RSS {zero2_rss - rss:+.0f} MB below zero2's, "
+                    f"{(zero2_rss - rss) / param_mb:.0%} of the parameter saving 4Ψ(N−1)/N "
+                    f"= {param_mb:.0f} MB"
+                )
     print(
         f"theoretical RSS saving against ddp: Adam state and gradients to 1/N, no DDP bucket copy = "
         f"{theory_mb:.0f} MB; 'exposed' = time blocked on collectives per step / their time alone;"

@@ -15,7 +15,8 @@ rank's shard — at these moments:
     unit's backward) gathers it again if it was freed, and prefetches the unit that ran before it
     in forward. When every parameter of the unit has delivered its gradient (the reducer, whose
     hooks run first, has taken it into its bucket's reduce-scatter), the unit is freed; at the end
-    of backward every unit still gathered is.
+    of backward every unit but the root still gathered is. The root stays gathered until the
+    optimizer step frees it (the next micro-batch of an accumulation window needs it at once).
   * **activation checkpointing**: a recomputed forward runs inside backward; its pre-hook gathers
     the unit, its post-hook leaves it gathered for the backward that follows.
 
@@ -220,7 +221,8 @@ class UnitGather:
             self._order = list(self._running)
         for state in self.units:
             state.arrived.clear()
-        self.free_all()
+        for unit in range(1, len(self.units)):  # the root stays for the next micro-batch: the step frees it
+            self.free(unit)
 
     def remove_hooks(self) -> None:
         """Remove every hook (the units stay as they are)."""

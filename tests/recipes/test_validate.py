@@ -241,7 +241,7 @@ def test_wandb_logger_is_offline_or_refused_clearly(monkeypatch: pytest.MonkeyPa
             "strategy.device_ids: lightning.pytorch.strategies.DDP",
         ),
         (["strategy.timeout.minutes=5"], "strategy.timeout.minutes"),
-        (["strategy.stage=3"], "stage"),
+        (["strategy.stage=4"], "stage"),
         (["run_name=a", "run_dir=/tmp/elsewhere"], "set hydra.run.dir=/tmp/elsewhere instead"),
     ],
 )
