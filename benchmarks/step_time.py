@@ -71,7 +71,8 @@ forward). ``zero2-5MB``: 5 MiB buckets (at 25 MiB a 68 MB model is three buckets
 ``zero2-nonfinite``: with ``skip_nonfinite_steps`` (a min/max pass per bucket before it is sent, one
 small all-reduce and one host synchronisation per step). ``-fused``: ``AdamW(fused=True)`` (the others
 use torch's default AdamW; the sharded update runs the kernel family the user's optimizer asks for).
-``zero3``: parameters sharded too, each block a unit (``-keep``: ``reshard_after_forward=False``).
+``zero3``: parameters sharded too; units: each block, the embedding and the output layer (the default
+policy), the rest (position table, final norm) the root (``-keep``: ``reshard_after_forward=False``).
 ``fsdp2``: torch's ``fully_shard`` on every block and the root through Lightning's
 ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)``, ``reshard_after_forward=True``
 (``-keep``: ``False``, FSDP2's ZeRO-2); its elements sent are not counted."""
@@ -295,7 +296,7 @@ def run_one(name: str, args: argparse.Namespace) -> None:
     strategy: Any = "ddp" if name.startswith("ddp") else name
     if name.startswith("zero"):
         cap = 5.0 if name.endswith("5MB") else args.bucket_cap_mb
-        stage3 = {"unit_modules": (Block,), "reshard_after_forward": not name.endswith("keep")}
+        stage3 = {"reshard_after_forward": not name.endswith("keep")}  # units: blocks, embedding, head
         strategy = lightning_zero.ZeroStrategy(
             stage=int(name[4]),
             bucket_cap_mb=cap,

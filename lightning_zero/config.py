@@ -63,10 +63,11 @@ class ZeroConfig:
     unit_modules: tuple[type, ...] | None = None
     """Stage 3: the module classes that are units of gathering (e.g. ``(Block,)``); ``None``: each
     module held in an ``nn.ModuleList``/``nn.Sequential`` with at least ``min_unit_numel`` trainable
-    elements (:mod:`lightning_zero.layout.units`). The rest is the root unit."""
+    elements, and each other layer holding that many itself (an embedding, an output layer;
+    :mod:`lightning_zero.layout.units`). The rest is the root unit."""
     min_unit_numel: int = 100_000
-    """Stage 3 without ``unit_modules``: smaller blocks join the root unit (a gather per unit costs a
-    collective's latency)."""
+    """Stage 3 without ``unit_modules``: smaller blocks and layers join the root unit (a gather per unit
+    costs a collective's latency)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):

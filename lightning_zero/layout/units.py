@@ -11,7 +11,9 @@ Which submodules are units:
     auto-wrap policy): every submodule of those classes;
   * otherwise every submodule held in an ``nn.ModuleList`` or ``nn.Sequential`` (the repeated blocks
     of a transformer, the layers of a sequential model) with at least ``min_unit_numel`` trainable
-    elements in its subtree.
+    elements in its subtree, and every other submodule outside those that holds at least
+    ``min_unit_numel`` trainable elements itself (not through a child): the embedding and the output
+    layer of a language model, which would otherwise stay gathered for the whole step in the root.
 
 A parameter belongs to the innermost unit that holds it; one held by two units (weights tied across
 blocks) belongs to the root, which is gathered whenever either runs. Units that end up with no
@@ -71,6 +73,10 @@ def find_units(
         for name, module in root.named_modules()
         if module is not root and _is_unit(module, parent.get(module), unit_modules, min_unit_numel)
     ]
+    if unit_modules is None:
+        candidates += _large_leaves(root, {m for _, m in candidates}, min_unit_numel)
+        order = {m: i for i, (_, m) in enumerate(root.named_modules())}
+        candidates.sort(key=lambda c: order[c[1]])
     candidate_set = {module for _, module in candidates}
     claims: dict[int, list[int]] = {}  # parameter index -> candidates whose own parameters hold it
     for c, (_, module) in enumerate(candidates):
@@ -100,6 +106,26 @@ def _is_unit(
     if not isinstance(parent, nn.ModuleList | nn.Sequential):
         return False
     return sum(p.numel() for p in module.parameters() if p.requires_grad) >= min_unit_numel
+
+
+def _large_leaves(root: nn.Module, units: set[nn.Module], min_unit_numel: int) -> list[tuple[str, nn.Module]]:
+    """Modules outside every unit whose own trainable parameters (not a child's) reach the threshold."""
+    found: list[tuple[str, nn.Module]] = []
+    seen: set[nn.Module] = set()
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            if child in units or child in seen:
+                continue
+            seen.add(child)
+            path = f"{prefix}{name}"
+            own = sum(p.numel() for p in child._parameters.values() if p is not None and p.requires_grad)
+            if own and own >= min_unit_numel and not isinstance(child, _CONTAINERS):
+                found.append((path, child))
+            visit(child, f"{path}.")
+
+    visit(root, "")
+    return found
 
 
 def _own_params(module: nn.Module, units: set[nn.Module]) -> list[nn.Parameter]:

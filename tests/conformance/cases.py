@@ -43,7 +43,16 @@ _BETWEEN_STEPS = "stage 3 holds no full parameters between an optimizer step and
 changing during fit, EMA, SWA, in-place writes): they would meet placeholders there."""
 _LR_MONITOR = ["LearningRateMonitor", {"logging_interval": "step", "log_momentum": True}]
 
-# every torch LR scheduler a Lightning user returns, at step interval, with LearningRateMonitor
+# every torch LR scheduler a Lightning user returns, at step interval, with LearningRateMonitor. Under
+# "zero3" only lambda, sequential (child schedulers holding the groups) and plateau_val run: a schedule
+# reaches the optimizer through the param-group dicts, which are the same objects at every stage.
+_SCHEDULES_ALIKE = ("step", "multistep", "exponential", "cosine", "cosine_restarts", "onecycle", "linear")
+SCHEDULES_WITHOUT_ZERO3 = {f"sched_{s}" for s in (*_SCHEDULES_ALIKE, "chained")} | {
+    "sched_epoch_interval",
+    "sched_frequency_3",
+    "plateau_epoch",
+    "plateau_step",
+}
 for _name in (
     "lambda",
     "step",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -23,15 +24,18 @@ def _index(params: list[nn.Parameter], param: nn.Parameter) -> int:
     return next(i for i, p in enumerate(params) if p is param)
 
 
-def test_blocks_of_a_module_list_are_units_and_the_rest_is_the_root() -> None:
+def test_blocks_of_a_module_list_and_large_layers_are_units_and_the_rest_is_the_root() -> None:
     model = BlockNet()
     params = _trainable(model)
     layout = find_units(model, params)
-    assert layout.names == ("", "blocks.0", "blocks.1", "blocks.2")
+    assert layout.names == ("", "inp", "blocks.0", "blocks.1", "blocks.2", "out")
     names = {p: n for n, p in model.named_parameters()}
     for param, unit in zip(params, layout.of_param, strict=True):
-        expected = int(names[param].split(".")[1]) + 1 if names[param].startswith("blocks.") else 0
-        assert unit == expected, names[param]
+        parts = names[param].split(".")
+        assert layout.names[unit] == ".".join(parts[:2] if parts[0] == "blocks" else parts[:1])
+    # a layer of its own: above the threshold by its own parameters; the frozen one holds none
+    above_output_layer = find_units(model, params, min_unit_numel=104)
+    assert above_output_layer.names == ("", "inp", "blocks.0", "blocks.1", "blocks.2")
 
 
 def test_small_blocks_join_the_root_and_classes_choose_units() -> None:
@@ -93,6 +97,7 @@ def test_a_freed_bucket_holds_no_storage_and_its_parameters_read_nan_and_refuse_
     torch.testing.assert_close(params[0], values[0], rtol=0, atol=0)  # in rank 1's half
 
 
+@pytest.mark.usefixtures("nan_before_free")
 def test_stage3_at_world_size_one_equals_adamw_and_frees_every_unit_between_steps() -> None:
     torch.manual_seed(0)
     model, reference = BlockNet().double(), BlockNet().double()
@@ -107,7 +112,7 @@ def test_stage3_at_world_size_one_equals_adamw_and_frees_every_unit_between_step
     gathered_in_forward = []
     for block in model.blocks:
         block.register_forward_pre_hook(
-            lambda *_: gathered_in_forward.append(sum(opt.engine.units.gathered(u) for u in range(1, 4)))
+            lambda *_: gathered_in_forward.append(sum(opt.engine.units.gathered(u) for u in range(1, 6)))
         )
     for step in range(4):
         x = torch.randn(3, 7, dtype=torch.float64)
@@ -142,3 +147,64 @@ def test_a_unit_whose_parameters_are_used_without_its_forward_is_an_error_naming
     assert torch.isnan(loss), "the output layer's parameters were read as placeholders"
     with pytest.raises(RuntimeError, match=r"'out.bias' got a gradient while its unit 'out' was not"):
         loss.backward()
+
+
+class _Checkpointed(BlockNet):
+    """Each block under activation checkpointing: its forward runs again inside backward."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.frozen(torch.relu(self.inp(x))))
+        for i, block in enumerate(self.blocks):
+            h = torch.utils.checkpoint.checkpoint(
+                block, h, use_extra and i == 1, use_reentrant=self.reentrant
+            )
+        return self.out(h)
+
+
+@pytest.fixture
+def nan_before_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A freed buffer is filled with NaN first, so that a read of freed memory (which on the CPU often
+    still holds the old values) shows in the result instead of passing unnoticed."""
+    free = FlatParams.free
+
+    def poisoned(self: FlatParams, bucket: Any) -> None:
+        if self.is_gathered(bucket):
+            self.bucket(bucket).fill_(float("nan"))
+        free(self, bucket)
+
+    monkeypatch.setattr(FlatParams, "free", poisoned)
+
+
+@pytest.mark.usefixtures("nan_before_free")
+@pytest.mark.parametrize(("reentrant", "early_stop"), [(False, True), (False, False), (True, True)])
+def test_activation_checkpointing_gathers_again_for_the_recomputation(
+    reentrant: bool, early_stop: bool
+) -> None:
+    """Without early stop the recomputation runs each block's whole forward, post-hook included."""
+    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+        _train_checkpointed(reentrant)
+
+
+def _train_checkpointed(reentrant: bool) -> None:
+    torch.manual_seed(0)
+    model = _Checkpointed(reentrant).double()
+    reference = BlockNet().double()
+    reference.load_state_dict(model.state_dict())
+    config = ZeroConfig(stage=3, min_unit_numel=0, find_unused_parameters=True)
+    opt = ShardedAdamW(_trainable(model), lr=1e-2, config=config, module=model)
+    ref_opt = torch.optim.AdamW(_trainable(reference), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(
+            3, 7, dtype=torch.float64, requires_grad=reentrant
+        )  # reentrant needs an input with grad
+        for net, optimizer in ((model, opt), (reference, ref_opt)):
+            net(x, step != 1).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    with opt.full_parameters():
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
