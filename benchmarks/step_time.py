@@ -18,8 +18,9 @@ writes its figures; this script prints them side by side:
   * RSS per rank when training starts (after setup) and at its peak (ru_maxrss), and the peak's
     saving against ddp over the theoretical one (Adam state and gradients cut to 1/N, and no DDP
     bucket copy of the gradients);
-  * the peak of the heap in use (glibc's ``mallinfo2``: bytes allocated and not freed, sampled
-    every millisecond by a thread), the analogue of ``torch.cuda.max_memory_allocated``: RSS also
+  * the peak of the heap in use during training (glibc's ``mallinfo2``: bytes allocated and not
+    freed, sampled every millisecond by a thread, up to ``on_train_end``: zero3's teardown, which
+    gathers the full model back, comes after), the analogue of ``torch.cuda.max_memory_allocated``: RSS also
     counts memory glibc keeps after a free, which depends on the allocation history, not on what
     the strategy holds. Its saving against ddp over the same theoretical one is printed too.
 Figures, not assertions: these machines are noisy, so compare ratios from one run.
@@ -147,6 +148,7 @@ class GPT(L.LightningModule):
     ) -> None:
         super().__init__()
         self.fsdp2_reshard = fsdp2_reshard
+        self.heap: HeapPeak | None = None
         self.emb, self.pos = nn.Embedding(vocab, dim), nn.Parameter(torch.zeros(seq, dim))
         self.blocks = nn.ModuleList(Block(dim, max(1, dim // 64)) for _ in range(layers))
         self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
@@ -224,6 +226,7 @@ class GPT(L.LightningModule):
         self.setup_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     def on_train_end(self) -> None:  # before the strategy tears the sharded optimizer down
+        self.train_heap_mb = self.heap.peak_mb if self.heap is not None else None  # training only
         self.figures = optimizer_and_grad_bytes(self.trainer, self)
         opt = getattr(self.trainer.strategy, "sharded_optimizer", None)
         self.alone_s = collectives_alone_s(opt) if opt is not None else None
@@ -293,6 +296,7 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         fused=name.endswith("fused"),
         fsdp2_reshard=(not name.endswith("keep")) if name.startswith("fsdp2") else None,
     )
+    model.heap = heap
     strategy: Any = "ddp" if name.startswith("ddp") else name
     if name.startswith("zero"):
         cap = 5.0 if name.endswith("5MB") else args.bucket_cap_mb
@@ -330,7 +334,7 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         "elements_sent": sent,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "setup_rss_mb": model.setup_rss_mb,
-        "peak_heap_mb": heap.peak_mb,
+        "peak_heap_mb": model.train_heap_mb,
         "params": sum(p.numel() for p in model.parameters()),
     }
     out = Path(args.out, f"{args.model}.{name}.round{args.round}.rank{trainer.global_rank}.json")

@@ -297,10 +297,10 @@ class ShardEngine:
             )
         self._rebind()
 
-    def _rebind(self) -> None:
-        """Flat buffers of stages 1 and 2 built from the parameters' current values, and every record
-        pointed at them (on the parameters' device)."""
-        self.flat = FlatParams(self.params_in_order, self.plan, self.comm.rank)
+    def _rebind(self, flat: FlatParams | None = None) -> None:
+        """Flat buffers of stages 1 and 2 (``flat``, or built from the parameters' current values), and
+        every record pointed at them (on the parameters' device)."""
+        self.flat = flat if flat is not None else FlatParams(self.params_in_order, self.plan, self.comm.rank)
         device = self.flat.device
         for record in self.state.records:
             separate = record.separate_master
@@ -312,16 +312,21 @@ class ShardEngine:
 
     @torch.no_grad()
     def unshard(self) -> None:
-        """Stage 3, after training: every unit gathered for good and the unit hooks removed, so the
-        model holds its full parameters again, as under DDP after ``fit`` (the full model's memory on
-        every rank). The engine keeps its shards for saving, laid out as at stage 2 from here on. All
-        ranks; a no-op below stage 3."""
+        """Stage 3, after training: the unit hooks removed and every parameter full again, a view of
+        flat buffers laid out as at stage 2, all-gathered bucket by bucket from the shards straight into
+        them (the full model's memory on every rank, once: no unit is gathered on the way). The engine
+        keeps its shards for saving. All ranks; a no-op below stage 3."""
         if self.units is None:
             return
-        self.units.gather_all()
+        self.units.free_all()
         self.units.remove_hooks()
         self.units = None
-        self._rebind()
+        shards = self.flat
+        flat = FlatParams(self.params_in_order, self.plan, self.comm.rank)  # placeholders' NaN, overwritten
+        handles = [self.comm.all_gather(flat.bucket(b), shards.shard(b)) for b in self.plan.buckets]
+        for handle in handles:
+            self.comm.wait(handle)
+        self._rebind(flat)
 
     def refresh_master(self) -> None:
         """Re-read separate (fp32) master shards from the parameters, after parameters were loaded."""

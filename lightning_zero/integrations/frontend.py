@@ -21,6 +21,7 @@ them; everything they do with the sharded engine lives here, once, and imports n
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -165,13 +166,31 @@ class ZeroFrontEnd:
         return sharded
 
     @staticmethod
-    def sync_module_states(module: torch.nn.Module) -> None:
+    def sync_module_states(module: torch.nn.Module, check_same: bool = False) -> None:
         """Rank 0's parameters and buffers on every rank (in place), as DDP does at construction;
-        names in ``module._ddp_params_and_buffers_to_ignore`` are left alone. Call on all ranks."""
+        names in ``module._ddp_params_and_buffers_to_ignore`` are left alone. Call on all ranks.
+
+        Args:
+            check_same: first agree that every rank holds the same tensors (names, shapes, dtypes),
+                so that different models are an error on every rank, not a broadcast that hangs.
+
+        Raises:
+            ValueError: with ``check_same``, on every rank, naming a tensor that differs.
+        """
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        states = [p.detach() for n, p in module.named_parameters() if n not in ignored]
-        states += [b.detach() for n, b in module.named_buffers() if n not in ignored]
-        Comm().broadcast_tensors(states, src=0)
+        tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+        named: list[tuple[str, torch.Tensor]] = [(n, t) for n, t in tensors if n not in ignored]
+        comm = Comm()
+        if check_same:
+            layouts = comm.all_gather_object([(n, tuple(t.shape), str(t.dtype)) for n, t in named])
+            for rank, layout in enumerate(layouts):
+                if layout != layouts[0]:
+                    differ = next((a, b) for a, b in itertools.zip_longest(layout, layouts[0]) if a != b)
+                    raise ValueError(
+                        f"rank {rank} holds another model than rank 0: {differ[0]} where rank 0 has "
+                        f"{differ[1]} (name, shape, dtype); every rank must build the same model"
+                    )
+        comm.broadcast_tensors([t.detach() for _, t in named], src=0)
 
     # ---- forwards ---------------------------------------------------------------------------
 

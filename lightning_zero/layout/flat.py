@@ -53,29 +53,29 @@ class FlatParams:
         """Stage 3: ``(padded_numel,)`` per bucket; its storage is empty while the bucket is freed."""
         self.shards: list[Tensor] = []
         """Stage 3: ``(shard_numel,)`` per bucket, this rank's persistent shard."""
-        if sharded:
-            self.full = [torch.zeros(b.padded_numel, dtype=b.dtype, device=self.device) for b in plan.buckets]
-        else:
+        if not sharded:
             self.buffers = {
                 dtype: torch.zeros(numel, dtype=dtype, device=self.device)
                 for dtype, numel in plan.buffer_numel.items()
             }
         self._views: list[Tensor] = [torch.empty(0)] * len(self.params)
+        self._placeholders: dict[torch.dtype, Tensor] = {}
+        self._gathered = [True] * len(plan.buckets)
         with torch.no_grad():
             for bucket in plan.buckets:
+                if sharded:
+                    self.full.append(torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=self.device))
                 flat = self.bucket(bucket)
                 for slot in bucket.slots:
                     param = params[slot.param_index]
                     view = flat[slot.bucket_offset : slot.bucket_offset + slot.numel].view_as(param)
                     view.copy_(param.detach())
-                    param.data = view
+                    param.data = view  # the parameter's own storage is released here
                     self._views[slot.param_index] = view
-            if sharded:
-                for bucket in plan.buckets:
+                if sharded:  # keep this rank's slice, free the rest at once: one bucket at a time
                     start, end = shard_range(bucket.padded_numel, plan.world_size, rank)
-                    self.shards.append(self.full[bucket.index][start:end].clone())
-        self._placeholders: dict[torch.dtype, Tensor] = {}
-        self._gathered = [True] * len(plan.buckets)
+                    self.shards.append(flat[start:end].clone())
+                    self.free(bucket)
 
     def is_bound(self, params: Sequence[torch.nn.Parameter]) -> bool:
         """Whether ``params`` (in plan order) still are the views (or placeholders) this object bound."""

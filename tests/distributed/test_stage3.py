@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tests.distributed.harness import ranks, run_ranks_each
-from tests.distributed.workers import parity
+from tests.distributed.workers import parity, stage3_sync
 
 BLOCKS = {"stage": 3, "net": "blocks", "steps": 6, "bucket_cap_mb": 1.0}  # one bucket per unit
 CASES = [
@@ -23,7 +23,14 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[Any] | RuntimeError]:
-    return {f"stage3_{size}": run_ranks_each([(parity, (CASES,))], size)[0] for size in (1, 2, 3)}
+    runs: dict[str, list[Any] | RuntimeError] = {}
+    for size in (1, 2, 3):
+        extra = [(stage3_sync, ())] if size == 2 else []
+        out = run_ranks_each([(parity, (CASES,)), *extra], size)
+        runs[f"stage3_{size}"] = out[0]
+        if extra:
+            runs["sync"] = out[1]
+    return runs
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -48,3 +55,9 @@ def test_stage3_sends_two_gathers_and_a_reduce_scatter_per_step(world_size: int,
                 assert result["elements"] == [result["min_elements"]] * case["steps"], case
     resharded, kept = ranks(runs, f"stage3_{world_size}")[0][0], ranks(runs, f"stage3_{world_size}")[0][2]
     assert resharded["min_elements"] > kept["min_elements"] > 0
+
+
+def test_rank0s_parameters_everywhere_before_sharding_and_another_model_refused(runs: dict) -> None:
+    for result in ranks(runs, "sync"):
+        assert result["synced"] == 0.0, "every rank must start from rank 0's parameters"
+        assert "rank 1 holds another model than rank 0: ('inp.weight', (14, 7)" in result["error"]

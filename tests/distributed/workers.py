@@ -336,3 +336,23 @@ def user_grad_is_not_scratch(rank: int, world_size: int) -> dict[str, Any]:
         "adopted_fresh": adopted_fresh,
         "adopted_after": opt.engine.reducer.adopted,
     }
+
+
+def stage3_sync(rank: int, world_size: int) -> dict[str, Any]:
+    """What the Trainer strategy does at stage 3 before sharding: rank 0's values everywhere (each rank
+    starts from another seed), then the sharded optimizer; and a different model on one rank refused."""
+    from lightning_zero.integrations.frontend import ZeroFrontEnd
+
+    torch.manual_seed(rank)
+    model = BlockNet().double()
+    ZeroFrontEnd.sync_module_states(model, check_same=True)
+    opt = ShardedAdamW(model.parameters(), config=ZeroConfig(stage=3, min_unit_numel=0), module=model)
+    params = _initial("blocks", torch.float64, 13)  # seed 0: rank 0's
+    with opt.full_parameters():
+        synced = max((a - b).abs().max().item() for a, b in zip(model.parameters(), params, strict=True))
+    try:
+        ZeroFrontEnd.sync_module_states(BlockNet(13 + rank), check_same=True)
+        error = ""
+    except ValueError as err:
+        error = str(err)
+    return {"synced": synced, "error": error}

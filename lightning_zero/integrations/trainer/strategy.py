@@ -195,11 +195,14 @@ class ZeroStrategy(ShardedCheckpointing):
         if fitting:
             self._refuse_parameter_readers(trainer)
             self.setup_optimizers(trainer)
+            stage3 = self.zero_config.stage == 3
+            if stage3:  # rank 0's full parameters, before each rank keeps only its shard of them
+                ZeroFrontEnd.sync_module_states(self.model, check_same=True)
             self._shard_optimizer()  # compares bucket plans first: a mismatch is an error, not a hang
+            if not stage3:
+                ZeroFrontEnd.sync_module_states(self.model)  # identical start on every rank, as DDP does
             engine = self._zero.engine
             assert engine is not None and self.lightning_module is not None
-            with engine.full_parameters(writeback=True):  # stage 3: every rank keeps its slice
-                ZeroFrontEnd.sync_module_states(self.model)  # identical start on every rank, as DDP does
             engine.refresh_master()
             self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
             callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
