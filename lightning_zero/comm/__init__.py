@@ -5,6 +5,6 @@ timing); how a collective runs on the process group's backend is chosen in one p
 (:mod:`lightning_zero.comm.backends`).
 """
 
-from lightning_zero.comm.communicator import Comm, CommError, CommStats
+from lightning_zero.comm.communicator import Comm, CommError, CommStats, collective_failures
 
-__all__ = ["Comm", "CommError", "CommStats"]
+__all__ = ["Comm", "CommError", "CommStats", "collective_failures"]

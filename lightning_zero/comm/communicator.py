@@ -19,6 +19,8 @@ which
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -31,6 +33,22 @@ from lightning_zero.comm.backends import Backend, backend_for
 
 class CommError(RuntimeError):
     """A collective failed: a peer died, hung past the process group's timeout, or the backend broke."""
+
+
+@contextmanager
+def collective_failures(what: str) -> Iterator[None]:
+    """Run a collective made by other code (Lightning's own barrier, reduce, broadcast) with a backend
+    failure re-raised as a :class:`CommError` naming it, as every collective of ours is, so that code
+    that acts on a peer failure (the recipes' requeue) sees one whichever collective met it."""
+    try:
+        yield
+    except CommError:
+        raise
+    except (RuntimeError, TimeoutError, ConnectionError) as err:  # torch's DistError is a RuntimeError
+        raise CommError(
+            f"{what} failed ({type(err).__name__}: {err}); a peer has died, hung past the process "
+            "group's timeout, or lost its connection"
+        ) from err
 
 
 class _Named:

@@ -47,6 +47,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
+from lightning_zero.comm import collective_failures
 from lightning_zero.config import ZeroConfig
 from lightning_zero.integrations.arguments import (
     check_lightning_arguments,
@@ -270,6 +271,23 @@ class ZeroStrategy(ShardedCheckpointing):
             return
         with engine.no_sync():
             yield None
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with collective_failures("Lightning's barrier"):
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        with collective_failures(f"Lightning's broadcast from rank {src}"):
+            return super().broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        # e.g. ModelCheckpoint's file_exists: a peer that dies there must end this rank as any other
+        # collective does, with a CommError (the recipes requeue on it)
+        with collective_failures("Lightning's reduce"):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def wait_for_params(self) -> None:
         """Complete the parameter all-gathers left in flight by ``overlap_param_gather``: needed before
