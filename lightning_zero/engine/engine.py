@@ -32,19 +32,20 @@ every rank, before any update or gather.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import Tensor
 
 import lightning_zero.engine.grad_math as grad_math
-from lightning_zero.comm.communicator import Comm, CommStats
+from lightning_zero.comm.communicator import Comm
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.figures import EngineFigures
 from lightning_zero.engine.nonfinite import NonFiniteGuard
 from lightning_zero.engine.param_gather import ParamGather
+from lightning_zero.engine.parameters import ParameterAccess
 from lightning_zero.engine.plan_check import check_same_plan
 from lightning_zero.engine.reducer import GradReducer
 from lightning_zero.engine.replan import Parked, carry_state
@@ -52,27 +53,10 @@ from lightning_zero.engine.shard_state import ShardState, UpdateRule
 from lightning_zero.engine.unit_gather import UnitGather
 from lightning_zero.layout.buckets import ParamSpec, plan_buckets
 from lightning_zero.layout.flat import FlatParams
-from lightning_zero.layout.partition import shard_range
 from lightning_zero.layout.units import find_units
 
 
-@dataclass(frozen=True)
-class EngineMemory:
-    """What the engine holds on this rank, for benchmarks and tests."""
-
-    state_bytes: int
-    """Optimizer moments and separate master copies."""
-    grad_shard_bytes: int
-    """The averaged gradient shards."""
-    pool_bytes: int
-    """Accumulation buffers of the wire pool allocated so far."""
-    adopted: int
-    """Gradients that became their bucket's accumulation buffer so far (no copy, no pool slot)."""
-    allocations_outside_pool: int
-    """Accumulation buffers allocated because every pool slot was busy (e.g. ``no_sync``)."""
-
-
-class ShardEngine:
+class ShardEngine(ParameterAccess, EngineFigures):
     """Flat buffers, gradient reduction, shard state and parameter gathers for ``param_groups``.
 
     Args:
@@ -216,135 +200,6 @@ class ShardEngine:
             if param not in kept:  # its own storage: the old flat buffer is freed with the old plan
                 param.data = param.data.clone()
 
-    # ---- parameters -------------------------------------------------------------------------
-
-    def install_forward_waits(self, module: torch.nn.Module) -> None:
-        """``module``'s submodules wait in their forward for the buckets holding their parameters."""
-        self.gather.install_forward_waits(module, self.params_in_order)
-
-    def gather_all_units(self) -> None:
-        """Stage 3: gather every unit (each is freed again by its next forward or backward, or at the
-        next step); a no-op below stage 3. All ranks."""
-        if self.units is not None:
-            self.units.gather_all()
-
-    def gather_root(self) -> None:
-        """Stage 3: gather the root unit before a step function that uses it without calling the
-        model's forward (a no-op below stage 3)."""
-        if self.units is not None:
-            self.units.gather_root()
-
-    @contextmanager
-    def full_parameters(self, writeback: bool = False) -> Iterator[None]:
-        """Inside, every planned parameter holds its full value (stage 3 gathers every unit, then frees
-        them; below stage 3, the gathers in flight complete). At stage 3 writes to the parameters
-        inside are lost at the exit, unless ``writeback``: then each rank keeps its slice of what the
-        parameters hold at the exit (identical writes on every rank, e.g. a broadcast, stay
-        consistent) and the fp32 masters are re-read. All ranks."""
-        if self.units is None:
-            self.wait_for_params()
-            yield
-            return
-        self.units.gather_all()
-        try:
-            yield
-            if writeback:
-                with torch.no_grad():
-                    for bucket in self.plan.buckets:
-                        start, end = shard_range(bucket.padded_numel, self.comm.world_size, self.comm.rank)
-                        self.flat.shard(bucket).copy_(self.flat.bucket(bucket)[start:end])
-                self.state.refresh_master()
-        finally:
-            self.units.free_all()
-
-    def publish_shards(self) -> None:
-        """After this rank's parameter shards were written (a checkpoint load): the full parameters
-        follow them (below stage 3 every bucket is all-gathered; at stage 3 every unit is freed, the
-        next forward gathers it). All ranks."""
-        if self.units is not None:
-            self.units.free_all()
-            return
-        handles = [self.comm.all_gather(self.flat.bucket(b), self.flat.shard(b)) for b in self.plan.buckets]
-        for handle in handles:
-            self.comm.wait(handle)
-
-    def wait_for_params(self, root_only: bool = False) -> None:
-        """Complete the parameter all-gathers still in flight (a no-op without overlap); with
-        ``root_only``, only the buckets holding parameters that the module given to
-        :meth:`install_forward_waits` owns itself, not through a submodule."""
-        if root_only:
-            self.gather.wait_root()
-        else:
-            self.gather.wait()
-
-    def is_bound(self) -> bool:
-        """Whether every planned parameter still is a view of the flat buffers."""
-        return self.flat.is_bound(self.params_in_order)
-
-    @torch.no_grad()
-    def follow_parameters(self) -> None:
-        """After the parameters were given new storage, perhaps on another device (Lightning's teardown
-        moves the module to the CPU): new flat buffers on their device holding their values, bound to
-        them again, and every record's state moved there, so a later save writes the same sharded
-        format and reads no stale buffer. Local: no communication. For saving and reading after
-        training; the gradient hooks stay removed (call after :meth:`remove_hooks`)."""
-        if self.is_bound():
-            return
-        if self.units is not None:
-            raise RuntimeError(
-                "stage 3: the parameters were given new storage (module.to(...) or a dtype change after "
-                "the optimizer was built); move the model before building the optimizer"
-            )
-        self._rebind()
-
-    def _rebind(self, flat: FlatParams | None = None) -> None:
-        """Flat buffers of stages 1 and 2 (``flat``, or built from the parameters' current values), and
-        every record pointed at them (on the parameters' device)."""
-        self.flat = flat if flat is not None else FlatParams(self.params_in_order, self.plan, self.comm.rank)
-        device = self.flat.device
-        for record in self.state.records:
-            separate = record.separate_master
-            record.param = self.flat.shard(record.bucket)
-            record.master = record.master.to(device) if separate else record.param
-            record.grad = record.grad.to(device)
-            record.moments = {name: t.to(device) for name, t in record.moments.items()}
-        self.gather = ParamGather(self.plan, self.flat, self.comm, self.config.overlap_param_gather)
-
-    @torch.no_grad()
-    def unshard(self) -> None:
-        """Stage 3, after training: the unit hooks removed and every parameter full again, a view of
-        flat buffers laid out as at stage 2, all-gathered bucket by bucket from the shards straight into
-        them (the full model's memory on every rank, once: no unit is gathered on the way). The engine
-        keeps its shards for saving. All ranks; a no-op below stage 3."""
-        if self.units is None:
-            return
-        self.units.free_all()
-        self.units.remove_hooks()
-        self.units = None
-        shards = self.flat
-        flat = FlatParams(self.params_in_order, self.plan, self.comm.rank)  # placeholders' NaN, overwritten
-        handles = [self.comm.all_gather(flat.bucket(b), shards.shard(b)) for b in self.plan.buckets]
-        for handle in handles:
-            self.comm.wait(handle)
-        self._rebind(flat)
-
-    def refresh_master(self) -> None:
-        """Re-read separate (fp32) master shards from the parameters, after parameters were loaded."""
-        self.wait_for_params()
-        self.state.refresh_master()
-
-    def broadcast(self, tensors: list[Tensor], src: int = 0) -> None:
-        """Overwrite ``tensors`` (e.g. module buffers) with rank ``src``'s values. All ranks."""
-        self.comm.broadcast_tensors(tensors, src=src)
-
-    def remove_hooks(self) -> None:
-        """Complete the gathers in flight and remove every hook the engine installed (forward waits,
-        gradient hooks). The state stays: saving after it still works."""
-        self.gather.remove_hooks()
-        self.reducer.remove_hooks()
-        if self.units is not None:
-            self.units.remove_hooks()
-
     # ---- gradients --------------------------------------------------------------------------
 
     def no_sync(self) -> AbstractContextManager[None]:
@@ -450,48 +305,3 @@ class ShardEngine:
             }
             for g in self.param_groups
         ]
-
-    # ---- figures ----------------------------------------------------------------------------
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped for inf/NaN gradients (``skip_nonfinite_steps``) since the engine was
-        built; the same on every rank. Steps skipped by fp16 loss scaling are not counted."""
-        return self.guard.skipped_steps
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """Elements and bytes sent and time waited since the counters were last reset."""
-        return self.comm.stats
-
-    def time_device_waits(self) -> None:
-        """Measure communication waits with CUDA events (NCCL, where a host timer reads ~0); they are
-        added to :attr:`comm_stats` by :meth:`flush_timings`."""
-        self.comm.time_device_waits = True
-
-    def flush_timings(self) -> None:
-        """Add the device-measured waits so far to :attr:`comm_stats` (synchronises the device)."""
-        self.comm.flush_timings()
-
-    def gather_floats(self, values: list[float]) -> list[list[float]]:
-        """Every rank's ``values`` (e.g. its step time), in rank order. All ranks; one small collective."""
-        return self.comm.all_gather_floats(values)
-
-    def min_elements_per_step(self) -> int:
-        """The elements a rank must send per step at stage 2 or 3: ``2·Ψ·(N−1)/N`` (padded Ψ), plus at
-        stage 3 with ``reshard_after_forward`` the backward's second gather of every unit but the root."""
-        numel = 2 * sum(b.padded_numel for b in self.plan.buckets)
-        if self.units is not None and self.config.reshard_after_forward:
-            numel += sum(b.padded_numel for b in self.plan.buckets if b.unit != 0)
-        return numel * (self.comm.world_size - 1) // self.comm.world_size
-
-    def memory(self) -> EngineMemory:
-        """What this rank holds (see :class:`EngineMemory`)."""
-        grads = self.reducer.grad_shards
-        return EngineMemory(
-            state_bytes=self.state.nbytes(),
-            grad_shard_bytes=sum(g.numel() * g.element_size() for g in grads),
-            pool_bytes=self.reducer.pool.nbytes(),
-            adopted=self.reducer.adopted,
-            allocations_outside_pool=self.reducer.allocations_outside_pool,
-        )

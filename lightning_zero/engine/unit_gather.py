@@ -224,6 +224,19 @@ class UnitGather:
         for unit in range(1, len(self.units)):  # the root stays for the next micro-batch: the step frees it
             self.free(unit)
 
+    @torch.no_grad()
+    def unshard(self) -> FlatParams:
+        """The end of stage 3 (all ranks): the hooks removed, and the parameters views of new flat
+        buffers laid out as at stages 1 and 2, all-gathered bucket by bucket from the shards straight
+        into them (the full model once; no unit is gathered on the way)."""
+        self.free_all()
+        self.remove_hooks()
+        flat = FlatParams(self.flat.params, self.plan, self.comm.rank)  # the placeholders' NaN, overwritten
+        handles = [self.comm.all_gather(flat.bucket(b), self.flat.shard(b)) for b in self.plan.buckets]
+        for handle in handles:
+            self.comm.wait(handle)
+        return flat
+
     def remove_hooks(self) -> None:
         """Remove every hook (the units stay as they are)."""
         for handle in self._hooks:

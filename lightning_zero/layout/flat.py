@@ -127,6 +127,14 @@ class FlatParams:
             self.params[slot.param_index].data = self._views[slot.param_index]
         self._gathered[bucket.index] = True
 
+    @torch.no_grad()
+    def keep_own_slices(self) -> None:
+        """Stage 3: this rank's slice of every (gathered) full buffer becomes its shard, e.g. after the
+        full parameters were written on every rank alike."""
+        for bucket in self.plan.buckets:
+            start, end = shard_range(bucket.padded_numel, self.plan.world_size, self.rank)
+            self.shards[bucket.index].copy_(self.full[bucket.index][start:end])
+
     def _placeholder(self, dtype: torch.dtype) -> Tensor:
         if dtype not in self._placeholders:
             self._placeholders[dtype] = torch.full((1,), float("nan"), dtype=dtype, device=self.device)

@@ -121,6 +121,7 @@ def _parity_case(
         "elements": elements,
         "min_elements": opt.engine.min_elements_per_step(),
         "units": [b.unit for b in opt.engine.plan.buckets],
+        "padded": sum(b.padded_numel for b in opt.engine.plan.buckets),
     }
 
 

@@ -208,3 +208,17 @@ def _train_checkpointed(reentrant: bool) -> None:
     with opt.full_parameters():
         for a, b in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+
+
+def test_writes_inside_full_parameters_are_kept_only_with_writeback() -> None:
+    model = BlockNet().double()
+    opt = ShardedAdamW(_trainable(model), config=ZeroConfig(stage=3, min_unit_numel=0), module=model)
+    with torch.no_grad(), opt.full_parameters():
+        before = model.out.weight.clone()
+        model.out.weight.fill_(1.0)
+    with opt.full_parameters():
+        torch.testing.assert_close(model.out.weight, before, rtol=0, atol=0)  # dropped at the exit
+    with torch.no_grad(), opt.full_parameters(writeback=True):
+        model.out.weight.fill_(1.0)
+    with opt.full_parameters():
+        assert torch.equal(model.out.weight, torch.ones_like(before))

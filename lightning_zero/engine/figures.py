@@ -1,0 +1,88 @@
+"""What an engine reports: communication counters and timings, memory held, skipped steps.
+
+:class:`EngineFigures` is a part of :class:`~lightning_zero.engine.engine.ShardEngine` (its base),
+kept apart from the training path: benchmarks, the monitor and tests read these, the step never does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_zero.comm.communicator import Comm, CommStats
+from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.nonfinite import NonFiniteGuard
+from lightning_zero.engine.reducer import GradReducer
+from lightning_zero.engine.shard_state import ShardState
+from lightning_zero.engine.unit_gather import UnitGather
+from lightning_zero.layout.buckets import BucketPlan
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What the engine holds on this rank, for benchmarks and tests."""
+
+    state_bytes: int
+    """Optimizer moments and separate master copies."""
+    grad_shard_bytes: int
+    """The averaged gradient shards."""
+    pool_bytes: int
+    """Accumulation buffers of the wire pool allocated so far."""
+    adopted: int
+    """Gradients that became their bucket's accumulation buffer so far (no copy, no pool slot)."""
+    allocations_outside_pool: int
+    """Accumulation buffers allocated because every pool slot was busy (e.g. ``no_sync``)."""
+
+
+class EngineFigures:
+    """Figures of an engine's parts (the attributes :class:`ShardEngine` sets)."""
+
+    comm: Comm
+    config: ZeroConfig
+    guard: NonFiniteGuard
+    plan: BucketPlan
+    reducer: GradReducer
+    state: ShardState
+    units: UnitGather | None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for inf/NaN gradients (``skip_nonfinite_steps``) since the engine was
+        built; the same on every rank. Steps skipped by fp16 loss scaling are not counted."""
+        return self.guard.skipped_steps
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Elements and bytes sent and time waited since the counters were last reset."""
+        return self.comm.stats
+
+    def time_device_waits(self) -> None:
+        """Measure communication waits with CUDA events (NCCL, where a host timer reads ~0); they are
+        added to :attr:`comm_stats` by :meth:`flush_timings`."""
+        self.comm.time_device_waits = True
+
+    def flush_timings(self) -> None:
+        """Add the device-measured waits so far to :attr:`comm_stats` (synchronises the device)."""
+        self.comm.flush_timings()
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` (e.g. its step time), in rank order. All ranks; one small collective."""
+        return self.comm.all_gather_floats(values)
+
+    def min_elements_per_step(self) -> int:
+        """The elements a rank must send per step at stage 2 or 3: ``2·Ψ·(N−1)/N`` (padded Ψ), plus at
+        stage 3 with ``reshard_after_forward`` the backward's second gather of every unit but the root."""
+        numel = 2 * sum(b.padded_numel for b in self.plan.buckets)
+        if self.units is not None and self.config.reshard_after_forward:
+            numel += sum(b.padded_numel for b in self.plan.buckets if b.unit != 0)
+        return numel * (self.comm.world_size - 1) // self.comm.world_size
+
+    def memory(self) -> EngineMemory:
+        """What this rank holds (see :class:`EngineMemory`)."""
+        grads = self.reducer.grad_shards
+        return EngineMemory(
+            state_bytes=self.state.nbytes(),
+            grad_shard_bytes=sum(g.numel() * g.element_size() for g in grads),
+            pool_bytes=self.reducer.pool.nbytes(),
+            adopted=self.reducer.adopted,
+            allocations_outside_pool=self.reducer.allocations_outside_pool,
+        )

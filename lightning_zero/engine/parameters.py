@@ -1,0 +1,156 @@
+"""Where an engine's parameters are full: waits for gathers in flight, stage 3's gathers on request,
+the end of stage 3, and the flat buffers following parameters that were given new storage.
+
+:class:`ParameterAccess` is a part of :class:`~lightning_zero.engine.engine.ShardEngine` (its base):
+everything that reads or rebinds the parameters outside the training path. All of it takes the
+engine's own ``flat``, ``gather`` and ``units`` (stage 3) and communicates through ``comm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from lightning_zero.comm.communicator import Comm
+from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.param_gather import ParamGather
+from lightning_zero.engine.reducer import GradReducer
+from lightning_zero.engine.shard_state import ShardState
+from lightning_zero.engine.unit_gather import UnitGather
+from lightning_zero.layout.buckets import BucketPlan
+from lightning_zero.layout.flat import FlatParams
+
+
+class ParameterAccess:
+    """Reads, waits and rebinds of the parameters (the attributes :class:`ShardEngine` sets)."""
+
+    comm: Comm
+    config: ZeroConfig
+    flat: FlatParams
+    gather: ParamGather
+    params_in_order: list[torch.nn.Parameter]
+    plan: BucketPlan
+    reducer: GradReducer
+    state: ShardState
+    units: UnitGather | None
+
+    def install_forward_waits(self, module: torch.nn.Module) -> None:
+        """``module``'s submodules wait in their forward for the buckets holding their parameters."""
+        self.gather.install_forward_waits(module, self.params_in_order)
+
+    def gather_all_units(self) -> None:
+        """Stage 3: gather every unit (each is freed again by its next forward or backward, or at the
+        next step); a no-op below stage 3. All ranks."""
+        if self.units is not None:
+            self.units.gather_all()
+
+    def gather_root(self) -> None:
+        """Stage 3: gather the root unit before a step function that uses it without calling the
+        model's forward (a no-op below stage 3)."""
+        if self.units is not None:
+            self.units.gather_root()
+
+    @contextmanager
+    def full_parameters(self, writeback: bool = False) -> Iterator[None]:
+        """Inside, every planned parameter holds its full value (stage 3 gathers every unit, then frees
+        them; below stage 3, the gathers in flight complete). At stage 3 writes to the parameters
+        inside are lost at the exit, unless ``writeback``: then each rank keeps its slice of what the
+        parameters hold at the exit (identical writes on every rank, e.g. a broadcast, stay
+        consistent) and the fp32 masters are re-read. All ranks."""
+        if self.units is None:
+            self.wait_for_params()
+            yield
+            return
+        self.units.gather_all()
+        try:
+            yield
+            if writeback:
+                self.flat.keep_own_slices()
+                self.state.refresh_master()
+        finally:
+            self.units.free_all()
+
+    def publish_shards(self) -> None:
+        """After this rank's parameter shards were written (a checkpoint load): the full parameters
+        follow them (below stage 3 every bucket is all-gathered; at stage 3 every unit is freed, the
+        next forward gathers it). All ranks."""
+        if self.units is not None:
+            self.units.free_all()
+            return
+        for b in range(len(self.plan.buckets)):
+            self.gather.launch(b)
+        self.gather.wait()
+
+    def wait_for_params(self, root_only: bool = False) -> None:
+        """Complete the parameter all-gathers still in flight (a no-op without overlap); with
+        ``root_only``, only the buckets holding parameters that the module given to
+        :meth:`install_forward_waits` owns itself, not through a submodule."""
+        if root_only:
+            self.gather.wait_root()
+        else:
+            self.gather.wait()
+
+    def is_bound(self) -> bool:
+        """Whether every planned parameter still is a view of the flat buffers."""
+        return self.flat.is_bound(self.params_in_order)
+
+    @torch.no_grad()
+    def follow_parameters(self) -> None:
+        """After the parameters were given new storage, perhaps on another device (Lightning's teardown
+        moves the module to the CPU): new flat buffers on their device holding their values, bound to
+        them again, and every record's state moved there, so a later save writes the same sharded
+        format and reads no stale buffer. Local: no communication. For saving and reading after
+        training; the gradient hooks stay removed (call after :meth:`remove_hooks`)."""
+        if self.is_bound():
+            return
+        if self.units is not None:
+            raise RuntimeError(
+                "stage 3: the parameters were given new storage (module.to(...) or a dtype change after "
+                "the optimizer was built); move the model before building the optimizer"
+            )
+        self._rebind()
+
+    def _rebind(self, flat: FlatParams | None = None) -> None:
+        """Flat buffers of stages 1 and 2 (``flat``, or built from the parameters' current values), and
+        every record pointed at them (on the parameters' device)."""
+        self.flat = flat if flat is not None else FlatParams(self.params_in_order, self.plan, self.comm.rank)
+        device = self.flat.device
+        for record in self.state.records:
+            separate = record.separate_master
+            record.param = self.flat.shard(record.bucket)
+            record.master = record.master.to(device) if separate else record.param
+            record.grad = record.grad.to(device)
+            record.moments = {name: t.to(device) for name, t in record.moments.items()}
+        self.gather = ParamGather(self.plan, self.flat, self.comm, self.config.overlap_param_gather)
+
+    @torch.no_grad()
+    def unshard(self) -> None:
+        """Stage 3, after training: the unit hooks removed and every parameter full again, a view of
+        flat buffers laid out as at stage 2, all-gathered bucket by bucket from the shards straight into
+        them (the full model's memory on every rank, once: no unit is gathered on the way). The engine
+        keeps its shards for saving. All ranks; a no-op below stage 3."""
+        if self.units is None:
+            return
+        flat = self.units.unshard()
+        self.units = None
+        self._rebind(flat)
+
+    def refresh_master(self) -> None:
+        """Re-read separate (fp32) master shards from the parameters, after parameters were loaded."""
+        self.wait_for_params()
+        self.state.refresh_master()
+
+    def broadcast(self, tensors: list[Tensor], src: int = 0) -> None:
+        """Overwrite ``tensors`` (e.g. module buffers) with rank ``src``'s values. All ranks."""
+        self.comm.broadcast_tensors(tensors, src=src)
+
+    def remove_hooks(self) -> None:
+        """Complete the gathers in flight and remove every hook the engine installed (forward waits,
+        gradient hooks). The state stays: saving after it still works."""
+        self.gather.remove_hooks()
+        self.reducer.remove_hooks()
+        if self.units is not None:
+            self.units.remove_hooks()
