@@ -1,4 +1,4 @@
-"""Step time, memory and traffic of zero3 / zero2 / zero1 / ddp / FSDP2 / ddp+ZeRO-optimizer, in one go.
+"""Step time, memory and traffic of zero3/2/1, ddp and the peers (FSDP2, FSDP, DeepSpeed), in one go.
 
     python benchmarks/step_time.py [--model small|large|gpt2|both] [--steps 20] [--devices 2]
 
@@ -14,7 +14,10 @@ writes its figures; this script prints them side by side:
     same collectives take alone (measured after training with nothing else running);
   * optimizer-state bytes and gradient bytes held per rank after a step;
   * elements sent per step, counted at the collectives (DDP through a counting comm hook,
-    ZeroRedundancyOptimizer's broadcasts through torch.distributed), over the minimum 2Ψ(N−1)/N;
+    ZeroRedundancyOptimizer's broadcasts through torch.distributed, the peers FSDP2, FSDP and
+    DeepSpeed at torch.distributed's all-reduce, all-gather, reduce-scatter and broadcast: a ring's
+    share per rank), over the minimum 2Ψ(N−1)/N, and for the rows that shard parameters over
+    3Ψ(N−1)/N (a gather in forward, another in backward, a reduce-scatter);
   * RSS per rank when training starts (after setup) and at its peak (ru_maxrss), and the peak's
     saving against ddp over the theoretical one (Adam state and gradients cut to 1/N, and no DDP
     bucket copy of the gradients);
@@ -23,6 +26,19 @@ writes its figures; this script prints them side by side:
     gathers the full model back, comes after), the analogue of ``torch.cuda.max_memory_allocated``: RSS also
     counts memory glibc keeps after a free, which depends on the allocation history, not on what
     the strategy holds. Its saving against ddp over the same theoretical one is printed too.
+A row whose launch fails (or whose library is missing: DeepSpeed is optional, ``pip install
+deepspeed==0.19.8``) is printed as "not run: <reason>" and the other rows still run; "n/c" marks a
+figure not counted for that row.
+
+The peers on CPU need workarounds, each a small subclass below: Lightning's ``FSDPStrategy`` and
+``DeepSpeedStrategy`` refuse a CPU accelerator (the first only for its own class, so a subclass is
+enough; the second in ``setup_environment``). FSDP1 then needs ``device_id=torch.device("cpu")`` at
+the wrap (Lightning passes ``root_device.index``, None on CPU). DeepSpeed needs ``DS_ACCELERATOR=cpu``
+(set for every launch) and ``device_rank=local_rank`` (Lightning passes the same None); it then
+runs on gloo. Its stage 3 keeps parameters under 1e5 elements whole on every rank (its
+``stage3_param_persistence_threshold``: layer norms, biases, the position table) and uses Lightning's
+bucket sizes (2e8 elements). Its first launch on a machine JIT-compiles DeepSpeed's CPU
+``shm_comm`` op (g++ and ninja; about 4 minutes here, cached in ``~/.cache/torch_extensions``).
 Figures, not assertions: these machines are noisy, so compare ratios from one run.
 """
 
@@ -30,8 +46,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
+import inspect
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -41,12 +60,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from typing_extensions import override
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not another install
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed import distributed_c10d  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -57,6 +81,10 @@ STRATEGIES = (
     "zero3-keep",
     "fsdp2",
     "fsdp2-keep",
+    "fsdp-full",
+    "fsdp-grad-op",
+    "deepspeed3",
+    "deepspeed2",
     "zero2",
     "zero2-overlap",
     "zero2-5MB",
@@ -76,12 +104,20 @@ use torch's default AdamW; the sharded update runs the kernel family the user's 
 policy), the rest (position table, final norm) the root (``-keep``: ``reshard_after_forward=False``).
 ``fsdp2``: torch's ``fully_shard`` on every block and the root through Lightning's
 ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)``, ``reshard_after_forward=True``
-(``-keep``: ``False``, FSDP2's ZeRO-2); its elements sent are not counted."""
+(``-keep``: ``False``, FSDP2's ZeRO-2). ``fsdp-full``: FSDP1 ``ShardingStrategy.FULL_SHARD``, one unit
+per block (``auto_wrap_policy={Block}``) and the root; ``fsdp-grad-op``: ``SHARD_GRAD_OP`` (parameters
+kept gathered from forward to backward, like ``-keep``). Both with Lightning's default
+``use_orig_params=True``, under which ``configure_optimizers`` sees flattened 1-D parameter shards (a
+``p.ndim >= 2`` weight-decay rule would put every weight in the no-decay group; this model's
+optimizer has one group). ``deepspeed3`` / ``deepspeed2``: Lightning's ``DeepSpeedStrategy(stage=3 / 2)``
+with its defaults and the model's own AdamW."""
 MODELS = {
     "small": {"layers": 6, "dim": 384, "vocab": 8192},
     "large": {"layers": 4, "dim": 512, "vocab": 32768},
     "gpt2": {"layers": 12, "dim": 768, "vocab": 32768},
 }
+WARMUP_STEPS = 3
+"""Steps left out of the step time (at least one step is kept)."""
 BOTH = ("small", "large")
 """What ``--model both`` (the default) runs. ``gpt2`` (135M: GPT-2 small's shape, untied output layer)
 is run on its own: about 10 s per step and 3 GB per rank under ddp on a CPU core, so memory only,
@@ -233,14 +269,100 @@ class GPT(L.LightningModule):
         self.min_elements = opt.engine.min_elements_per_step() if opt is not None else None
 
 
-def optimizer_and_grad_bytes(trainer: L.Trainer, model: GPT) -> tuple[int, int, int]:
-    """(optimizer state bytes, gradient bytes, elements sent in the last step) on this rank."""
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDP (FSDP1) on CPU: the accelerator check refuses only ``FSDPStrategy`` itself, and
+    torch wants ``device_id=torch.device("cpu")`` where Lightning passes ``root_device.index`` (None)."""
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+
+
+class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's DeepSpeed on CPU (needs ``DS_ACCELERATOR=cpu`` before deepspeed is imported): past
+    the CUDA-only check and the check that device indices equal local ranks (CPU devices have none),
+    with ``device_rank=local_rank`` where Lightning passes ``root_device.index``."""
+
+    @override
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's own only adds the CUDA check
+
+    @override
+    def setup_distributed(self) -> None:
+        reset_seed()  # DeepSpeedStrategy's own, less the device-index check
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @override
+    def _setup_model_and_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None
+    ) -> tuple[Any, torch.optim.Optimizer]:
+        import deepspeed
+
+        engine, optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, optimizer
+
+
+RING_NUMEL = {
+    "all_reduce": lambda a, n: 2 * a["tensor"].numel(),
+    "broadcast": lambda a, n: a["tensor"].numel(),
+    "all_gather_single": lambda a, n: a["output_tensor"].numel(),
+    "all_gather": lambda a, n: n * a["tensor"].numel(),  # FSDP1 on CPU gathers into a list
+    "reduce_scatter_single": lambda a, n: a["input"].numel(),
+    "reduce_scatter": lambda a, n: n * a["output"].numel(),
+}
+"""Collective: (bound arguments, world size) -> M, where one rank sends M(N−1)/N elements in a ring.
+torch 2.13's ``all_gather_into_tensor``, ``_all_gather_base``, ``reduce_scatter_tensor`` and
+``_reduce_scatter_base`` call the ``_single`` ones through ``distributed_c10d``'s globals."""
+
+
+def count_collectives(counted: dict[str, int]) -> None:
+    """Adds a ring's share of every torch.distributed collective this process calls from now on to
+    ``counted["elements"]`` (the world size taken as the group's: the peers here use one group)."""
+    for fn_name, ring_numel in RING_NUMEL.items():
+        counting = _counting(getattr(distributed_c10d, fn_name), ring_numel, counted)
+        setattr(distributed_c10d, fn_name, counting)  # what the deprecated aliases call
+        setattr(dist, fn_name, counting)  # what FSDP, FSDP2 and DeepSpeed call
+
+
+def _counting(original: Any, ring_numel: Any, counted: dict[str, int]) -> Any:
+    signature = inspect.signature(original)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        n = dist.get_world_size()
+        counted["elements"] += ring_numel(signature.bind(*args, **kwargs).arguments, n) * (n - 1) // n
+        return original(*args, **kwargs)
+
+    return counting
+
+
+def optimizer_and_grad_bytes(trainer: L.Trainer, model: GPT) -> tuple[int, int | None, int]:
+    """(optimizer state bytes, gradient bytes or None where not counted, elements sent in the last
+    step) on this rank."""
     opt = getattr(trainer.strategy, "sharded_optimizer", None)
     if opt is not None:
         grads = sum(g.numel() * g.element_size() for g in opt.engine.reducer.grad_shards)
         return opt.engine.memory().state_bytes, grads, opt.engine.comm_stats.elements_sent
     inner = trainer.optimizers[0]
     inner = getattr(inner, "optim", inner)  # ZeroRedundancyOptimizer keeps the local optimizer in .optim
+    inner = getattr(inner, "optimizer", inner)  # DeepSpeed's ZeRO optimizers wrap the model's
     state = sum(
         _local_bytes(t)
         for s in inner.state.values()
@@ -248,6 +370,8 @@ def optimizer_and_grad_bytes(trainer: L.Trainer, model: GPT) -> tuple[int, int, 
         if isinstance(t, torch.Tensor) and t.ndim > 0
     )
     grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    if isinstance(trainer.strategy, DeepSpeedStrategy):  # its gradients live in its own buffers
+        return state, None, model.counted["elements"]
     return state, grads, model.counted["elements"]
 
 
@@ -278,30 +402,32 @@ def collectives_alone_s(opt: Any, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def run_one(name: str, args: argparse.Namespace) -> None:
-    heap = HeapPeak()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    vocab = MODELS[args.model]["vocab"]
-    tokens = torch.randint(0, vocab, (args.steps * args.batch * args.devices, args.seq + 1), generator=g)
-    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    shape = MODELS[args.model]
-    model = GPT(
+def model_shape(args: argparse.Namespace) -> dict[str, int]:
+    """``args.model``'s shape with ``--layers``, ``--dim``, ``--vocab`` laid over it."""
+    overrides = {k: getattr(args, k) for k in ("layers", "dim", "vocab") if getattr(args, k) is not None}
+    return {**MODELS[args.model], **overrides}
+
+
+def make_model(name: str, shape: dict[str, int], seq: int) -> GPT:
+    return GPT(
         shape["vocab"],
         shape["dim"],
         shape["layers"],
-        args.seq,
+        seq,
         zero_redundancy=name.endswith("Optimizer"),
         fused=name.endswith("fused"),
         fsdp2_reshard=(not name.endswith("keep")) if name.startswith("fsdp2") else None,
     )
-    model.heap = heap
-    strategy: Any = "ddp" if name.startswith("ddp") else name
+
+
+def make_strategy(name: str, args: argparse.Namespace) -> Any:
+    """The Trainer's ``strategy`` for the row ``name`` of STRATEGIES."""
+    if name.startswith("ddp"):
+        return "ddp"
     if name.startswith("zero"):
         cap = 5.0 if name.endswith("5MB") else args.bucket_cap_mb
         stage3 = {"reshard_after_forward": not name.endswith("keep")}  # units: blocks, embedding, head
-        strategy = lightning_zero.ZeroStrategy(
+        return lightning_zero.ZeroStrategy(
             stage=int(name[4]),
             bucket_cap_mb=cap,
             overlap_param_gather=name.endswith("overlap"),
@@ -311,9 +437,64 @@ def run_one(name: str, args: argparse.Namespace) -> None:
     if name.startswith("fsdp2"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+        return ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    if name.startswith("fsdp-"):
+        from torch.distributed.fsdp import ShardingStrategy
+
+        full = name == "fsdp-full"
+        sharding = ShardingStrategy.FULL_SHARD if full else ShardingStrategy.SHARD_GRAD_OP
+        return CPUFSDPStrategy(sharding_strategy=sharding, auto_wrap_policy={Block})
+    if name.startswith("deepspeed"):
+        return CPUDeepSpeedStrategy(stage=int(name[-1]))
+    raise ValueError(f"unknown strategy row {name!r}")
+
+
+def unavailable(name: str) -> str | None:
+    """Why the row ``name`` cannot run in this environment, or None."""
+    if name.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed not installed (pip install deepspeed==0.19.8)"
+    return None
+
+
+def child_env() -> dict[str, str]:
+    """The environment of every launch: one thread per rank, DeepSpeed's CPU accelerator."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
+
+
+def failure_reason(returncode: int, stderr: str) -> str:
+    """One line saying why a launch failed: the last exception line of its stderr, else its last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", line)]
+    if errors:
+        return errors[-1][:300]
+    if returncode < 0:
+        return f"killed by signal {-returncode}"
+    return f"exit code {returncode}: {lines[-1][:300] if lines else 'no output'}"
+
+
+def figures_path(args: argparse.Namespace, name: str, round_: int, rank: int) -> Path:
+    return Path(args.out, f"{args.model}.{name}.round{round_}.rank{rank}.json")
+
+
+def run_one(name: str, args: argparse.Namespace) -> None:
+    """One launch of the row ``name`` (this process is rank 0; Lightning starts the others): trains
+    and writes this rank's figures to ``figures_path``."""
+    heap = HeapPeak()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    shape = model_shape(args)
+    tokens = torch.randint(
+        0, shape["vocab"], (args.steps * args.batch * args.devices, args.seq + 1), generator=g
+    )
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    model = make_model(name, shape, args.seq)
+    model.heap = heap
+    params = sum(p.numel() for p in model.parameters())  # before a wrapper shards them
+    if name.startswith(("fsdp", "deepspeed")):
+        count_collectives(model.counted)
     trainer = L.Trainer(
-        strategy=strategy,
+        strategy=make_strategy(name, args),
         devices=args.devices,
         accelerator="cpu",
         max_steps=args.steps,
@@ -324,10 +505,11 @@ def run_one(name: str, args: argparse.Namespace) -> None:
     )
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     state_b, grad_b, sent = model.figures
+    skip = min(WARMUP_STEPS, len(model.step_s) - 1)  # at least one step is kept
     figures = {
         "min_elements": model.min_elements,
-        "step_s": model.step_s[3:],
-        "wait_s": model.wait_s[3:],
+        "step_s": model.step_s[skip:],
+        "wait_s": model.wait_s[skip:],
         "alone_s": model.alone_s,
         "opt_state_bytes": state_b,
         "grad_bytes": grad_b,
@@ -335,58 +517,105 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "setup_rss_mb": model.setup_rss_mb,
         "peak_heap_mb": model.train_heap_mb,
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": params,
     }
-    out = Path(args.out, f"{args.model}.{name}.round{args.round}.rank{trainer.global_rank}.json")
-    out.write_text(json.dumps(figures))
+    figures_path(args, name, args.round, trainer.global_rank).write_text(json.dumps(figures))
 
 
-def report(args: argparse.Namespace) -> None:
+def state_stage(name: str) -> int:
+    """What the row ``name`` shards at its peak, as a ZeRO stage: 0 (nothing), 1 (optimizer state),
+    2 (and gradients; also the rows that keep parameters gathered from forward to backward), 3."""
+    if name == "ddp+ZeroRedundancyOptimizer" or name == "zero1":
+        return 1
+    if name.startswith(("zero3", "fsdp2", "fsdp-full", "deepspeed3")) and not name.endswith("keep"):
+        return 3
+    return 0 if name.startswith("ddp") else 2
+
+
+def states_mb(params: int, n: int, stage: int) -> float:
+    """Model states per rank (fp32 parameters, gradients, Adam's two moments) by the ZeRO paper's count."""
+    sharded = {0: 0, 1: 8, 2: 12, 3: 16}[stage]  # bytes per parameter cut to 1/N
+    return ((16 - sharded) * params + sharded * params / n) / 2**20
+
+
+def load_rows(args: argparse.Namespace, not_run: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+    """Every rank's figures of every round, by row; a row with a missing file goes to ``not_run``."""
     rows = {}
     for name in args.strategies.split(","):
-        rows[name] = [
-            json.loads(Path(args.out, f"{args.model}.{name}.round{k}.rank{r}.json").read_text())
-            for k in range(args.rounds)
-            for r in range(args.devices)
-        ]
-    params = rows["ddp"][0]["params"]
+        paths = [figures_path(args, name, k, r) for k in range(args.rounds) for r in range(args.devices)]
+        missing = [p for p in paths if not p.exists()]
+        if name not in not_run and missing:
+            not_run[name] = f"no figures in {missing[0]}"
+        if name not in not_run:
+            rows[name] = [json.loads(p.read_text()) for p in paths]
+    return rows
+
+
+def report(args: argparse.Namespace, not_run: dict[str, str]) -> None:
+    rows = load_rows(args, not_run)
+    if not rows:
+        print(f"\nGPT {args.model}: no row ran")
+        for name, reason in not_run.items():
+            print(f"{name:<30}not run: {reason}")
+        return
+    params = next(iter(rows.values()))[0]["params"]
     n = args.devices
-    minimum = 2 * params * (n - 1) // n
-    ddp_median = statistics.median(s for r in rows["ddp"] for s in r["step_s"])
-    ddp_rss = max(r["peak_rss_mb"] for r in rows["ddp"])
-    ddp_heap = max(r["peak_heap_mb"] or 0.0 for r in rows["ddp"])
-    theory_mb = (8 * params * (n - 1) / n + 4 * params * (n - 1) / n + 4 * params) / 2**20
+    ddp = rows.get("ddp")
+    ref = {
+        "step_s": statistics.median(s for r in ddp for s in r["step_s"]) if ddp else None,
+        "rss": max(r["peak_rss_mb"] for r in ddp) if ddp else None,
+        "heap": max(r["peak_heap_mb"] or 0.0 for r in ddp) if ddp else None,
+        "theory_mb": (8 * params * (n - 1) / n + 4 * params * (n - 1) / n + 4 * params) / 2**20,
+    }
     print(
         f"\nGPT {args.model}, {params / 1e6:.1f}M params, {n} ranks x 1 thread, gloo, fp32, batch "
         f"{args.batch}x{args.seq} per rank, {args.steps} steps x {args.rounds} rounds, strategies "
-        f"interleaved (median of steps 4..)\n"
+        f"interleaved (median of steps {WARMUP_STEPS + 1}..)\n"
     )
     header = (
         f"{'strategy':<30}{'step s':>8}{'vs ddp':>8}{'exposed':>9}{'opt state MB':>14}{'grads MB':>10}"
-        f"{'sent/step':>12}{'vs min':>8}{'start RSS':>10}{'peak RSS MB':>13}{'saved/theory':>14}"
-        f"{'peak heap MB':>14}{'saved/theory':>14}"
+        f"{'sent/step':>12}{'vs min':>8}{'vs 3Ψ':>8}{'start RSS':>10}{'peak RSS MB':>13}{'states MB':>11}"
+        f"{'RSS-states':>12}{'saved/theory':>14}{'peak heap MB':>14}{'saved/theory':>14}"
     )
     print(header)
     print("-" * len(header))
-    for name, ranks in rows.items():
-        med = statistics.median(s for r in ranks for s in r["step_s"])
-        r0 = ranks[0]
-        rss = max(r["peak_rss_mb"] for r in ranks)
-        exposed = "n/a"
-        if r0.get("alone_s"):
-            waits = statistics.median(w for r in ranks for w in r["wait_s"])
-            alone = statistics.median(r["alone_s"] for r in ranks)
-            exposed = f"{waits / alone:.0%}"
-        saved = "" if name.startswith("ddp") else f"{(ddp_rss - rss) / theory_mb:.0%}"
-        heap = max(r["peak_heap_mb"] or 0.0 for r in ranks)
-        heap_saved = "" if name.startswith("ddp") or not heap else f"{(ddp_heap - heap) / theory_mb:.0%}"
-        print(
-            f"{name:<30}{med:>8.3f}{med / ddp_median:>8.2f}{exposed:>9}{r0['opt_state_bytes'] / 2**20:>14.1f}"
-            f"{r0['grad_bytes'] / 2**20:>10.1f}{r0['elements_sent'] / 1e6:>11.2f}M"
-            f"{r0['elements_sent'] / minimum:>8.2f}{max(r['setup_rss_mb'] for r in ranks):>10.0f}{rss:>13.0f}"
-            f"{saved:>14}{heap or float('nan'):>14.0f}{heap_saved:>14}"
-        )
-    print(f"\nminimum elements sent per rank and step: 2Ψ(N−1)/N = {minimum / 1e6:.2f}M")
+    for name in args.strategies.split(","):
+        if name in not_run:
+            print(f"{name:<30}not run: {not_run[name]}")
+        else:
+            print(row_line(name, rows[name], ref, params, n))
+    notes(rows, ref, params, n)
+
+
+def row_line(name: str, ranks: list[dict[str, Any]], ref: dict[str, Any], params: int, n: int) -> str:
+    """One row of the table; "n/c": not counted for this row, blank: no ddp row to compare with."""
+    med = statistics.median(s for r in ranks for s in r["step_s"])
+    r0 = ranks[0]
+    rss = max(r["peak_rss_mb"] for r in ranks)
+    exposed = "n/a"
+    if r0.get("alone_s"):
+        waits = statistics.median(w for r in ranks for w in r["wait_s"])
+        alone = statistics.median(r["alone_s"] for r in ranks)
+        exposed = f"{waits / alone:.0%}"
+    vs_ddp = f"{med / ref['step_s']:.2f}" if ref["step_s"] else ""
+    heap = max(r["peak_heap_mb"] or 0.0 for r in ranks)
+    saved = heap_saved = ""
+    if ref["rss"] is not None and not name.startswith("ddp"):
+        saved = f"{(ref['rss'] - rss) / ref['theory_mb']:.0%}"
+        heap_saved = f"{(ref['heap'] - heap) / ref['theory_mb']:.0%}" if heap else ""
+    grads = "n/c" if r0["grad_bytes"] is None else f"{r0['grad_bytes'] / 2**20:.1f}"
+    sent, ring = r0["elements_sent"], params * (n - 1) / n
+    states = states_mb(params, n, state_stage(name))
+    return (
+        f"{name:<30}{med:>8.3f}{vs_ddp:>8}{exposed:>9}{r0['opt_state_bytes'] / 2**20:>14.1f}{grads:>10}"
+        f"{sent / 1e6:>11.2f}M{sent / (2 * ring):>8.2f}{sent / (3 * ring):>8.2f}"
+        f"{max(r['setup_rss_mb'] for r in ranks):>10.0f}{rss:>13.0f}{states:>11.0f}{rss - states:>12.0f}"
+        f"{saved:>14}{heap or float('nan'):>14.0f}{heap_saved:>14}"
+    )
+
+
+def notes(rows: dict[str, list[dict[str, Any]]], ref: dict[str, Any], params: int, n: int) -> None:
+    print(f"\nminimum elements sent per rank and step: 2Ψ(N−1)/N = {2 * params * (n - 1) // n / 1e6:.2f}M")
     for name, ranks in rows.items():
         if name.startswith("zero3"):
             own = ranks[0]["min_elements"]
@@ -398,7 +627,7 @@ def report(args: argparse.Namespace) -> None:
         zero2_rss = max(r["peak_rss_mb"] for r in rows["zero2"])
         param_mb = 4 * params * (n - 1) / n / 2**20
         for name, ranks in rows.items():
-            if name.startswith(("zero3", "fsdp2")):
+            if name.startswith(("zero3", "fsdp", "deepspeed3")):
                 rss = max(r["peak_rss_mb"] for r in ranks)
                 print(
                     f"{name}: peak RSS {zero2_rss - rss:+.0f} MB below zero2's, "
@@ -407,8 +636,13 @@ def report(args: argparse.Namespace) -> None:
                 )
     print(
         f"theoretical RSS saving against ddp: Adam state and gradients to 1/N, no DDP bucket copy = "
-        f"{theory_mb:.0f} MB; 'exposed' = time blocked on collectives per step / their time alone;"
-        f" 'peak heap' = bytes allocated and not yet freed (glibc mallinfo2), without what glibc keeps"
+        f"{ref['theory_mb']:.0f} MB; 'exposed' = time blocked on collectives per step / their time alone;"
+        f" 'states' = fp32 parameters, gradients and Adam moments per rank by the ZeRO paper's count for"
+        f" what the row shards at its peak (16Ψ ddp, 8Ψ+8Ψ/N stage 1, 4Ψ+12Ψ/N stage 2 and rows keeping"
+        f" parameters gathered through backward, 16Ψ/N stage 3); 'vs 3Ψ' = sent / 3Ψ(N−1)/N (stage 3's"
+        f" schedule); 'peak heap' = bytes allocated and not yet freed (glibc mallinfo2), without what"
+        f" glibc keeps (DeepSpeed's counts its 2e8-element buckets, allocated whole but only touched"
+        f" as far as used); 'n/c' = not counted (DeepSpeed's gradients live in its own buffers)"
     )
 
 
@@ -416,6 +650,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--model", choices=[*MODELS, "both"], default="both")
+    parser.add_argument("--layers", type=int, help="overrides the model's layer count")
+    parser.add_argument("--dim", type=int, help="overrides the model's width")
+    parser.add_argument("--vocab", type=int, help="overrides the model's vocabulary size")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--devices", type=int, default=2)
@@ -432,21 +669,32 @@ def main() -> None:
         run_one(args.only, args)
         return
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     models = list(BOTH) if args.model == "both" else [args.model]
+    not_run: dict[str, dict[str, str]] = {model: {} for model in models}
     for model in models:
         for k in range(args.rounds):
             for name in args.strategies.split(","):
+                if name in not_run[model]:
+                    continue
                 print(f"{model}, round {k + 1}/{args.rounds}: {name} ...", flush=True)
-                cmd = [sys.executable, *sys.argv, "--model", model, "--only", name, "--round", str(k)]
-                proc = subprocess.run(
-                    cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+                args.model = model
+                for stale in range(args.devices):  # a failed launch must not report an older run
+                    figures_path(args, name, k, stale).unlink(missing_ok=True)
+                reason = unavailable(name) or launch(
+                    [sys.executable, *sys.argv, "--model", model, "--only", name, "--round", str(k)]
                 )
-                if proc.returncode:
-                    sys.exit(f"{name} failed:\n{proc.stderr[-4000:]}")
+                if reason:
+                    print(f"  not run: {reason}", flush=True)
+                    not_run[model][name] = reason
     for model in models:
         args.model = model
-        report(args)
+        report(args, not_run[model])
+
+
+def launch(cmd: list[str]) -> str | None:
+    """Runs one launch to its end; why it failed, or None."""
+    proc = subprocess.run(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return failure_reason(proc.returncode, proc.stderr) if proc.returncode else None
 
 
 if __name__ == "__main__":

@@ -56,15 +56,15 @@ def sample_text(run: Run, cfg: DictConfig) -> str:
     return tokenizer.decode(ids[0].tolist())
 
 
-def report(run: Run, cfg: DictConfig) -> None:
-    """Final metrics, a text sample and the locations of the run's outputs (rank 0 only)."""
+def report(run: Run, cfg: DictConfig, sample: str) -> None:
+    """Final metrics, the text sample and the locations of the run's outputs (rank 0 only)."""
     metrics = {k: float(v) for k, v in run.trainer.callback_metrics.items()}
     figures = ", ".join(
         f"{k}={metrics[k]:.4g}" for k in ("train/loss", "val/ppl", "tokens_per_s") if k in metrics
     )
     print(f"\nfinished at step {run.trainer.global_step}: {figures}")
     print(f"--- sample ({cfg.sample.max_new_tokens} tokens after {cfg.sample.prompt!r}) ---")
-    print(sample_text(run, cfg))
+    print(sample)
     print("---")
     print(f"run directory: {run.run_dir.resolve()}")
     for logger in run.trainer.loggers:
@@ -100,8 +100,10 @@ def main(cfg: DictConfig) -> None:
             flush=True,
         )
         sys.exit(EXIT_PEER_FAILURE)
+    # every rank samples: under zero3 the model stays sharded after fit, and its forward gathers
+    sample = sample_text(run, cfg)
     if run.trainer.is_global_zero:
-        report(run, cfg)
+        report(run, cfg, sample)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,7 @@ class AsyncCheckpointWriter:
         lightning_state: dict[str, Any],
         extra_tensors: dict[str, torch.Tensor],
         stage: int,
+        aliases: dict[str, str] | None = None,
     ) -> None:
         """Snapshot this rank's part of the checkpoint at ``path``, then write it in the background.
 
@@ -137,6 +138,7 @@ class AsyncCheckpointWriter:
             lightning_state: Lightning's state for ``meta.pt`` (copied here).
             extra_tensors: model tensors outside the buckets (copied here).
             stage: the ZeRO stage, recorded in ``meta.pt``.
+            aliases: other keys of tied parameters (see :func:`~lightning_zero.checkpoint.format.stage_save`).
 
         Raises:
             CheckpointError: the previous save's failure, on every rank; nothing new is started.
@@ -146,7 +148,13 @@ class AsyncCheckpointWriter:
             self._comm = engine.comm.new_group("gloo", self._timeout)  # all ranks, at their first save
         snapshot = HostSnapshot()
         staged = stage_save(
-            engine, path, snapshot.tree(lightning_state), extra_tensors, stage, copy_tensor=snapshot.tensor
+            engine,
+            path,
+            snapshot.tree(lightning_state),
+            extra_tensors,
+            stage,
+            copy_tensor=snapshot.tensor,
+            aliases=aliases,
         )
         staged.before_write = snapshot.seal()
         # not a daemon: an interpreter that exits right after a save still finishes writing it

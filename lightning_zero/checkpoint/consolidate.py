@@ -169,6 +169,8 @@ def load_module_checkpoint(
     for spec in meta["plan"]["params"]:
         state_dict[spec["name"]] = read_full_param(src, meta, spec["name"], files=files)  # type: ignore[assignment]
     files.release()
+    for alias, name in meta.get("aliases", {}).items():  # a tied weight: one tensor under both keys
+        state_dict[alias] = state_dict[name]
     if isinstance(map_location, str | torch.device):
         state_dict = {k: v.to(map_location) for k, v in state_dict.items()}
     lightning = {k: v for k, v in meta["lightning"].items() if k not in (WEIGHTS_ONLY, FABRIC_KEYS)}
@@ -192,6 +194,8 @@ def _structure(
         state_dict[spec["name"]] = out.placeholder(spec["shape"], _dtype(spec["dtype"]), (spec["name"], None))
     for name, value in extras.items():
         state_dict[name] = out.placeholder(tuple(value.shape), value.dtype, (name, "extra"))
+    for alias, name in meta.get("aliases", {}).items():  # a tied weight: one storage under both keys
+        state_dict[alias] = state_dict[name]
     checkpoint[keys.get("module") or "state_dict"] = state_dict
     if not (weights_only or saved_weights_only):
         optimizer = _optimizer_structure(meta, out)

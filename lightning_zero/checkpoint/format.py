@@ -221,6 +221,7 @@ def stage_save(
     extra_tensors: dict[str, torch.Tensor],
     stage: int,
     copy_tensor: CopyFn | None = None,
+    aliases: dict[str, str] | None = None,
 ) -> StagedSave:
     """What this rank will write. Must be called on all ranks (one broadcast of a directory token).
 
@@ -232,6 +233,8 @@ def stage_save(
         stage: the ZeRO stage, recorded in ``meta.pt``.
         copy_tensor: copies every saved tensor (so that training may go on while it is written);
             without it, only the parameter shards are copied and the rest is referenced.
+        aliases: other state-dict keys of planned parameters (a weight tied under two names) and the
+            plan name each stands for, recorded in ``meta.pt``; readers give them the same tensor.
 
     Returns:
         The staged save; its ``write`` must then be called on all ranks.
@@ -249,6 +252,7 @@ def stage_save(
         "moments": list(engine.state.moment_names),
         "param_groups": copy_module.deepcopy(engine.group_hyperparameters()),
         "lightning": lightning_state,
+        "aliases": dict(aliases or {}),
     }
     copy_extra = copy_tensor or (lambda t: t.detach().cpu())
     return StagedSave(
@@ -268,13 +272,15 @@ def save_sharded(
     lightning_state: dict[str, Any],
     extra_tensors: dict[str, torch.Tensor],
     stage: int,
+    aliases: dict[str, str] | None = None,
 ) -> None:
-    """Write a checkpoint directory at ``path``, blocking. Must be called on all ranks.
+    """Write a checkpoint directory at ``path``, blocking. Must be called on all ranks (``aliases``:
+    see :func:`stage_save`).
 
     Raises:
         CheckpointError: on every rank, if any rank failed to write (the previous ``path`` is kept).
     """
-    stage_save(engine, path, lightning_state, extra_tensors, stage).write(engine.comm)
+    stage_save(engine, path, lightning_state, extra_tensors, stage, aliases=aliases).write(engine.comm)
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -45,7 +45,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.figures import EngineFigures
 from lightning_zero.engine.nonfinite import NonFiniteGuard
 from lightning_zero.engine.param_gather import ParamGather
-from lightning_zero.engine.parameters import ParameterAccess
+from lightning_zero.engine.parameters import ParameterAccess, register_sharded
 from lightning_zero.engine.plan_check import check_same_plan
 from lightning_zero.engine.reducer import GradReducer
 from lightning_zero.engine.replan import Parked, carry_state
@@ -135,8 +135,16 @@ class ShardEngine(ParameterAccess, EngineFigures):
         self.units = None
         if layout is not None:
             self.units = UnitGather(
-                self.plan, self.flat, self.comm, layout, config.reshard_after_forward, config.prefetch_units
+                self.plan,
+                self.flat,
+                self.comm,
+                layout,
+                config.reshard_after_forward,
+                config.prefetch_units,
+                after_write=lambda: self.state.refresh_master(),  # a load through the model's state dict
             )
+            assert self.module is not None
+            register_sharded(self.module, self)
         self.reducer = GradReducer(order, self.plan, self.flat, self.comm, config, self.guard)
         self.state = ShardState(
             self.plan,

@@ -8,6 +8,7 @@ engine's own ``flat``, ``gather`` and ``units`` (stage 3) and communicates throu
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,6 +24,33 @@ from lightning_zero.engine.unit_gather import UnitGather
 from lightning_zero.layout.buckets import BucketPlan
 from lightning_zero.layout.flat import FlatParams
 
+_SHARDED: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[ParameterAccess]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Stage-3 models and their engines (the model's hooks keep the engine alive, not this table)."""
+
+
+def register_sharded(module: torch.nn.Module, engine: ParameterAccess) -> None:
+    """``module``'s parameters are sharded by ``engine`` (stage 3) until its :meth:`unshard`."""
+    _SHARDED[module] = weakref.ref(engine)
+
+
+def sharded_engine(module: torch.nn.Module | None) -> ParameterAccess | None:
+    """The engine whose stage 3 holds ``module``'s parameters sharded, or None (a plain module)."""
+    ref = _SHARDED.get(module) if module is not None else None
+    engine = ref() if ref is not None else None
+    return engine if engine is not None and engine.units is not None else None
+
+
+def unshard(module: torch.nn.Module) -> None:
+    """Make a model left sharded by stage 3 (after ``fit`` under ``"zero3"``, or with a stage-3
+    ``ShardedAdamW``) a plain module again: every parameter full on every rank (the whole model's
+    memory on each), the gathering and state-dict hooks removed. A no-op for any other module. All
+    ranks."""
+    engine = sharded_engine(module)
+    if engine is not None:
+        engine.unshard()
+
 
 class ParameterAccess:
     """Reads, waits and rebinds of the parameters (the attributes :class:`ShardEngine` sets)."""
@@ -36,6 +64,7 @@ class ParameterAccess:
     reducer: GradReducer
     state: ShardState
     units: UnitGather | None
+    module: torch.nn.Module | None
 
     def install_forward_waits(self, module: torch.nn.Module) -> None:
         """``module``'s submodules wait in their forward for the buckets holding their parameters."""
@@ -137,6 +166,8 @@ class ParameterAccess:
         flat = self.units.unshard()
         self.units = None
         self._rebind(flat)
+        if self.module is not None:
+            _SHARDED.pop(self.module, None)
 
     def refresh_master(self) -> None:
         """Re-read separate (fp32) master shards from the parameters, after parameters were loaded."""
@@ -146,6 +177,21 @@ class ParameterAccess:
     def broadcast(self, tensors: list[Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` (e.g. module buffers) with rank ``src``'s values. All ranks."""
         self.comm.broadcast_tensors(tensors, src=src)
+
+    def sharded_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters stage 3 holds as shards (placeholders outside their unit's use); none below
+        stage 3."""
+        return list(self.params_in_order) if self.units is not None else []
+
+    def finish_training(self) -> None:
+        """The end of training: the gathers in flight completed, the forward waits and gradient hooks
+        removed. At stage 3 every unit is freed and the model stays sharded: its forward, its
+        ``state_dict()`` and its ``load_state_dict()`` gather units on request (all ranks), and
+        :func:`unshard` makes it a plain module. The state stays: saving after it still works."""
+        self.gather.remove_hooks()
+        self.reducer.remove_hooks()
+        if self.units is not None:
+            self.units.free_all()
 
     def remove_hooks(self) -> None:
         """Complete the gathers in flight and remove every hook the engine installed (forward waits,

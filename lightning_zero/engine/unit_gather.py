@@ -19,6 +19,10 @@ rank's shard — at these moments:
     optimizer step frees it (the next micro-batch of an accumulation window needs it at once).
   * **activation checkpointing**: a recomputed forward runs inside backward; its pre-hook gathers
     the unit, its post-hook leaves it gathered for the backward that follows.
+  * **a submodule holding root parameters** runs on its own (a model's inner network called for
+    generation, outside the LightningModule's forward): its pre-hook gathers the root.
+  * **``state_dict()``/``load_state_dict()``** of the model: one unit at a time
+    (:mod:`lightning_zero.engine.unit_requests`).
 
 So at most ``1 + prefetch_units`` units (plus the root) hold full parameters at once with
 ``reshard_after_forward``; without it every unit stays gathered from its forward to its backward
@@ -28,19 +32,21 @@ every unit in forward, another of every unit but the root in backward (with
 
 Limits: every rank must run the same units in the same order (the gathers are collectives);
 parameters are readable outside their unit's forward and backward only through
-:meth:`UnitGather.gather_all` (elsewhere they read NaN, and writes raise); a parameter used
+:meth:`UnitGather.gather_all` or the model's ``state_dict()`` (elsewhere they read NaN, and writes
+raise); a parameter used
 outside its unit's forward gets a gradient from those NaN values, which raises here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.engine.unit_requests import UnitRequests
 from lightning_zero.layout.buckets import Bucket, BucketPlan
 from lightning_zero.layout.flat import FlatParams
 from lightning_zero.layout.units import UnitLayout
@@ -71,6 +77,7 @@ class UnitGather:
         layout: UnitLayout,
         reshard_after_forward: bool,
         prefetch_units: int,
+        after_write: Callable[[], None],
     ) -> None:
         self.plan, self.flat, self.comm, self.layout = plan, flat, comm, layout
         self.reshard_after_forward = reshard_after_forward
@@ -89,9 +96,16 @@ class UnitGather:
         for unit, module in zip(self.units, layout.modules, strict=True):
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward(unit.index)))
             self._hooks.append(module.register_forward_hook(self._post_forward(unit.index)))
+        root = layout.modules[0]
+        root_params = {id(flat.params[i]) for i in layout.params_of(0)}
+        for module in root.modules():  # a submodule called on its own (e.g. generation) finds the root
+            if module is not root and any(id(p) in root_params for p in module._parameters.values()):
+                self._hooks.append(module.register_forward_pre_hook(self._root_holder_pre_forward))
         for index in range(len(plan.params)):
             param = flat.params[index]
             self._hooks.append(param.register_post_accumulate_grad_hook(self._arrival(index)))
+        self.requests = UnitRequests(self, root, after_write)
+        """``state_dict()``/``load_state_dict()`` of the model on full values, one unit at a time."""
         self.free_all()
 
     # ---- gathering --------------------------------------------------------------------------
@@ -168,6 +182,12 @@ class UnitGather:
 
         return hook
 
+    @torch.compiler.disable
+    def _root_holder_pre_forward(self, module: torch.nn.Module, args: object) -> None:
+        """A module holding root parameters runs: the root is gathered (it stays so until a step, or
+        :meth:`free_all`, frees it)."""
+        self.gather(0)
+
     def _post_forward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
         @torch.compiler.disable
         def hook(module: torch.nn.Module, args: object, output: object) -> None:
@@ -238,10 +258,11 @@ class UnitGather:
         return flat
 
     def remove_hooks(self) -> None:
-        """Remove every hook (the units stay as they are)."""
+        """Remove every hook, the state-dict hooks included (the units stay as they are)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self.requests.remove_hooks()
 
 
 def _in_backward() -> bool:

@@ -34,6 +34,7 @@ from lightning_zero.checkpoint.reshard import load_sharded, preflight
 from lightning_zero.comm import Comm
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ShardEngine
+from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.optim import ShardedAdamW
 from lightning_zero.optim.twin import make_twin, repoint_scheduler
 
@@ -178,8 +179,12 @@ class ZeroFrontEnd:
             ValueError: with ``check_same``, on every rank, naming a tensor that differs.
         """
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        engine = sharded_engine(module)  # stage 3 after fit: the shards agree, placeholders cannot be written
+        sharded = set() if engine is None else {id(p) for p in engine.sharded_parameters()}
         tensors = itertools.chain(module.named_parameters(), module.named_buffers())
-        named: list[tuple[str, torch.Tensor]] = [(n, t) for n, t in tensors if n not in ignored]
+        named: list[tuple[str, torch.Tensor]] = [
+            (n, t) for n, t in tensors if n not in ignored and id(t) not in sharded
+        ]
         comm = Comm()
         if check_same:
             layouts = comm.all_gather_object([(n, tuple(t.shape), str(t.dtype)) for n, t in named])
@@ -240,11 +245,11 @@ class ZeroFrontEnd:
             self.engine.wait_for_params()
 
     def teardown(self) -> None:
-        """Remove the engine's hooks (waiting for gathers in flight); its state stays for saving. At
-        stage 3 the model gets its full parameters back first, as after a fit under DDP. All ranks."""
+        """Remove the engine's training hooks (waiting for gathers in flight); its state stays for
+        saving. At stage 3 the model stays sharded (every unit freed; its forward and state dict
+        gather on request). All ranks."""
         if self.engine is not None:
-            self.engine.unshard()
-            self.engine.remove_hooks()
+            self.engine.finish_training()
 
     def follow_module(self) -> None:
         """After the framework moved the module (a GPU teardown gives parameters new CPU storage), the
@@ -263,12 +268,38 @@ class ZeroFrontEnd:
         """Whether a save writes the sharded directory format."""
         return self.options.sharded_checkpoint and self.bound()
 
-    def module_state(self, state: dict[str, Any], trainable_in_shards: bool) -> dict[str, Any]:
+    def state_for_shards(self, module: torch.nn.Module) -> dict[str, Any]:
+        """``module.state_dict()`` for a save whose shard files hold the trainable parameters: at
+        stage 3 no unit is gathered for it (those entries are placeholders, dropped by
+        :meth:`module_state`)."""
+        engine = self.engine
+        if engine is not None and engine.units is not None and sharded_engine(module) is engine:
+            with engine.units.requests.off():
+                return module.state_dict()
+        return module.state_dict()
+
+    def tied_aliases(self, module: torch.nn.Module) -> dict[str, str]:
+        """The other names of ``module``'s planned parameters (a weight tied under two names, e.g. an
+        output layer sharing the embedding's): alias -> the name the plan and the shard files use."""
+        if self.engine is None:
+            return {}
+        trainable = self.engine.trainable_names()
+        first = {id(p): n for n, p in module.named_parameters() if n in trainable}
+        return {
+            n: first[id(p)]
+            for n, p in module.named_parameters(remove_duplicate=False)
+            if id(p) in first and n != first[id(p)]
+        }
+
+    def module_state(
+        self, state: dict[str, Any], trainable_in_shards: bool, aliases: Iterable[str] = ()
+    ) -> dict[str, Any]:
         """A module's state for saving: every tensor a copy that owns its data (parameters are views
-        of flat buffers), without the trainable parameters when the shard files hold them."""
+        of flat buffers), without the trainable parameters (and their ``aliases``, see
+        :meth:`tied_aliases`) when the shard files hold them."""
         self.wait_for_params()
         if trainable_in_shards and self.engine is not None:
-            trainable = self.engine.trainable_names()
+            trainable = self.engine.trainable_names() | set(aliases)
             state = {k: v for k, v in state.items() if k not in trainable}
         return {k: v.detach().clone() for k, v in state.items()}
 
@@ -294,7 +325,7 @@ class ZeroFrontEnd:
         preflight(engine, path, meta)
         load_sharded(engine, path, meta, with_optimizer=with_optimizer)
         missing, unexpected = module.load_state_dict(extras, strict=False)
-        trainable = engine.trainable_names()
+        trainable = engine.trainable_names() | set(meta.get("aliases", {}))
         missing = [k for k in missing if k not in trainable]
         if strict and (missing or unexpected):
             raise CheckpointError(

@@ -128,10 +128,10 @@ class FlatParams:
         self._gathered[bucket.index] = True
 
     @torch.no_grad()
-    def keep_own_slices(self) -> None:
-        """Stage 3: this rank's slice of every (gathered) full buffer becomes its shard, e.g. after the
-        full parameters were written on every rank alike."""
-        for bucket in self.plan.buckets:
+    def keep_own_slices(self, buckets: Sequence[Bucket] | None = None) -> None:
+        """Stage 3: this rank's slice of the full buffer of every bucket (or of ``buckets``; each must be
+        gathered) becomes its shard, e.g. after the full parameters were written on every rank alike."""
+        for bucket in self.plan.buckets if buckets is None else buckets:
             start, end = shard_range(bucket.padded_numel, self.plan.world_size, self.rank)
             self.shards[bucket.index].copy_(self.full[bucket.index][start:end])
 

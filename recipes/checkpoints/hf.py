@@ -50,7 +50,7 @@ LLAMA_FIELDS = {
 }
 """`GPTConfig` field -> the `LlamaConfig` field it becomes."""
 
-TRAINING_ONLY_FIELDS = {"init_std", "activation_checkpointing"}
+TRAINING_ONLY_FIELDS = {"init_std", "activation_checkpointing", "compile_blocks", "compile_backend"}
 """`GPTConfig` fields that do not change what a trained model computes."""
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"

@@ -84,6 +84,8 @@ class ModelSchema:
     tie_embeddings: bool = True
     init_std: float = 0.02
     activation_checkpointing: bool = False
+    compile_blocks: bool = False
+    compile_backend: str = "inductor"  # inductor | aot_eager | eager (checked by GPTConfig)
 
 
 @dataclass

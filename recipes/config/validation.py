@@ -377,6 +377,11 @@ def validate(cfg: DictConfig) -> RecipeConfigs:
             f"data.seq_len={data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; "
             f"use data.seq_len<={model.max_seq_len} or a larger model.max_seq_len"
         )
+    if model.compile_blocks and cfg.strategy.get("overlap_param_gather", False):
+        raise ConfigError(
+            "model.compile_blocks=true with strategy.overlap_param_gather=true: the gather waits are "
+            "hooks on layers inside the compiled block body; use one of the two"
+        )
     check_devices(str(cfg.trainer.accelerator), cfg.trainer.devices)
     check_slurm_launch()
     check_ckpt_path(cfg.ckpt_path, Path(cfg.run_dir), cfg.run_name)

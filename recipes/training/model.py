@@ -14,6 +14,13 @@ The model never imports `torch.distributed`: data parallelism (DDP, ZeRO) is app
 strategy. It can be built on the meta device (`with torch.device("meta"): GPT(config)`) to count the
 parameters of a large size without allocating them.
 
+Compilation (`compile_blocks`): each block's body (`Block.layers`) runs through `torch.compile`
+(`fullgraph=True`), called from the eager `Block.forward`, so hooks on a block (a sharding strategy's
+gather and free) stay outside the graph and parameter names are unchanged. Activation checkpointing wraps
+the compiled block as it wraps an eager one: its recomputation runs the compiled forward again, through
+the block's hooks. One graph serves every block (parameters are graph inputs). Decoding with a KV cache
+stays eager (the cache position would specialise the graph).
+
 Inference: `forward(idx, cache=KVCache(...))` feeds tokens after those already in the cache. Each
 layer writes the new keys/values (after RoPE, at their absolute positions) into preallocated
 (batch, n_kv_head, capacity, head_dim) buffers and attends over everything cached so far; the
@@ -25,13 +32,18 @@ length (no padding); it is meant for samples and checks, not for serving.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+"""`torch.compile` backends `GPTConfig.compile_backend` accepts."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +74,13 @@ class GPTConfig:
     """Std of the normal initialisation; residual projections use init_std / sqrt(2 * n_layer)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass (less memory, ~1/3 more compute)."""
+    compile_blocks: bool = False
+    """`torch.compile` each block's forward (one graph per block, shared by blocks of one shape): faster
+    steps after a first step that compiles. Hooks on the block (a sharding strategy's) stay outside the
+    graph; parameter names and `state_dict` keys are unchanged. KV-cache decoding stays eager."""
+    compile_backend: str = "inductor"
+    """Backend of `compile_blocks`: "inductor" (generated kernels; on CPU it needs a C++ compiler),
+    "aot_eager" (traces forward and backward, runs PyTorch's kernels: for checks), "eager" (tracing only)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model"):
@@ -76,6 +95,10 @@ class GPTConfig:
             raise ValueError(f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head}")
         if self.mlp_hidden is not None and self.mlp_hidden < 1:
             raise ValueError(f"model.mlp_hidden must be >= 1 or null, got {self.mlp_hidden}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(
+                f"model.compile_backend={self.compile_backend!r} is not one of {', '.join(COMPILE_BACKENDS)}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -227,6 +250,9 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
+        self.compile_backend = config.compile_backend if config.compile_blocks else None
+        """Backend `forward` compiles `layers` with (None: eager); the compiled callable is shared by all
+        blocks (`compiled_layers`), not held by the block."""
 
     def forward(
         self,
@@ -235,8 +261,27 @@ class Block(nn.Module):
         sin: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
+        if cache is None and self.compile_backend is not None:
+            return compiled_layers(self.compile_backend)(self, x, cos, sin)
+        return self.layers(x, cos, sin, cache)
+
+    def layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    ) -> torch.Tensor:
+        """The block's computation, without the choice between compiled and eager."""
         x = x + self.attn(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))
+
+
+@functools.cache
+def compiled_layers(backend: str) -> Callable[..., torch.Tensor]:
+    """`Block.layers` compiled with `backend`: one wrapper per backend, whose graphs every block shares
+    (dynamo caches per code object; parameters are graph inputs, guarded by shape, not identity)."""
+    return torch.compile(Block.layers, backend=backend, fullgraph=True)
 
 
 class GPT(nn.Module):

@@ -82,10 +82,11 @@ def peak_flops(device: torch.device, precision: str, configured: float | None) -
 def train_flops(config: GPTConfig, batch_shape: tuple[int, int]) -> int:
     """Model FLOPs of one training micro-batch (forward + backward) of `batch_shape` = (B, T).
 
-    Counted on the meta device (no memory, no arithmetic), without activation checkpointing, and
-    outside anomaly detection (`debug=*` turns it on; its NaN checks read values meta tensors lack).
+    Counted on the meta device (no memory, no arithmetic), without activation checkpointing or compiled
+    blocks, and outside anomaly detection (`debug=*` turns it on; its NaN checks read values meta tensors
+    lack).
     """
-    config = dataclasses.replace(config, activation_checkpointing=False)
+    config = dataclasses.replace(config, activation_checkpointing=False, compile_blocks=False)
     with torch.device("meta"):
         model = GPT(config)
         inputs = torch.zeros(batch_shape, dtype=torch.long)  # (B, T)

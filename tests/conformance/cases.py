@@ -226,6 +226,14 @@ _add(
     after=["resume:last"],
 )
 _add("fit_twice", trainer={"max_steps": 4}, after=["fit_again"])
+_add(  # a weight under two names: checkpoints hold it once, and every key loads back (fp32: resume)
+    "tied_weights",
+    module={"tied": True},
+    trainer={"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 2, "precision": "32-true"},
+    tol=1e-5,
+    callbacks=[_CKPT],
+    after=["test:best", "load_last", "resume:last"],
+)
 
 # Trainer flags
 _add(

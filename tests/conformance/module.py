@@ -29,14 +29,21 @@ def dataset(seed: int = 1) -> TensorDataset:
 
 
 class Net(nn.Module):
-    def __init__(self, batchnorm: bool = False) -> None:
+    def __init__(self, batchnorm: bool = False, tied: bool = False) -> None:
         super().__init__()
         self.backbone = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
         self.norm = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
         self.head = nn.Linear(16, TARGETS)
+        self.mix: nn.Linear | None = None
+        if tied:  # a second layer sharing the backbone's weight (as an output layer shares an embedding's)
+            self.mix = nn.Linear(16, 16, bias=False)
+            self.mix.weight = self.backbone[2].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.backbone(x)))
+        h = self.backbone(x)
+        if self.mix is not None:
+            h = h + 0.5 * torch.tanh(self.mix(h))
+        return self.head(self.norm(h))
 
 
 def _scheduler(name: str, opt: torch.optim.Optimizer, total_steps: int) -> Any:
@@ -77,6 +84,8 @@ class ConformanceModule(L.LightningModule):
         manual: ``None`` (automatic), ``"plain"``, ``"accumulate"`` (step every 2 batches, a backward
             every batch), ``"toggle"``, ``"clip"`` or ``"gan"`` (two optimizers).
         batchnorm: a BatchNorm1d between backbone and head (buffers).
+        tied: a layer after the backbone that shares a backbone layer's weight (two state-dict keys,
+            one parameter).
         compile_blocks: ``torch.compile(..., backend="aot_eager")`` of backbone and head.
         log_grad_norm: log ``grad_norm`` (Lightning's or lightning-zero's) before each optimizer step.
         explicit_sampler: an unshuffled DistributedSampler (rank r takes samples r::N), so that one
@@ -106,11 +115,12 @@ class ConformanceModule(L.LightningModule):
         log_metrics: bool = True,
         root_scale: bool = False,
         adam_kernel: str | None = None,
+        tied: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
-        self.net = Net(batchnorm)
+        self.net = Net(batchnorm, tied)
         if compile_blocks:
             self.net.backbone = torch.compile(self.net.backbone, backend="aot_eager")  # type: ignore[assignment]
             self.net.head = torch.compile(self.net.head, backend="aot_eager")  # type: ignore[assignment]

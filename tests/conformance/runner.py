@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.strategies import DDPStrategy
 
+from lightning_zero.engine.parameters import sharded_engine
 from tests.conformance import module as M
 from tests.conformance.cases import CASES, SCHEDULES_WITHOUT_ZERO3, STAGE1
 
@@ -172,6 +173,7 @@ def run_case(name: str, strategy: str, workdir: Path) -> dict[str, Any]:
             recorded=[cb.recorded for cb in trainer.callbacks if hasattr(cb, "recorded")],  # type: ignore[attr-defined]
             lrs=recorder.steps,
             params=_tensors(model),
+            sharded_after_fit=sharded_engine(model) is not None,  # stage 3 keeps the model sharded
             global_step=trainer.global_step,
             epoch=trainer.current_epoch,
             callback_metrics={k: float(v) for k, v in trainer.callback_metrics.items()},

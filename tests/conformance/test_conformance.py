@@ -113,6 +113,7 @@ def test_case_equals_reference(name: str, tmp_path_factory: pytest.TempPathFacto
             if ref["error"] is not None:
                 continue
             _moved(got["params"], case)
+            assert got["sharded_after_fit"] == ours.startswith("zero3"), (where, "sharded after fit")
             tol = case.get("tol", TOL)
             assert_same(got["params"], ref["params"], f"{where} params", tol)
             assert_same(got["lrs"], ref["lrs"], f"{where} lrs", tol=1e-12)

@@ -73,8 +73,13 @@ def make_fabric(case: dict[str, Any], devices: int) -> Fabric:
     if name.startswith("zero") and not case.get("by_name"):  # small buckets: several per model
         names = ("overlap_param_gather", "sharded_checkpoint", "skip_nonfinite_steps")
         options = {k: case[k] for k in names if k in case}
+        if name == "zero3":  # every layer a unit
+            options["min_unit_numel"] = 0
         strategy = lightning_zero.ZeroFabricStrategy(
-            stage=1 if name == "zero1" else 2, bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002, **options
+            stage={"zero1": 1, "zero3": 3}.get(name, 2),
+            bucket_cap_mb=0.0005,
+            first_bucket_cap_mb=0.0002,
+            **options,
         )
     plugins = []
     precision = case.get("precision", "64-true")
@@ -196,6 +201,10 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
     # state_dict() waits for gathers left in flight by overlap_param_gather (named_parameters would not)
     result: dict[str, Any] = {n: t.detach().clone() for n, t in model.module.state_dict().items()}
     result["recorded"] = recorded
+    if sharded is not None and sharded.engine.units is not None:  # stage 3: placeholders between steps
+        result["placeholders"] = all(
+            torch.isnan(p).all() for p in model.module.net.parameters() if p.requires_grad
+        )
     if case.get("batchnorm"):  # every rank's buffers: DDP makes them rank 0's before each synced forward
         for name, buffer in model.module.named_buffers():
             result[f"buffer:{name}"] = fabric.all_gather(buffer).detach().clone()

@@ -46,13 +46,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every launch of this module, once: 2 ranks, then resumes on 1 and 3 ranks."""
     tmp = tmp_path_factory.mktemp("fabric")
     paths = {
-        k: str(tmp / k) for k in ("loop.ckpt", "plain.ckpt", "trainer.ckpt", "consolidated.pt", "bf16.pt")
+        k: str(tmp / k)
+        for k in ("loop.ckpt", "loop3.ckpt", "plain.ckpt", "trainer.ckpt", "consolidated.pt", "bf16.pt")
     }
     plain = {"steps": 8, "schedule": False}  # the Trainer twin has no schedule
     named: dict[str, dict[str, Any]] = {
         "ddp": dict(BASE, strategy="ddp"),
         "zero": dict(BASE, strategy="zero"),
         "zero1": dict(BASE, strategy="zero1"),
+        "zero3": dict(BASE, strategy="zero3", save_at=4, save=paths["loop3.ckpt"]),
+        "zero_from_zero3": dict(BASE, strategy="zero", resume=paths["loop3.ckpt"]),
         "overlap": dict(BASE, strategy="zero", overlap_param_gather=True),
         "registered": dict(BASE, strategy="zero1", by_name=True, teacher=True),
         "ddp_value": {"strategy": "ddp", "clip_value": 0.01},
@@ -74,6 +77,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "bf16_zero": {"strategy": "zero", "precision": "bf16-mixed", "accum": 2},
         "bf16_true_ddp": {"strategy": "ddp", "precision": "bf16-true"},
         "bf16_true_zero": {"strategy": "zero", "precision": "bf16-true"},
+        "bf16_true_zero3": {"strategy": "zero3", "precision": "bf16-true"},
         "bn_ddp": {"strategy": "ddp", "batchnorm": True, "accum": 2},
         "bn_zero": {"strategy": "zero", "batchnorm": True, "accum": 2},
         "unfreeze": dict(BASE, strategy="zero", unfreeze_at=3, schedule=False),
@@ -93,10 +97,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     two = dict(zip(named, launch(list(named.values()), 2, tmp), strict=True))
     resume_elsewhere = [dict(BASE, strategy="zero", resume=paths["loop.ckpt"])]
     single = dict(BASE, strategy="auto", unfreeze_at=3, schedule=False)  # torch schedulers refuse new groups
-    one, unfreeze_single = launch(resume_elsewhere + [single], 1, tmp)
+    stage3_on_one = dict(BASE, strategy="zero3", resume=paths["loop3.ckpt"])
+    one, unfreeze_single, one_stage3 = launch(resume_elsewhere + [single, stage3_on_one], 1, tmp)
     two["unfreeze_single"] = unfreeze_single
-    three = launch(resume_elsewhere + [dict(BASE, strategy="zero1", resume=paths["loop.ckpt"])], 3, tmp)
-    return {"two": two, "one": one, "three": three, "paths": paths}
+    three = launch(
+        resume_elsewhere
+        + [dict(BASE, strategy="zero1", resume=paths["loop.ckpt"])]
+        + [dict(BASE, strategy="zero3", resume=paths["loop.ckpt"])],
+        3,
+        tmp,
+    )
+    return {"two": two, "one": one, "three": three, "paths": paths, "one_stage3": one_stage3}
 
 
 def test_zero_and_zero1_equal_ddp(runs: dict[str, Any]) -> None:
@@ -104,7 +115,7 @@ def test_zero_and_zero1_equal_ddp(runs: dict[str, Any]) -> None:
     two = runs["two"]
     start = launch_free_start()
     assert diff(two["ddp"], start) > 1e-2, "parameters did not move: the comparison would be vacuous"
-    for name in ("zero", "zero1", "overlap", "registered"):
+    for name in ("zero", "zero1", "zero3", "overlap", "registered"):
         assert diff(two[name], two["ddp"]) <= 1e-10, name
         assert two[name]["recorded"]["lrs"] == two["ddp"]["recorded"]["lrs"], name
         torch.testing.assert_close(
@@ -147,6 +158,24 @@ def test_save_reloads_on_one_two_three_ranks_and_other_stage(runs: dict[str, Any
     assert diff(runs["three"][1], two["saving"]) <= 1e-10, "3 ranks, stage 1"
 
 
+def test_stage3_keeps_shards_and_its_checkpoints_move_across_stages_and_world_sizes(
+    runs: dict[str, Any],
+) -> None:
+    """``"zero3"`` under Fabric: placeholders between steps (the model is sharded), a save at step 4
+    that resumes at stage 2 on 2 ranks and at stage 3 on 1 rank, and a stage-2 save resumed at stage 3
+    on 3 ranks, each equal to the uninterrupted run."""
+    two = runs["two"]
+    assert two["zero3"]["placeholders"], "stage 3 must hold only shards between steps"
+    assert sorted(p.name for p in Path(runs["paths"]["loop3.ckpt"]).glob("shard-*")) == [
+        "shard-00000-of-00002.pt",
+        "shard-00001-of-00002.pt",
+    ]
+    assert read_meta(Path(runs["paths"]["loop3.ckpt"]))["stage"] == 3
+    assert diff(two["zero_from_zero3"], two["zero3"]) <= 1e-10, "stage 3 -> stage 2"
+    assert diff(runs["one_stage3"], two["zero3"]) <= 1e-10, "2 ranks -> 1 rank at stage 3"
+    assert diff(runs["three"][2], two["saving"]) <= 1e-10, "stage 2 on 2 ranks -> stage 3 on 3 ranks"
+
+
 def test_consolidated_file_is_ddp_layout_and_load_raw_works(runs: dict[str, Any]) -> None:
     two = runs["two"]
     full = torch.load(runs["paths"]["consolidated.pt"], weights_only=True)
@@ -176,11 +205,12 @@ def test_fp16_overflow_on_one_rank_skips_everywhere_as_ddp(runs: dict[str, Any])
     assert diff(two["fp16_zero"], two["fp16_ddp"]) <= 2e-2
 
 
-@pytest.mark.parametrize("name", ["bf16", "bf16_true"])
+@pytest.mark.parametrize("name", ["bf16", "bf16_true", "bf16_true:3"])
 def test_bf16_close_to_ddp(runs: dict[str, Any], name: str) -> None:
     """bf16 rounding differs with summation order: 2e-2 on weights of O(1), as for the Trainer."""
     two = runs["two"]
-    assert diff(two[f"{name}_zero"], two[f"{name}_ddp"]) <= 2e-2
+    name, _, stage = name.partition(":")
+    assert diff(two[f"{name}_zero{stage}"], two[f"{name}_ddp"]) <= 2e-2
 
 
 def test_refusals_match_the_trainer_strategy(runs: dict[str, Any]) -> None:

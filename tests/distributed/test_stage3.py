@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from tests.distributed.harness import ranks, run_ranks_each
-from tests.distributed.workers import parity, stage3_sync
+from tests.distributed.harness import ranks, run_ranks, run_ranks_each
+from tests.distributed.workers import parity, stage3_state_dict, stage3_sync
 
 BLOCKS = {"stage": 3, "net": "blocks", "steps": 6, "bucket_cap_mb": 1.0}  # one bucket per unit
 CASES = [
@@ -64,3 +64,21 @@ def test_rank0s_parameters_everywhere_before_sharding_and_another_model_refused(
     for result in ranks(runs, "sync"):
         assert result["synced"] == 0.0, "every rank must start from rank 0's parameters"
         assert "rank 1 holds another model than rank 0: ('inp.weight', (14, 7)" in result["error"]
+
+
+def test_state_dict_and_load_state_dict_of_a_sharded_model_one_unit_at_a_time() -> None:
+    """``state_dict()`` of a stage-3 model returns its full values (copies), holding at most the root
+    and one block gathered; ``load_state_dict()`` writes every rank's shards; a submodule holding root
+    parameters runs on its own; ``assign=True`` is refused; ``unshard`` leaves a plain module."""
+    for result in run_ranks(stage3_state_dict, 2):
+        assert result["moved"] > 1e-2, "the model barely trained: the comparison would be vacuous"
+        assert result["state_keys"]
+        assert result["state_vs_full"] == 0.0
+        assert result["state_peak"] == 2, "the root and one block gathered at once, no more"
+        assert result["left_gathered"] == 0, "units gathered for state_dict() are freed after it"
+        assert result["block_vs_full"] == 0.0
+        assert result["load_vs_new"] == 0.0
+        assert result["out_vs_plain"] <= 1e-12 and result["inp_vs_plain"] == 0.0
+        assert "load_state_dict(assign=True) would replace the sharded parameters" in result["assign_error"]
+        assert result["sharded_before"]
+        assert result["plain_after_unshard"] == 0.0

@@ -357,3 +357,77 @@ def stage3_sync(rank: int, world_size: int) -> dict[str, Any]:
     except ValueError as err:
         error = str(err)
     return {"synced": synced, "error": error}
+
+
+def stage3_state_dict(rank: int, world_size: int) -> dict[str, Any]:
+    """A stage-3 model's ``state_dict()``/``load_state_dict()`` against the same model unsharded:
+    trained 3 steps (each rank its own batch), then read, read by a submodule, loaded with new values
+    and read back, run through a root-holding submodule on its own, and finally unsharded."""
+    from tests.distributed.models import Block
+
+    torch.manual_seed(0)
+    model = BlockNet().double()
+    config = ZeroConfig(stage=3, unit_modules=(Block,), bucket_cap_mb=1.0)  # root: inp and out
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, config=config, module=model)
+    for step in range(3):
+        x, y = batch(step, 0, rank, 4, torch.float64)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    flat = opt.engine.flat
+    peak = [0]
+    materialize = flat.materialize
+
+    units = opt.engine.units
+    assert units is not None
+
+    def counting(bucket: Any) -> None:  # units (partly) gathered at once
+        materialize(bucket)
+        gathered = sum(any(flat.is_gathered(b) for b in unit.buckets) for unit in units.units)
+        peak[0] = max(peak[0], gathered)
+
+    flat.materialize = counting  # type: ignore[method-assign]
+    with opt.full_parameters():
+        full = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    peak[0] = 0
+    state = model.state_dict()
+    state_peak, left_gathered = peak[0], sum(flat._gathered)
+    state_vs_full = max((state[k] - full[k]).abs().max().item() for k in full)
+    block = model.blocks[1].state_dict()
+    block_vs_full = max((v - full[f"blocks.1.{k}"]).abs().max().item() for k, v in block.items())
+    new = {k: v + 0.5 for k, v in state.items()}
+    model.load_state_dict(new)
+    after_load = model.state_dict()
+    plain = BlockNet().double()
+    plain.load_state_dict(new)
+    x, _ = batch(9, 0, 0, 4, torch.float64)  # the same input on every rank
+    with torch.no_grad():
+        out, out_plain = model(x), plain(x)
+        inp, inp_plain = model.inp(x), plain.inp(x)  # a root-holding submodule on its own
+    try:
+        model.load_state_dict(new, assign=True)
+        assign_error = ""
+    except RuntimeError as err:
+        assign_error = str(err)
+    from lightning_zero import unshard
+    from lightning_zero.engine.parameters import sharded_engine
+
+    sharded_before = sharded_engine(model) is opt.engine
+    unshard(model)
+    return {
+        "state_vs_full": state_vs_full,
+        "state_keys": sorted(state) == sorted(full),
+        "state_peak": state_peak,
+        "left_gathered": left_gathered,
+        "block_vs_full": block_vs_full,
+        "load_vs_new": max((after_load[k] - new[k]).abs().max().item() for k in new),
+        "out_vs_plain": (out - out_plain).abs().max().item(),
+        "inp_vs_plain": (inp - inp_plain).abs().max().item(),
+        "assign_error": assign_error,
+        "sharded_before": sharded_before,
+        "plain_after_unshard": sharded_engine(model) is None
+        and max(
+            (p - q).abs().max().item() for p, q in zip(model.parameters(), plain.parameters(), strict=True)
+        ),
+        "moved": max((full[k] - v).abs().max().item() for k, v in BlockNet().double().state_dict().items()),
+    }

@@ -131,23 +131,27 @@ def read_metrics(path: Path) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result, Result]:
-    """A 4-step 2-rank run, then the same command with ckpt_path=last up to step 6."""
+    """A 4-step 2-rank run, then the same command with ckpt_path=last up to step 6, at stage 3 (its
+    units the blocks): a stage-2 checkpoint resumes there, and every rank samples from the model
+    stage 3 leaves sharded after fit."""
     root = tmp_path_factory.mktemp("e2e")
     first = pretrain(*small_run(root / "outputs", root / "cache"))
     assert first.returncode == 0, first.stderr[-3000:]
-    second = pretrain(*small_run(root / "outputs", root / "cache", "ckpt_path=last", "trainer.max_steps=6"))
+    resume = ["ckpt_path=last", "trainer.max_steps=6", "strategy=zero3", "strategy.min_unit_numel=10000"]
+    second = pretrain(*small_run(root / "outputs", root / "cache", *resume))
     assert second.returncode == 0, second.stderr[-3000:]
     return root / "outputs" / "e2e", first, second
 
 
 def test_two_process_run_reports_sample_and_locations(two_runs: tuple[Path, Result, Result]) -> None:
-    run_dir, first, _ = two_runs
+    run_dir, first, second = two_runs
     assert "All distributed processes registered. Starting with 2 processes" in first.stderr
     assert [line.startswith("training ") for line in first.stdout.splitlines()].count(True) == 1  # rank 0
     assert "--- sample" in first.stdout and first.stdout.count("--- sample") == 1
     assert f"run directory: {run_dir.resolve()}" in first.stdout
     assert f"checkpoint: {(run_dir / 'checkpoints' / 'last.ckpt').resolve()}" in first.stdout
     assert f"loss curves: {(run_dir / 'loss.png').resolve()}" in first.stdout
+    assert "--- sample" in second.stdout and second.stdout.count("--- sample") == 1  # stage 3
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     metrics = read_metrics(run_dir / "logs" / "version_0" / "metrics.csv")
     assert any("val/ppl" in row for row in metrics) and any("tokens_per_s" in row for row in metrics)

@@ -36,6 +36,10 @@ def test_default_config_validates_and_resolves_the_vocabulary() -> None:
         (["data.seq_len=257"], "data.seq_len=257 exceeds model.max_seq_len=256"),  # 256: the default
         (["data.tokenizer=bpe", "data.bpe_vocab_size=256"], "data.bpe_vocab_size must be >= 257 (256 bytes"),
         (["cluster.peer_failure_requeues=-1"], "cluster.peer_failure_requeues=-1: expected a number of"),
+        (
+            ["model.compile_blocks=true", "strategy.overlap_param_gather=true"],
+            "model.compile_blocks=true with strategy.overlap_param_gather=true",
+        ),
     ],
 )
 def test_invalid_settings_are_named(overrides: list[str], message: str) -> None:

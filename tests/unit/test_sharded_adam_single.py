@@ -182,11 +182,15 @@ def test_stage3_arguments_are_checked(kwargs: dict, match: str) -> None:
     assert strategy.zero_config.unit_modules == (torch.nn.Linear,)
 
 
-def test_fabric_refuses_stage3_for_now() -> None:
+def test_fabric_takes_the_stage3_arguments() -> None:
     from lightning_zero import ZeroFabricStrategy
 
-    with pytest.raises(ValueError, match="stage=3 .* not yet available in the Fabric strategy"):
-        ZeroFabricStrategy(stage=3)
+    strategy = ZeroFabricStrategy(stage=3, unit_modules=["torch.nn.Linear"], prefetch_units=2)
+    assert (
+        strategy.zero_config.unit_modules == (torch.nn.Linear,) and strategy.zero_config.prefetch_units == 2
+    )
+    with pytest.raises(ValueError, match="prefetch_units"):
+        ZeroFabricStrategy(stage=2, prefetch_units=2)  # a stage-3 setting below stage 3 is refused
 
 
 @pytest.mark.parametrize(
@@ -229,7 +233,7 @@ def test_strategy_names_are_registered() -> None:
     assert zero3.zero_config.stage == 3
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-    assert "zero2" in STRATEGY_REGISTRY and "zero3" not in STRATEGY_REGISTRY, "Fabric: stages 1 and 2 only"
+    assert "zero2" in STRATEGY_REGISTRY and STRATEGY_REGISTRY["zero3"]["init_params"] == {"stage": 3}
 
 
 def test_second_backward_before_step_accumulates_like_torch() -> None:

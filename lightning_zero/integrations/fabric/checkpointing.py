@@ -103,10 +103,12 @@ class FabricCheckpointing(DDPStrategy):
         if optimizer_key is None:
             lightning_state[WEIGHTS_ONLY] = True  # parameters alone: it cannot restore an optimizer
         extras: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
         if module_key is not None:
-            module_state = super().get_module_state_dict(state[module_key])
-            extras = self._zero.module_state(module_state, trainable_in_shards=True)
-        save_sharded(engine, path, lightning_state, extras, self._zero.config.stage)
+            module_state = self._zero.state_for_shards(state[module_key])  # stage 3: nothing gathered
+            aliases = self._zero.tied_aliases(state[module_key])
+            extras = self._zero.module_state(module_state, trainable_in_shards=True, aliases=aliases)
+        save_sharded(engine, path, lightning_state, extras, self._zero.config.stage, aliases=aliases)
         return None
 
     def _sharded_keys(self, state: dict[str, Any]) -> tuple[str | None, str | None]:

@@ -55,12 +55,18 @@ from lightning_zero.optim import ShardedAdamW
 
 
 class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
-    """ZeRO stage 1 or 2 data parallelism with a sharded Adam/AdamW, for ``lightning.fabric.Fabric``.
+    """ZeRO stage 1, 2 or 3 data parallelism with a sharded Adam/AdamW, for ``lightning.fabric.Fabric``.
 
     Args:
         stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
-        find_unused_parameters, align_numel, skip_nonfinite_steps: see
-            :class:`~lightning_zero.ZeroConfig`. With ``skip_nonfinite_steps=K > 0``,
+        find_unused_parameters, align_numel, skip_nonfinite_steps, reshard_after_forward,
+        prefetch_units, unit_modules, min_unit_numel: see
+            :class:`~lightning_zero.ZeroConfig` (``unit_modules`` also takes import paths). At stage 3
+            (``"zero3"``) each rank holds only its shard of the model set up with the optimizer: a
+            unit's parameters are gathered for its forward and backward, the model's forward gathers
+            the root, ``model.state_dict()``/``load_state_dict()`` gather one unit at a time (every
+            rank calls them), and ``lightning_zero.unshard(model)`` makes it a plain module again.
+            With ``skip_nonfinite_steps=K > 0``,
             ``optimizer.step()`` skips a step whose gradients hold inf/NaN on any rank, on every rank
             (``optimizer.skipped_steps`` counts them), and the ``K``-th skipped step in a row raises
             :class:`~lightning_zero.NonFiniteGradientError`, naming the step (counted from
@@ -90,6 +96,10 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         find_unused_parameters: bool = False,
         align_numel: int = 1,
         skip_nonfinite_steps: int = 0,
+        reshard_after_forward: bool = True,
+        prefetch_units: int = 1,
+        unit_modules: Any = None,
+        min_unit_numel: int = 100_000,
         log_comm_stats: bool = False,
         sharded_checkpoint: bool = True,
         async_checkpoint: bool = False,
@@ -114,12 +124,6 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
             start_method=start_method,
         )
         options = ZeroOptions.from_arguments(locals())  # every argument checked first
-        if options.config.stage == 3:
-            raise ValueError(
-                "stage=3 (sharded parameters) is not yet available in the Fabric strategy, only in the "
-                "Trainer strategy and a standalone ShardedAdamW(..., module=model); use stage 1 or 2 "
-                "here, got 3"
-            )
         options.refuse(
             ("log_comm_stats", "async_checkpoint"),
             "the Trainer strategy only: a Fabric loop has no end-of-fit hook to report a background "
@@ -170,7 +174,8 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
                 "already called with an optimizer"
             )
         check_sharded_io(self.checkpoint_io, self._zero.options.sharded_checkpoint, "ZeroFabricStrategy")
-        module = self.setup_module(module)
+        # stage 3: every rank must hold the same model before it keeps only its shard of rank 0's
+        ZeroFrontEnd.sync_module_states(module, check_same=self.zero_config.stage == 3)
         sharded = self._zero.shard(optimizers[0], module, [] if scheduler is None else [scheduler])
         self._module = module
         self._hooks = [
@@ -249,7 +254,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        register_names(cls, strategy_registry, max_stage=2)  # stage 3: the Trainer strategy only, so far
+        register_names(cls, strategy_registry)
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):

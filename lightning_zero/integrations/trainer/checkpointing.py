@@ -12,7 +12,8 @@ and owns the state they read (the front end with the sharded optimizer, the writ
     commit, while ``remove_checkpoint`` (``ModelCheckpoint``'s top-k) deletes only after it;
   * ``load_checkpoint`` reads ``meta.pt`` and the model extras; ``load_model_state_dict`` and
     ``load_optimizer_state_dict`` then fill this rank's shards from the saved ones (during ``fit``)
-    or whole parameters (``validate``/``test``/``predict``: the training buffers may be stale);
+    or whole parameters (``validate``/``test``/``predict``: the training buffers may be stale; a
+    model this strategy's stage-3 fit left sharded gets its shards filled);
   * a ``save_weights_only`` checkpoint holds parameter shards alone and refuses to resume, as under
     ``"ddp"``.
 """
@@ -43,6 +44,7 @@ from lightning_zero.checkpoint.format import (
     save_sharded,
 )
 from lightning_zero.checkpoint.reshard import ShardFiles, load_sharded, read_full_param
+from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import check_sharded_path, local_path
 from lightning_zero.integrations.frontend import ZeroFrontEnd
 
@@ -73,10 +75,13 @@ class ShardedCheckpointing(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
         self._zero.wait_for_params()
-        state = self.lightning_module.state_dict()
+        in_shards = self._zero.writes_shards()
+        module = self.lightning_module
+        # (a model another Trainer left sharded: its state dict gathers one unit at a time)
+        state = self._zero.state_for_shards(module) if in_shards else module.state_dict()
         # the shard files hold the trainable parameters; a standard file (sharded_checkpoint=False,
         # or parameters that left the flat buffers after a GPU teardown) holds what the module holds
-        return self._zero.module_state(state, trainable_in_shards=self._zero.writes_shards())
+        return self._zero.module_state(state, in_shards, aliases=self._zero.tied_aliases(module))
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -100,12 +105,14 @@ class ShardedCheckpointing(DDPStrategy):
         if "optimizer_states" not in checkpoint:  # save_weights_only: resuming must be refused as ddp does
             lightning_state[WEIGHTS_ONLY] = True
         args = (engine, filepath, lightning_state, checkpoint["state_dict"], self._zero.config.stage)
+        assert self.lightning_module is not None
+        aliases = self._zero.tied_aliases(self.lightning_module)
         writer = self._async_writer
         if writer is None or not self._saves_in_background(filepath):
             self.wait_for_checkpoint()  # commits stay in order
-            save_sharded(*args)
+            save_sharded(*args, aliases=aliases)
         else:
-            writer.save(*args)
+            writer.save(*args, aliases=aliases)
             if self._linked_at_once(filepath):
                 writer.wait()  # a link must never point at a checkpoint that may still fail
         return None
@@ -178,13 +185,18 @@ class ShardedCheckpointing(DDPStrategy):
         path, meta = self._pending_load
         module = self.lightning_module
         extras = dict(checkpoint["state_dict"])
-        if self._zero.engine is not None and self._fitting():
+        engine = self._zero.engine
+        if engine is not None and (self._fitting() or sharded_engine(module) is engine):
+            # fit, or validate/test/predict of the model this strategy's stage-3 fit left sharded
             self._zero.restore_module(path, meta, module, extras, strict)
             return None
-        # validate/test/predict: no optimizer, read whole parameters
+        # validate/test/predict: no optimizer, read whole parameters (a model another Trainer left
+        # sharded takes them one unit at a time through its load_state_dict)
         files = ShardFiles(path, meta["world_size"])
         for spec in meta["plan"]["params"]:
             extras[spec["name"]] = read_full_param(path, meta, spec["name"], files=files)
+        for alias, name in meta.get("aliases", {}).items():  # a tied weight's other key
+            extras[alias] = extras[name]
         missing, unexpected = module.load_state_dict(extras, strict=False)
         if strict and (missing or unexpected):
             raise CheckpointError(

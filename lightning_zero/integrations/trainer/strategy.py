@@ -24,7 +24,11 @@ Lightning integration points:
     among the callbacks (:mod:`lightning_zero.integrations.trainer.param_barrier`);
   * checkpoints: :mod:`lightning_zero.integrations.trainer.checkpointing` (sharded directories, any
     world size,
-    asynchronous saves; validate/test/predict read whole parameters).
+    asynchronous saves; validate/test/predict read whole parameters, or fill a stage-3 model's
+    shards);
+  * stage 3: the root unit is gathered before each step function; after ``fit`` the model stays
+    sharded (its forward and its ``state_dict()`` gather units on request; ``lightning_zero.unshard``
+    makes it plain), and a later ``fit`` on it gathers it once before sharding it anew.
 
 Refused with a clear error: more than one optimizer, optimizers other than Adam/AdamW,
 ``async_checkpoint`` without ``sharded_checkpoint``, a trainable-set change inside an accumulation
@@ -44,11 +48,13 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_zero.comm import collective_failures
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import (
     check_lightning_arguments,
     check_sharded_io,
@@ -82,8 +88,9 @@ class ZeroStrategy(ShardedCheckpointing):
             (``["recipes.model.gpt.Block"]``). At stage 3 (``"zero3"``) every rank holds only its shard
             of the parameters during ``fit``; callbacks and LightningModule hooks that run between an
             optimizer step and the next forward (``on_train_batch_end``, ...) are refused unless they
-            declare ``reads_parameters_between_steps = False``; after ``fit`` the model holds its full
-            parameters again.
+            declare ``reads_parameters_between_steps = False``; after ``fit`` the model stays sharded:
+            its forward, ``state_dict()`` and ``load_state_dict()`` gather one unit at a time on every
+            rank, and ``lightning_zero.unshard(model)`` makes it a plain module.
         log_comm_stats: log per step the seconds spent waiting on communication, their share of the
             step, and the elements and bytes sent (``zero/*`` metrics).
         sharded_checkpoint: ``save_checkpoint`` writes a directory, one shard file per rank
@@ -184,6 +191,10 @@ class ZeroStrategy(ShardedCheckpointing):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        left_sharded = sharded_engine(self.lightning_module)
+        if fitting and left_sharded is not None:  # a stage-3 fit before: full parameters to start from
+            rank_zero_info("lightning-zero: gathering the model a previous stage-3 fit left sharded")
+            left_sharded.unshard()
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True, as DDPStrategy does
         self.precision_plugin.convert_module(self.model)
@@ -312,17 +323,18 @@ class ZeroStrategy(ShardedCheckpointing):
         """Lightning calls ``training_step``/``validation_step``, not the root's forward, so the root's
         forward pre-hook does not run before them: its parameters are waited for (overlapped
         gathers) or gathered (stage 3) here."""
-        engine = self._zero.engine
-        if engine is None:
+        sharded = sharded_engine(self.lightning_module)  # also after fit, or left by another Trainer
+        if sharded is not None:
+            sharded.gather_root()
             return
-        if self.zero_config.stage == 3:
-            engine.gather_root()
-        else:
+        engine = self._zero.engine
+        if engine is not None:
             engine.wait_for_params(root_only=True)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._fitting():  # trainer.validate(): DDP's wrapper is not there either
+            self._gather_sharded_root()
             return super().validation_step(*args, **kwargs)
         module = self.lightning_module
         assert module is not None
@@ -331,6 +343,23 @@ class ZeroStrategy(ShardedCheckpointing):
         output = super().validation_step(*args, **kwargs)
         self._zero.after_forward(sync_applies=module.automatic_optimization)
         return output
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._gather_sharded_root()
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._gather_sharded_root()
+        return super().predict_step(*args, **kwargs)
+
+    def _gather_sharded_root(self) -> None:
+        """validate/test/predict of a model a stage-3 fit left sharded: the root unit, which the step
+        function may use without the module's forward (units gather in their own forward)."""
+        sharded = sharded_engine(self.lightning_module)
+        if sharded is not None:
+            sharded.gather_root()
 
     @override
     def teardown(self) -> None:
@@ -342,8 +371,17 @@ class ZeroStrategy(ShardedCheckpointing):
             self._pending_load = None
             if self.model is not None and self._fitting() and self._layer_sync:
                 self.model = self._layer_sync.revert(self.model)
-            super().teardown()  # moves the module to the CPU (new storage, when it was on a GPU)
-            self._zero.follow_module()
+            sharded = sharded_engine(self.lightning_module)
+            if sharded is None:
+                super().teardown()  # moves the module to the CPU (new storage, when it was on a GPU)
+                self._zero.follow_module()
+            else:  # stage 3: the model stays sharded where it is (FSDP's teardown does not move it either)
+                sharded.finish_training()  # validate/test/predict after fit: the units they gathered
+                assert self.cluster_environment is not None and self.accelerator is not None
+                self.cluster_environment.teardown()
+                self.precision_plugin.teardown()
+                self.accelerator.teardown()
+                self.checkpoint_io.teardown()
 
     @classmethod
     @override
