@@ -63,7 +63,8 @@ class ZeroConfig:
     unit_modules: tuple[type, ...] | None = None
     """Stage 3: the module classes that are units of gathering (e.g. ``(Block,)``); ``None``: each
     module held in an ``nn.ModuleList``/``nn.Sequential`` with at least ``min_unit_numel`` trainable
-    elements, and each other layer holding that many itself (an embedding, an output layer;
+    elements and no such module around it (a block's own ``nn.Sequential`` stays in the block's unit),
+    and each other layer holding that many itself (an embedding, an output layer;
     :mod:`lightning_zero.layout.units`). The rest is the root unit."""
     min_unit_numel: int = 100_000
     """Stage 3 without ``unit_modules``: smaller blocks and layers join the root unit (a gather per unit

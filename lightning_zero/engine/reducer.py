@@ -44,6 +44,7 @@ those beyond the pool get buffers of their own for the accumulation window.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -167,23 +168,35 @@ class GradReducer:
         return not self._round_open and self._rounds == 0
 
     def _make_hook(self, index: int):  # noqa: ANN202 - a closure over the parameter index
+        # weakly: a hook the parameter holds must not keep the reducer (and its buffers) alive once the
+        # optimizer is gone (the parameter's hooks are invisible to the garbage collector)
+        owner = weakref.ref(self)
+
         def hook(param: torch.nn.Parameter) -> None:
-            if param.grad is None:
-                return
-            self._used[index] = True
-            self._take_grad(index, param)
-            if self._sync:
-                self._arrive(index)
-                if not self._callback_queued:
-                    self._callback_queued = True
-                    torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-                self._launch_ready()
+            reducer = owner()
+            if reducer is not None and param.grad is not None:
+                reducer._on_gradient(index, param)
 
         return hook
 
+    def _on_gradient(self, index: int, param: torch.nn.Parameter) -> None:
+        """A parameter's gradient has been accumulated (its hook)."""
+        self._used[index] = True
+        self._take_grad(index, param)
+        if self._sync:
+            self._arrive(index)
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._launch_ready()
+
     def _make_fresh_check(self, index: int):  # noqa: ANN202 - a closure over the parameter index
+        owner = weakref.ref(self)  # weakly, as in _make_hook
+
         def check(grad: Tensor) -> None:
-            self._fresh[index] = self.params[index].grad is None
+            reducer = owner()
+            if reducer is not None:
+                reducer._fresh[index] = reducer.params[index].grad is None
 
         return check
 

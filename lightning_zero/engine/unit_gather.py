@@ -39,6 +39,7 @@ outside its unit's forward gets a gradient from those NaN values, which raises h
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -214,21 +215,29 @@ class UnitGather:
         return hook
 
     def _arrival(self, index: int):  # noqa: ANN202 - a closure over the parameter index
+        owner = weakref.ref(self)  # weakly: the parameter's hooks are invisible to the garbage collector
+
         def hook(param: torch.nn.Parameter) -> None:
-            self._queue_end_of_backward()
-            unit = self.layout.of_param[index]
-            state = self.units[unit]
-            if not self.gathered(unit):
-                raise RuntimeError(
-                    f"stage 3: parameter {self.plan.params[index].name!r} got a gradient while its unit "
-                    f"{state.name!r} was not gathered: it was used outside that module's forward. "
-                    "Choose units (unit_modules) whose forward uses every parameter they hold"
-                )
-            state.arrived.add(index)
-            if unit != 0 and len(state.arrived) == len(state.params):
-                self.free(unit)
+            units = owner()
+            if units is not None:
+                units._on_gradient(index)
 
         return hook
+
+    def _on_gradient(self, index: int) -> None:
+        """A parameter's gradient reached the reducer (its hook, registered after the reducer's)."""
+        self._queue_end_of_backward()
+        unit = self.layout.of_param[index]
+        state = self.units[unit]
+        if not self.gathered(unit):
+            raise RuntimeError(
+                f"stage 3: parameter {self.plan.params[index].name!r} got a gradient while its unit "
+                f"{state.name!r} was not gathered: it was used outside that module's forward. "
+                "Choose units (unit_modules) whose forward uses every parameter they hold"
+            )
+        state.arrived.add(index)
+        if unit != 0 and len(state.arrived) == len(state.params):
+            self.free(unit)
 
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:

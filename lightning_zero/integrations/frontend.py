@@ -93,7 +93,7 @@ class ZeroOptions:
 
 
 def resolve_classes(name: str, value: Any) -> tuple[type, ...]:
-    """Module classes from a list of classes or dotted import paths (``"recipes.model.gpt.Block"``,
+    """Module classes from a list of classes or dotted import paths (``"recipes.training.model.Block"``,
     what a YAML config can hold).
 
     Raises:

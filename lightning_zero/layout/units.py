@@ -11,7 +11,9 @@ Which submodules are units:
     auto-wrap policy): every submodule of those classes;
   * otherwise every submodule held in an ``nn.ModuleList`` or ``nn.Sequential`` (the repeated blocks
     of a transformer, the layers of a sequential model) with at least ``min_unit_numel`` trainable
-    elements in its subtree, and every other submodule outside those that holds at least
+    elements in its subtree and no such block around it (a block's own ``nn.Sequential`` MLP is part
+    of the block's unit: one gather per block, as FSDP's per-block wrapping does), and every other
+    submodule outside those that holds at least
     ``min_unit_numel`` trainable elements itself (not through a child): the embedding and the output
     layer of a language model, which would otherwise stay gathered for the whole step in the root.
 
@@ -73,8 +75,13 @@ def find_units(
         for name, module in root.named_modules()
         if module is not root and _is_unit(module, parent.get(module), unit_modules, min_unit_numel)
     ]
-    if unit_modules is None:
-        candidates += _large_leaves(root, {m for _, m in candidates}, min_unit_numel)
+    if unit_modules is None:  # the outermost blocks: a block's own Sequential is no unit of its own
+        chosen: set[nn.Module] = set()
+        for _, module in candidates:  # registration order: an ancestor comes first
+            if not _has_ancestor_in(module, parent, chosen):
+                chosen.add(module)
+        candidates = [(name, module) for name, module in candidates if module in chosen]
+        candidates += _large_leaves(root, chosen, min_unit_numel)
         order = {m: i for i, (_, m) in enumerate(root.named_modules())}
         candidates.sort(key=lambda c: order[c[1]])
     candidate_set = {module for _, module in candidates}
@@ -106,6 +113,15 @@ def _is_unit(
     if not isinstance(parent, nn.ModuleList | nn.Sequential):
         return False
     return sum(p.numel() for p in module.parameters() if p.requires_grad) >= min_unit_numel
+
+
+def _has_ancestor_in(module: nn.Module, parent: dict[nn.Module, nn.Module], modules: set[nn.Module]) -> bool:
+    ancestor = parent.get(module)
+    while ancestor is not None:
+        if ancestor in modules:
+            return True
+        ancestor = parent.get(ancestor)
+    return False
 
 
 def _large_leaves(root: nn.Module, units: set[nn.Module], min_unit_numel: int) -> list[tuple[str, nn.Module]]:

@@ -51,6 +51,25 @@ def test_small_blocks_join_the_root_and_classes_choose_units() -> None:
     assert by_class.of_param[norm_weight] == 0, "a LayerNorm outside every unit belongs to the root"
 
 
+def test_a_blocks_own_sequential_is_part_of_the_block_unit() -> None:
+    """The default policy takes the outermost blocks: the MLP ``nn.Sequential`` inside each block of a
+    ``ModuleList`` holds layers above the threshold, yet each block is one unit (one gather)."""
+    model = nn.ModuleList(
+        nn.Sequential(nn.LayerNorm(8), nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 8))) for _ in range(2)
+    )
+    params = _trainable(model)
+    layout = find_units(model, params, min_unit_numel=100)
+    assert layout.names == ("", "0", "1")
+    assert layout.of_param == (1,) * 6 + (2,) * 6
+    assert find_units(model, params, unit_modules=(nn.Linear,)).names == (
+        "",
+        "0.1.0",
+        "0.1.1",
+        "1.1.0",
+        "1.1.1",
+    )
+
+
 def test_a_weight_tied_across_units_belongs_to_the_root() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
     model[2].weight = model[0].weight
@@ -222,3 +241,23 @@ def test_writes_inside_full_parameters_are_kept_only_with_writeback() -> None:
         model.out.weight.fill_(1.0)
     with opt.full_parameters():
         assert torch.equal(model.out.weight, torch.ones_like(before))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_dropped_model_and_optimizer_free_their_buffers(stage: int) -> None:
+    """The gradient hooks a parameter holds are invisible to the garbage collector: they must not keep
+    the reducer, the unit gathers, the model or the flat buffers alive once user code drops them."""
+    import gc
+    import weakref
+
+    def train() -> list[weakref.ref]:
+        model = BlockNet()
+        config = ZeroConfig(stage=stage, **({"min_unit_numel": 0} if stage == 3 else {}))
+        opt = ShardedAdamW(_trainable(model), config=config, module=model if stage == 3 else None)
+        model(torch.randn(3, 7)).sum().backward()
+        opt.step()
+        return [weakref.ref(o) for o in (model, model.inp.weight, opt, opt.engine, opt.engine.reducer)]
+
+    refs = train()
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs)

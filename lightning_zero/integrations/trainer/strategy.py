@@ -85,7 +85,7 @@ class ZeroStrategy(ShardedCheckpointing):
             on any rank is skipped on every rank, ``zero/skipped_steps`` is logged, and the ``K``-th
             skipped step in a row raises :class:`~lightning_zero.NonFiniteGradientError` naming
             ``trainer.global_step`` and the ranks. ``unit_modules`` also takes import paths
-            (``["recipes.model.gpt.Block"]``). At stage 3 (``"zero3"``) every rank holds only its shard
+            (``["recipes.training.model.Block"]``). At stage 3 (``"zero3"``) every rank holds only its shard
             of the parameters during ``fit``; callbacks and LightningModule hooks that run between an
             optimizer step and the next forward (``on_train_batch_end``, ...) are refused unless they
             declare ``reads_parameters_between_steps = False``; after ``fit`` the model stays sharded:
