@@ -192,7 +192,12 @@ _add(
     trainer={"max_steps": 6, "val_check_interval": 4, "limit_val_batches": 2},  # no validation at the end
 )
 # a parameter of the LightningModule itself, used in training_step without calling self(...)
-_add("root_parameter", module={"root_scale": True}, trainer={"max_steps": 6, "limit_val_batches": 2})
+_add(  # after fit: validate/test read the root parameter before any forward (stage 3: still sharded)
+    "root_parameter",
+    module={"root_scale": True},
+    trainer={"max_steps": 6, "limit_val_batches": 2},
+    after=["validate", "test"],
+)
 _add(
     "grad_norm_logging", module={"log_grad_norm": "zero"}, trainer={"max_steps": 4, "gradient_clip_val": 0.05}
 )

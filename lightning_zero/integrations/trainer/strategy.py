@@ -323,9 +323,7 @@ class ZeroStrategy(ShardedCheckpointing):
         """Lightning calls ``training_step``/``validation_step``, not the root's forward, so the root's
         forward pre-hook does not run before them: its parameters are waited for (overlapped
         gathers) or gathered (stage 3) here."""
-        sharded = sharded_engine(self.lightning_module)  # also after fit, or left by another Trainer
-        if sharded is not None:
-            sharded.gather_root()
+        if self._gather_sharded_root():
             return
         engine = self._zero.engine
         if engine is not None:
@@ -354,12 +352,14 @@ class ZeroStrategy(ShardedCheckpointing):
         self._gather_sharded_root()
         return super().predict_step(*args, **kwargs)
 
-    def _gather_sharded_root(self) -> None:
-        """validate/test/predict of a model a stage-3 fit left sharded: the root unit, which the step
-        function may use without the module's forward (units gather in their own forward)."""
+    def _gather_sharded_root(self) -> bool:
+        """Stage 3 (during fit, after it, or a model another Trainer left sharded): gather the root
+        unit, which a step function may use without the module's forward (units gather in their
+        own forward). Whether the model is sharded."""
         sharded = sharded_engine(self.lightning_module)
         if sharded is not None:
             sharded.gather_root()
+        return sharded is not None
 
     @override
     def teardown(self) -> None:
