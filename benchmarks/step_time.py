@@ -456,9 +456,17 @@ def unavailable(name: str) -> str | None:
     return None
 
 
-def child_env() -> dict[str, str]:
-    """The environment of every launch: one thread per rank, DeepSpeed's CPU accelerator."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
+def child_env(mmap_threshold: int | None = None) -> dict[str, str]:
+    """The environment of every launch: one thread per rank, DeepSpeed's CPU accelerator.
+
+    ``mmap_threshold`` fixes glibc's mmap threshold at that many bytes (``MALLOC_MMAP_THRESHOLD_``,
+    which also turns its dynamic threshold off), the same for every row: freed buffers above it go
+    back to the system at once, so RSS follows what is allocated (see docs/performance.md).
+    """
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
+    if mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
+    return env
 
 
 def failure_reason(returncode: int, stderr: str) -> str:
@@ -570,7 +578,9 @@ def report(args: argparse.Namespace, not_run: dict[str, str]) -> None:
     print(
         f"\nGPT {args.model}, {params / 1e6:.1f}M params, {n} ranks x 1 thread, gloo, fp32, batch "
         f"{args.batch}x{args.seq} per rank, {args.steps} steps x {args.rounds} rounds, strategies "
-        f"interleaved (median of steps {WARMUP_STEPS + 1}..)\n"
+        f"interleaved (median of steps {WARMUP_STEPS + 1}..)"
+        + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold is not None else "")
+        + "\n"
     )
     header = (
         f"{'strategy':<30}{'step s':>8}{'vs ddp':>8}{'exposed':>9}{'opt state MB':>14}{'grads MB':>10}"
@@ -659,6 +669,12 @@ def main() -> None:
     parser.add_argument(
         "--bucket-cap-mb", type=float, default=25.0, help="for zero1/zero2 (DDP keeps its 25)"
     )
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        metavar="BYTES",
+        help="fix glibc's mmap threshold for every row (e.g. 1048576); default: glibc's dynamic one",
+    )
     parser.add_argument("--out", default="benchmarks/results/step_time")
     parser.add_argument("--rounds", type=int, default=2, help="runs of every strategy, interleaved")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
@@ -681,7 +697,8 @@ def main() -> None:
                 for stale in range(args.devices):  # a failed launch must not report an older run
                     figures_path(args, name, k, stale).unlink(missing_ok=True)
                 reason = unavailable(name) or launch(
-                    [sys.executable, *sys.argv, "--model", model, "--only", name, "--round", str(k)]
+                    [sys.executable, *sys.argv, "--model", model, "--only", name, "--round", str(k)],
+                    args.mmap_threshold,
                 )
                 if reason:
                     print(f"  not run: {reason}", flush=True)
@@ -691,9 +708,10 @@ def main() -> None:
         report(args, not_run[model])
 
 
-def launch(cmd: list[str]) -> str | None:
+def launch(cmd: list[str], mmap_threshold: int | None = None) -> str | None:
     """Runs one launch to its end; why it failed, or None."""
-    proc = subprocess.run(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = child_env(mmap_threshold)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return failure_reason(proc.returncode, proc.stderr) if proc.returncode else None
 
 

@@ -145,7 +145,7 @@ class AsyncCheckpointWriter:
         """
         self.wait()
         if self._comm is None:
-            self._comm = engine.comm.new_group("gloo", self._timeout)  # all ranks, at their first save
+            self._comm = engine.world.new_group("gloo", self._timeout)  # all ranks, at their first save
         snapshot = HostSnapshot()
         staged = stage_save(
             engine,

@@ -133,14 +133,19 @@ class StagedSave:
     target: Path
     tmp: Path
     rank: int
+    """This rank's index in its shard group: the shard file it writes."""
     world_size: int
+    """Ranks per shard group: the shard files of the checkpoint."""
     payload: dict[str, list[torch.Tensor]]
     extra: dict[str, torch.Tensor]
     meta: dict[str, Any]  # without "files" (added by rank 0 once every rank has written)
     before_write: Callable[[], None] | None = None  # e.g. wait for device-to-host copies
+    writes_shard: bool = True
+    """Hybrid sharding: only the first replica group writes its shards (the others hold the same)."""
 
     def write(self, comm: Comm) -> None:
-        """Write, agree with the other ranks over ``comm``, commit on rank 0. On all ranks.
+        """Write, agree with the other ranks over ``comm`` (all data-parallel ranks), commit on its
+        rank 0. On all ranks.
 
         Before committing, rank 0 checks that it sees every rank's files at their sizes: on storage
         that is not shared by all nodes (a node-local disk) the other nodes' shards would be missing
@@ -156,11 +161,15 @@ class StagedSave:
             if self.before_write is not None:
                 self.before_write()
             self.tmp.mkdir(parents=True, exist_ok=True)
-            status = [_write(self.payload, self.tmp / shard_name(self.rank, self.world_size))]
-            if self.rank == 0:
+            status = (
+                [_write(self.payload, self.tmp / shard_name(self.rank, self.world_size))]
+                if self.writes_shard
+                else []
+            )
+            if comm.rank == 0:
                 status.append(_write(self.extra, self.tmp / EXTRA))
         except Exception as err:  # noqa: BLE001 - reported to every rank below
-            status = f"rank {self.rank}: {type(err).__name__}: {err} (host {host})"
+            status = f"rank {comm.rank}: {type(err).__name__}: {err} (host {host})"
         peer_failure: CommError | None = None
         try:
             errors = self._agree_and_commit(comm, host, status)
@@ -177,9 +186,9 @@ class StagedSave:
         """Exchange every rank's outcome; rank 0 checks what it sees and commits. The errors, on all ranks."""
         everyone = comm.all_gather_object((host, status))  # a failed rank sends its error text
         errors = [s for _, s in everyone if isinstance(s, str)]
-        if not errors and self.rank == 0:
+        if not errors and comm.rank == 0:
             errors = _unseen(self.tmp, everyone, host)
-        if not errors and self.rank == 0:
+        if not errors and comm.rank == 0:
             try:
                 files = {
                     name: {"size": size, "sha256": digest} for _, s in everyone for name, size, digest in s
@@ -188,7 +197,7 @@ class StagedSave:
                 _commit(self.tmp, self.target)
             except Exception as err:  # noqa: BLE001
                 errors.append(f"rank 0: {type(err).__name__}: {err} (host {host})")
-        if self.world_size > 1:  # rank 0's commit outcome reaches everyone
+        if comm.world_size > 1:  # rank 0's commit outcome reaches everyone
             errors = [e for rank_errors in comm.all_gather_object(errors) for e in rank_errors]
         return errors
 
@@ -240,8 +249,8 @@ def stage_save(
         The staged save; its ``write`` must then be called on all ranks.
     """
     engine.wait_for_params()  # parameter gathers left in flight write the buffers saved here
-    comm, target = engine.comm, Path(path)
-    token = comm.broadcast_object(uuid.uuid4().hex if comm.rank == 0 else None, src=0)
+    comm, world, target = engine.comm, engine.world, Path(path)
+    token = world.broadcast_object(uuid.uuid4().hex if world.rank == 0 else None, src=0)
     payload = _shard_payload(engine, copy_tensor, with_optimizer=not lightning_state.get(WEIGHTS_ONLY, False))
     meta = {
         "format_version": FORMAT_VERSION,
@@ -263,6 +272,7 @@ def stage_save(
         payload,
         {k: copy_extra(v) for k, v in extra_tensors.items()},
         meta,
+        writes_shard=engine.groups.replicas.rank == 0,
     )
 
 
@@ -280,7 +290,7 @@ def save_sharded(
     Raises:
         CheckpointError: on every rank, if any rank failed to write (the previous ``path`` is kept).
     """
-    stage_save(engine, path, lightning_state, extra_tensors, stage, aliases=aliases).write(engine.comm)
+    stage_save(engine, path, lightning_state, extra_tensors, stage, aliases=aliases).write(engine.world)
 
 
 def _exchange(a: Path, b: Path) -> bool:

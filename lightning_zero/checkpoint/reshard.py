@@ -100,7 +100,7 @@ def preflight(engine: ShardEngine, path: Path, meta: dict[str, Any]) -> None:
         layout = _SavedLayout(meta)
         names = [shard_name(r, layout.world_size) for r in sorted(_needed_ranks(engine, layout))]
         problems = verify_files(path, meta, names)
-    everyone = engine.comm.all_gather_object(problems)
+    everyone = engine.world.all_gather_object(problems)
     found = sorted({p for rank_problems in everyone for p in rank_problems})
     if found:
         raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(found))

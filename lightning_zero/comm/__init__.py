@@ -6,5 +6,6 @@ timing); how a collective runs on the process group's backend is chosen in one p
 """
 
 from lightning_zero.comm.communicator import Comm, CommError, CommStats, collective_failures
+from lightning_zero.comm.groups import CommGroups, hybrid_mesh
 
-__all__ = ["Comm", "CommError", "CommStats", "collective_failures"]
+__all__ = ["Comm", "CommError", "CommGroups", "CommStats", "collective_failures", "hybrid_mesh"]

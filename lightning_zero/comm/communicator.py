@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.comm.backends import Backend, backend_for
+from lightning_zero.comm.backends import Backend, SingleProcess, backend_for
 
 
 class CommError(RuntimeError):
@@ -104,10 +104,12 @@ class Comm:
     Args:
         group: the process group; ``None`` for the default one, or for no process group at all
             (then every collective is a local copy).
+        backend: how the collectives run; default: :func:`~lightning_zero.comm.backends.backend_for`
+            ``group``.
     """
 
-    def __init__(self, group: Any = None) -> None:
-        self.backend: Backend = backend_for(group)
+    def __init__(self, group: Any = None, backend: Backend | None = None) -> None:
+        self.backend: Backend = backend if backend is not None else backend_for(group)
         self.group = group
         self.rank = self.backend.rank
         self.world_size = self.backend.world_size
@@ -116,6 +118,12 @@ class Comm:
         """Measure waits with CUDA events (NCCL); off by default: it keeps two events per wait
         until :meth:`flush_timings`."""
         self._device_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @classmethod
+    def single(cls, device: torch.device) -> Comm:
+        """A group of this rank alone (even inside a larger process group): collectives are local
+        copies, nothing is counted as sent."""
+        return cls(None, SingleProcess(None, 0, 1, device))
 
     @property
     def device(self) -> torch.device:

@@ -83,11 +83,18 @@ class WireCodec:
             shard.copy_(result)
 
     def launch(
-        self, comm: Comm, accum: Tensor, shard: Tensor, first_round: bool, inspect: Inspect | None = None
+        self,
+        comm: Comm,
+        accum: Tensor,
+        shard: Tensor,
+        first_round: bool,
+        inspect: Inspect | None = None,
+        ranks: int | None = None,
     ) -> InFlight:
         """Start sending ``accum`` (``(padded_numel,)``, scratch afterwards) towards ``shard``;
-        ``inspect`` sees the encoded bucket before it is sent."""
-        wire = self.encode(accum, comm.world_size)
+        ``inspect`` sees the encoded bucket before it is sent. ``ranks``: how many ranks the
+        gradient is averaged over (hybrid sharding: all of them, not only ``comm``'s)."""
+        wire = self.encode(accum, ranks or comm.world_size)
         if inspect is not None:
             inspect(wire)
         narrower = torch.finfo(wire.dtype).max < torch.finfo(accum.dtype).max
@@ -101,10 +108,17 @@ class WireCodec:
         return InFlight(handle, wire, output, wire is accum, narrower)
 
     def collect(
-        self, comm: Comm, sent: InFlight, shard: Tensor, first_round: bool, inspect: Inspect | None = None
+        self,
+        comm: Comm,
+        sent: InFlight,
+        shard: Tensor,
+        first_round: bool,
+        inspect: Inspect | None = None,
+        replicas: Comm | None = None,
     ) -> None:
         """Wait for ``sent`` and fold this rank's part into ``shard``; ``inspect`` sees that part when
-        the reduction on a narrower wire may have overflowed."""
+        the reduction on a narrower wire may have overflowed. ``replicas`` (hybrid sharding): the
+        part is first summed across them, in the wire dtype."""
         comm.wait(sent.handle)
         if self.stage == 1:
             start, end = shard_range(sent.wire.numel(), comm.world_size, comm.rank)
@@ -112,6 +126,8 @@ class WireCodec:
         else:
             assert sent.output is not None
             result = sent.output
+        if replicas is not None and replicas.world_size > 1:
+            replicas.wait(replicas.all_reduce(result, what="gradient all-reduce across replicas"))
         if inspect is not None and sent.narrower:
             inspect(result)
         self.decode(result, shard, accumulate=not first_round)

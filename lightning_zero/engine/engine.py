@@ -41,6 +41,7 @@ from torch import Tensor
 
 import lightning_zero.engine.grad_math as grad_math
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.groups import CommGroups
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.figures import EngineFigures
 from lightning_zero.engine.nonfinite import NonFiniteGuard
@@ -62,7 +63,8 @@ class ShardEngine(ParameterAccess, EngineFigures):
     Args:
         param_groups: the optimizer's list of param-group dicts (shared, not copied).
         config: bucketing and sharding settings.
-        comm: the data-parallel group's communicator.
+        comm: the data-parallel group's communicator (flat sharding), or its :class:`CommGroups`
+            (hybrid: sharded within groups, replicated across them).
         rule: the optimizer's update over shard pieces (its moments are allocated by name).
         param_order: the parameters in registration order (buckets follow its reverse); ``None``:
             the order of the groups.
@@ -79,7 +81,7 @@ class ShardEngine(ParameterAccess, EngineFigures):
         self,
         param_groups: list[dict[str, Any]],
         config: ZeroConfig,
-        comm: Comm,
+        comm: Comm | CommGroups,
         rule: UpdateRule,
         param_order: Iterable[torch.nn.Parameter] | None = None,
         param_names: dict[torch.nn.Parameter, str] | None = None,
@@ -93,12 +95,16 @@ class ShardEngine(ParameterAccess, EngineFigures):
         self.param_groups = param_groups
         self.module = module
         self.config = config
-        self.comm = comm
+        self.groups = CommGroups.of(comm)
+        self.comm = self.groups.shard
+        """The shard group's communicator: the buckets are split over its ranks."""
+        self.world = self.groups.world
+        """All data-parallel ranks (``comm`` itself under flat sharding)."""
         self.rule = rule
         self._param_order = None if param_order is None else list(param_order)
         self._names = param_names or {}
         self._parked = Parked()
-        self.guard = NonFiniteGuard(comm, config.skip_nonfinite_steps)
+        self.guard = NonFiniteGuard(self.world, config.skip_nonfinite_steps)
         self.optimizer_steps = 0
         """Optimizer steps so far: :meth:`step` calls with gradients, skipped ones included (the step an
         error names). The Trainer strategy sets it to ``trainer.global_step`` before each training step."""
@@ -128,7 +134,7 @@ class ShardEngine(ParameterAccess, EngineFigures):
             config.align_numel,
             units=None if layout is None else layout.of_param,
         )
-        check_same_plan(self.plan, self.comm)
+        check_same_plan(self.plan, self.world)
         self.params_in_order = order
         self.flat = FlatParams(order, self.plan, self.comm.rank, sharded=layout is not None)
         self.gather = ParamGather(self.plan, self.flat, self.comm, config.overlap_param_gather)
@@ -145,7 +151,7 @@ class ShardEngine(ParameterAccess, EngineFigures):
             )
             assert self.module is not None
             register_sharded(self.module, self)
-        self.reducer = GradReducer(order, self.plan, self.flat, self.comm, config, self.guard)
+        self.reducer = GradReducer(order, self.plan, self.flat, self.groups, config, self.guard)
         self.state = ShardState(
             self.plan,
             self.flat,

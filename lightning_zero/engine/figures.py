@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_zero.comm.communicator import Comm, CommStats
+from lightning_zero.comm.groups import CommGroups
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.nonfinite import NonFiniteGuard
 from lightning_zero.engine.reducer import GradReducer
@@ -37,6 +38,8 @@ class EngineFigures:
     """Figures of an engine's parts (the attributes :class:`ShardEngine` sets)."""
 
     comm: Comm
+    groups: CommGroups
+    world: Comm
     config: ZeroConfig
     guard: NonFiniteGuard
     plan: BucketPlan
@@ -52,21 +55,43 @@ class EngineFigures:
 
     @property
     def comm_stats(self) -> CommStats:
-        """Elements and bytes sent and time waited since the counters were last reset."""
+        """Elements and bytes sent and time waited since the counters were last reset, inside the
+        shard group (all of it under flat sharding; under hybrid sharding the control collectives
+        over all ranks are counted here too)."""
         return self.comm.stats
+
+    @property
+    def replica_comm_stats(self) -> CommStats:
+        """The same for the all-reduces across replica groups (hybrid sharding; zero under flat)."""
+        return self.groups.replicas.stats
+
+    def _comms(self) -> list[Comm]:
+        """The distinct communicators (one under flat sharding, three under hybrid)."""
+        return list({id(c): c for c in (self.comm, self.groups.replicas, self.world)}.values())
+
+    def reset_comm_stats(self) -> None:
+        """Zero every counter of :attr:`comm_stats` and :attr:`replica_comm_stats`."""
+        for comm in self._comms():
+            comm.stats.reset()
+
+    def comm_wait_s(self) -> float:
+        """Seconds blocked on collectives since the counters were reset, over every group."""
+        return sum(comm.stats.wait_s for comm in self._comms())
 
     def time_device_waits(self) -> None:
         """Measure communication waits with CUDA events (NCCL, where a host timer reads ~0); they are
         added to :attr:`comm_stats` by :meth:`flush_timings`."""
-        self.comm.time_device_waits = True
+        for comm in self._comms():
+            comm.time_device_waits = True
 
     def flush_timings(self) -> None:
         """Add the device-measured waits so far to :attr:`comm_stats` (synchronises the device)."""
-        self.comm.flush_timings()
+        for comm in self._comms():
+            comm.flush_timings()
 
     def gather_floats(self, values: list[float]) -> list[list[float]]:
         """Every rank's ``values`` (e.g. its step time), in rank order. All ranks; one small collective."""
-        return self.comm.all_gather_floats(values)
+        return self.world.all_gather_floats(values)
 
     def min_elements_per_step(self) -> int:
         """The elements a rank must send per step at stage 2 or 3: ``2·Ψ·(N−1)/N`` (padded Ψ), plus at
@@ -75,6 +100,13 @@ class EngineFigures:
         if self.units is not None and self.config.reshard_after_forward:
             numel += sum(b.padded_numel for b in self.plan.buckets if b.unit != 0)
         return numel * (self.comm.world_size - 1) // self.comm.world_size
+
+    def min_replica_elements_per_step(self) -> int:
+        """The elements a rank sends across replica groups per step (hybrid sharding, every stage): an
+        all-reduce of its gradient shard, ``2·(Ψ/G)·(R−1)/R`` (padded Ψ, ``G`` ranks per shard group,
+        ``R`` replica groups); 0 under flat sharding."""
+        replicas, group = self.groups.replicas.world_size, self.comm.world_size
+        return sum(2 * ((b.padded_numel // group) * (replicas - 1) // replicas) for b in self.plan.buckets)
 
     def memory(self) -> EngineMemory:
         """What this rank holds (see :class:`EngineMemory`)."""

@@ -56,6 +56,7 @@ class ParameterAccess:
     """Reads, waits and rebinds of the parameters (the attributes :class:`ShardEngine` sets)."""
 
     comm: Comm
+    world: Comm
     config: ZeroConfig
     flat: FlatParams
     gather: ParamGather
@@ -176,7 +177,7 @@ class ParameterAccess:
 
     def broadcast(self, tensors: list[Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` (e.g. module buffers) with rank ``src``'s values. All ranks."""
-        self.comm.broadcast_tensors(tensors, src=src)
+        self.world.broadcast_tensors(tensors, src=src)
 
     def sharded_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters stage 3 holds as shards (placeholders outside their unit's use); none below

@@ -27,6 +27,12 @@ dtype, the collective, the accumulation back) is the bucket's wire codec
 bucket, keep the owned slice) and stage 2 (reduce-scatter it) differ. Either way the optimizer sees
 only ``grad_shards[b]``: ``(padded_numel // world_size,)`` in the master dtype.
 
+Hybrid sharding (:class:`~lightning_zero.comm.CommGroups` with replicas): the bucket is divided by
+all ``N`` ranks and reduced inside the shard group as above; as each bucket is collected, this rank's
+part is all-reduced (summed) across the replicas before it is folded into the shard. Buckets are
+then collected strictly in order, so that every rank of a replica group makes those all-reduces in
+the same order (flat sharding collects whichever have finished).
+
 ``skip_nonfinite_steps``: each bucket is shown to the :class:`NonFiniteGuard` as it is sent (and
 collected); the guard's flags ride on the used-parameter mask, then launched after the collects.
 
@@ -53,6 +59,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.groups import CommGroups
 from lightning_zero.config import ZeroConfig, master_dtype
 from lightning_zero.engine.codecs import InFlight, WireCodec, codec_for
 from lightning_zero.engine.nonfinite import NonFiniteGuard
@@ -100,14 +107,18 @@ class GradReducer:
         params: Sequence[torch.nn.Parameter],
         plan: BucketPlan,
         flat: FlatParams,
-        comm: Comm,
+        comm: Comm | CommGroups,
         config: ZeroConfig,
         guard: NonFiniteGuard | None = None,
     ) -> None:
         self.params = list(params)
         self.plan = plan
         self.flat = flat
-        self.comm = comm
+        groups = CommGroups.of(comm)
+        self.comm = groups.shard
+        self.replicas = groups.replicas
+        self.world = groups.world
+        self._ranks = self.comm.world_size * self.replicas.world_size  # what a gradient is averaged over
         self.config = config
         self._guard = guard if guard is not None and guard.enabled else None
         self._inspect = None if self._guard is None else self._guard.inspect
@@ -123,7 +134,8 @@ class GradReducer:
         self._adoptable = adoptable_params(plan)
         cap_bytes = max(config.bucket_cap_mb, config.first_bucket_cap_mb) * 2**20
         adopted_buckets = {self._where[i][0] for i in self._adoptable}
-        self.pool = WirePool(plan, POOL_SLOTS, cap_bytes, flat.device, adopted_buckets)
+        keep = config.stage < 3  # stage 3 frees each buffer when its bucket is collected (wire_pool.py)
+        self.pool = WirePool(plan, POOL_SLOTS, cap_bytes, flat.device, adopted_buckets, keep)
         self.allocations_outside_pool = 0
         """Accumulation buffers allocated because every pool slot was busy (e.g. ``no_sync``)."""
         self.adopted = 0
@@ -285,7 +297,7 @@ class GradReducer:
     def _launch(self, bucket_index: int) -> None:
         state = self._buckets[bucket_index]
         accum, shard = self._accum(bucket_index), self.grad_shards[bucket_index]
-        sent = state.codec.launch(self.comm, accum, shard, self._rounds == 0, self._inspect)
+        sent = state.codec.launch(self.comm, accum, shard, self._rounds == 0, self._inspect, self._ranks)
         if not sent.uses_accum:
             self._release(state)  # the wire copy is all that is needed from here on
         state.sent = sent
@@ -302,6 +314,8 @@ class GradReducer:
             if excess > 0 or (sent is not None and _is_completed(sent)):
                 self._collect(b)
                 excess -= 1
+            elif self.replicas.world_size > 1:
+                break  # in order: the replica all-reduces must follow the same sequence on every rank
 
     def _fill_missing(self, bucket_index: int) -> None:
         """Zeros for parameters that have no gradient in this round's buffers."""
@@ -316,7 +330,7 @@ class GradReducer:
                 self._warned_unused = True
                 warnings.warn(
                     f"parameter {self.plan.params[slot.param_index].name!r} got no gradient on rank "
-                    f"{self.comm.rank} in this step; it counts as a zero gradient. Pass "
+                    f"{self.world.rank} in this step; it counts as a zero gradient. Pass "
                     "find_unused_parameters=True to skip parameters no rank used, as torch.optim does.",
                     stacklevel=3,
                 )
@@ -332,17 +346,17 @@ class GradReducer:
             self._fill_missing(bucket_index)
             self._launch(bucket_index)
         used, used_handle = None, None  # launched after every bucket: the same collective order everywhere
-        if self._skip_unused and self.comm.world_size == 1:
+        if self._skip_unused and self.world.world_size == 1:
             self._used_global = list(self._used)  # local is global: no tensor, no host synchronisation
         elif self._skip_unused and self._guard is None:  # the user asked for one small all-reduce
             used, used_handle = self._launch_used_mask()
         for bucket_index in range(len(self._buckets)):
             if self._buckets[bucket_index].sent is not None:
                 self._collect(bucket_index)
-        if used is None and self._skip_unused and self.comm.world_size > 1:  # with the guard's flags
+        if used is None and self._skip_unused and self.world.world_size > 1:  # with the guard's flags
             used, used_handle = self._launch_used_mask()
         if used is not None and used_handle is not None:
-            self.comm.wait(used_handle)
+            self.world.wait(used_handle)
             values = used.tolist()  # a host sync, once per round
             self._used_global = [bool(u) for u in values[: len(self.params)]]
             if self._guard is not None:
@@ -358,10 +372,10 @@ class GradReducer:
     def _launch_used_mask(self) -> tuple[Tensor, object]:
         """Start the max all-reduce of this rank's used-parameter mask (``(num_params,)`` int32),
         followed by the non-finite guard's ``(2 * world_size,)`` flags when the guard is on."""
-        used = torch.tensor(self._used, dtype=torch.int32, device=self.comm.device)
+        used = torch.tensor(self._used, dtype=torch.int32, device=self.world.device)
         if self._guard is not None:
             used = torch.cat([used, self._guard.local_flags()])  # (num_params + 2 * world_size,)
-        return used, self.comm.all_reduce(used, op="max", control=True)
+        return used, self.world.all_reduce(used, op="max", control=True)
 
     def finalize(self) -> list[bool] | None:
         """Finish this step's communication; ``grad_shards`` are then valid. Idempotent.
@@ -382,7 +396,12 @@ class GradReducer:
         state = self._buckets[bucket_index]
         assert state.sent is not None
         state.codec.collect(
-            self.comm, state.sent, self.grad_shards[bucket_index], self._rounds == 0, self._inspect_reduced
+            self.comm,
+            state.sent,
+            self.grad_shards[bucket_index],
+            self._rounds == 0,
+            self._inspect_reduced,
+            self.replicas,
         )
         self._release(state)
 

@@ -31,7 +31,8 @@ import torch
 
 from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.checkpoint.reshard import load_sharded, preflight
-from lightning_zero.comm import Comm
+from lightning_zero.comm import Comm, hybrid_mesh
+from lightning_zero.comm.groups import is_device_mesh
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ShardEngine
 from lightning_zero.engine.parameters import sharded_engine
@@ -58,10 +59,33 @@ class ZeroOptions:
     """Write sharded saves during ``fit`` in the background (Trainer only)."""
     broadcast_buffers: bool = True
     """Broadcast module buffers from rank 0 before the forwards where DDP does."""
+    shard_group_size: int | str | None = None
+    """Ranks per shard group (hybrid sharding): ``None`` all ranks (flat), ``"auto"`` the ranks of one
+    node, or a divisor of the world size (checked once it is known)."""
+    device_mesh: Any = None
+    """A torch ``DeviceMesh`` that already exists (1-D: flat over it; 2-D: replicate x shard)."""
 
     def __post_init__(self) -> None:
         for name in ("log_comm_stats", "sharded_checkpoint", "async_checkpoint", "broadcast_buffers"):
             _check_bool(name, getattr(self, name))
+        size = self.shard_group_size
+        positive = isinstance(size, int) and not isinstance(size, bool) and size >= 1
+        if size is not None and size != "auto" and not positive:
+            raise ValueError(
+                f"shard_group_size must be None (shard over all ranks), 'auto' (the ranks of one node) or a "
+                f"positive number of ranks dividing the world size, got {size!r}"
+            )
+        if self.device_mesh is not None:
+            if not is_device_mesh(self.device_mesh):
+                raise ValueError(
+                    "device_mesh must be None or a torch.distributed.device_mesh.DeviceMesh (1-D: flat "
+                    f"sharding over it; 2-D: replicate x shard), got {self.device_mesh!r}"
+                )
+            if size is not None:
+                raise ValueError(
+                    f"pass shard_group_size={size!r} or a device_mesh, not both (the mesh's dim 1 is the "
+                    "shard group)"
+                )
         if self.config.stage == 3 and not self.sharded_checkpoint:
             raise ValueError(
                 "sharded_checkpoint=False is not supported at stage 3 (one file gathered on rank 0 would "
@@ -142,24 +166,49 @@ class ZeroFrontEnd:
         self.config = options.config
         self.optimizer: ShardedAdamW | None = None
         """The sharded twin, once :meth:`shard` has run."""
+        self._mesh: Any = options.device_mesh
+        self._mesh_built = options.device_mesh is not None or options.shard_group_size is None
         self._buffers_need_sync = True  # a fresh DDP wrapper's state
 
     @property
     def engine(self) -> ShardEngine | None:
         return None if self.optimizer is None else self.optimizer.engine
 
+    def device_mesh(self, ranks_per_node: int, device_type: str) -> Any:
+        """The mesh the engine shards over (``None``: flat over the default group), built at the first
+        call from ``shard_group_size`` (``"auto"``: ``ranks_per_node``) and kept: the strategy's later
+        fits reuse its process groups. Call on all ranks.
+
+        Raises:
+            ValueError: a group size that does not divide the world size (named, with the valid ones).
+        """
+        if not self._mesh_built:
+            size = self.options.shard_group_size
+            group = ranks_per_node if size == "auto" else size
+            assert isinstance(group, int)  # checked by ZeroOptions
+            self._mesh = hybrid_mesh(group, device_type)
+            self._mesh_built = True
+        return self._mesh
+
     def shard(
-        self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, schedulers: Iterable[Any] = ()
+        self,
+        optimizer: torch.optim.Optimizer,
+        module: torch.nn.Module,
+        schedulers: Iterable[Any] = (),
+        device_mesh: Any = None,
     ) -> ShardedAdamW:
         """The sharded twin of ``optimizer`` over ``module``'s parameters; every scheduler (and its
         children) now drives it. Call on all ranks: the bucket plans are compared first.
+        ``device_mesh``: hybrid sharding (:meth:`device_mesh`).
 
         Raises:
             TypeError: ``optimizer`` is not a ``torch.optim.Adam``/``AdamW``.
             PlanMismatchError: the ranks do not build the same plan.
         """
         stage3 = self.config.stage == 3
-        sharded = make_twin(optimizer, self.config, module.named_parameters(), module if stage3 else None)
+        sharded = make_twin(
+            optimizer, self.config, module.named_parameters(), module if stage3 else None, device_mesh
+        )
         for scheduler in schedulers:
             repoint_scheduler(scheduler, sharded)
         self.optimizer = sharded

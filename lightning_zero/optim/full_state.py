@@ -30,8 +30,16 @@ def _group_indices(engine: ShardEngine) -> dict[torch.nn.Parameter, int]:
 
 
 def gather_full_state(engine: ShardEngine, dst: int = 0) -> dict[str, Any] | None:
-    """The full AdamW state dict on rank ``dst`` (``None`` elsewhere). Call on all ranks."""
+    """The full AdamW state dict on rank ``dst`` (``None`` elsewhere). Call on all ranks.
+
+    Under hybrid sharding ``dst`` must be a rank of the first replica group (``dst < G``): each shard
+    group gathers its state to its rank ``dst``, and only the world's rank ``dst`` returns it."""
     comm, plan, shards = engine.comm, engine.plan, engine.state
+    if not 0 <= dst < comm.world_size:
+        raise ValueError(
+            f"dst={dst}: the optimizer state is gathered to a rank of the first shard group, "
+            f"0..{comm.world_size - 1}"
+        )
     numbering = _group_indices(engine)
     state: dict[int, dict[str, Tensor]] = {}
     for b, bucket in enumerate(plan.buckets):
@@ -47,7 +55,7 @@ def gather_full_state(engine: ShardEngine, dst: int = 0) -> dict[str, Any] | Non
                 entry = state.setdefault(numbering[param], {})
                 entry[name] = values
                 entry["step"] = torch.tensor(float(shards.steps[slot.param_index]), dtype=torch.float32)
-    if comm.rank != dst:
+    if engine.world.rank != dst:
         return None
     groups = []
     for group in engine.param_groups:

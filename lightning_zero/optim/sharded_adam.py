@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.groups import CommGroups
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.engine import ShardEngine
 from lightning_zero.optim.adam import AdamRule
@@ -38,6 +38,7 @@ from lightning_zero.optim.full_state import gather_full_state, scatter_full_stat
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 _REFUSED_FLAGS = ("differentiable", "capturable")
 _FUSED_DEVICES = ("cpu", "cuda")
@@ -59,6 +60,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         decoupled_weight_decay: ``True`` for AdamW, ``False`` for Adam's L2 penalty.
         config: bucketing and sharding settings (:class:`~lightning_zero.ZeroConfig`).
         process_group: the data-parallel group; ``None`` for the default one (or none at all).
+        device_mesh: instead of ``process_group``: a torch ``DeviceMesh``. 1-D: flat sharding over its
+            ranks. 2-D, ``(replicate, shard)`` as in FSDP2's hybrid sharding: buckets split over the
+            ranks of dim 1, replicated across dim 0 (:mod:`lightning_zero.comm.groups`;
+            :func:`~lightning_zero.comm.hybrid_mesh` builds one with ``G`` ranks per shard group).
         param_order: the parameters in registration order (e.g. ``module.parameters()``); buckets
             follow its reverse. Defaults to the order of ``params``.
         param_names: names used in error messages, plans and checkpoints.
@@ -86,6 +91,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         decoupled_weight_decay: bool = True,
         config: ZeroConfig | None = None,
         process_group: ProcessGroup | None = None,
+        device_mesh: DeviceMesh | None = None,
         param_order: Iterable[torch.nn.Parameter] | None = None,
         param_names: dict[torch.nn.Parameter, str] | None = None,
         module: torch.nn.Module | None = None,
@@ -106,12 +112,14 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.config = config or ZeroConfig()
         for group in self.param_groups:
             _check_group(group)
-        comm = Comm(process_group)
+        if device_mesh is not None and process_group is not None:
+            raise ValueError("pass process_group or device_mesh, not both")
+        groups = CommGroups.flat(process_group) if device_mesh is None else CommGroups.from_mesh(device_mesh)
         if module is not None:
             param_order = module.parameters() if param_order is None else param_order
             param_names = {p: n for n, p in module.named_parameters()} if param_names is None else param_names
         self.engine = ShardEngine(
-            self.param_groups, self.config, comm, AdamRule(), param_order, param_names, module
+            self.param_groups, self.config, groups, AdamRule(), param_order, param_names, module
         )
         """The buffers, hooks, collectives and shard state (:class:`~lightning_zero.engine.ShardEngine`)."""
 

@@ -33,9 +33,10 @@ def make_twin(
     config: ZeroConfig,
     named_parameters: Iterable[tuple[str, Any]],
     module: torch.nn.Module | None = None,
+    device_mesh: Any = None,
 ) -> ShardedAdamW:
     """The sharded twin of ``optimizer`` for a module with ``named_parameters`` (registration order);
-    ``module``: the model, needed at stage 3.
+    ``module``: the model, needed at stage 3; ``device_mesh``: hybrid sharding (see ShardedAdamW).
 
     Must be called on all ranks (the bucket plans are compared).
 
@@ -50,6 +51,7 @@ def make_twin(
         param_order=[p for _, p in named],
         param_names={p: n for n, p in named},
         module=module,
+        device_mesh=device_mesh,
     )
 
 

@@ -26,9 +26,12 @@ from tests.conformance import module as M
 from tests.conformance.cases import CASES, SCHEDULES_WITHOUT_ZERO3, STAGE1
 
 WORLD_SIZE = 2
+"""Processes per launch (``--world-size``; 4 for the hybrid launch)."""
 OURS = ["zero", "zero_overlap", "zero3"]
 """Our strategies every case runs under unless it names its own; cases that exercise the gradient
 path (where stage 1 differs: all-reduce instead of reduce-scatter) add "zero1" (``cases.STAGE1``)."""
+HYBRID = ["zero_2x2"]
+"""With ``--hybrid`` (4 ranks): stage 2 sharded over 2 groups of 2 ranks, replicated across them."""
 CALLBACKS: dict[str, Any] = {
     "LearningRateMonitor": LearningRateMonitor,
     "ModelCheckpoint": ModelCheckpoint,
@@ -47,11 +50,13 @@ _SMALL_BUCKETS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005}  # seve
 def _strategy(name: str, as_object: bool, kwargs: dict[str, Any]) -> Any:
     """``kwargs``: arguments both strategies take (e.g. ``broadcast_buffers``), for object cases."""
     assert as_object or not kwargs, "strategy_kwargs need object=True"
-    if name in ("zero", "zero1", "zero2", "zero_overlap"):
+    if name in ("zero", "zero1", "zero2", "zero_overlap", "zero_2x2"):
         from lightning_zero import ZeroStrategy
 
         overlap = name == "zero_overlap"  # parameter gathers left in flight into the next forward
         stage = 1 if name == "zero1" else 2
+        if name == "zero_2x2":
+            kwargs = {**kwargs, "shard_group_size": 2}
         return ZeroStrategy(stage=stage, overlap_param_gather=overlap, **_SMALL_BUCKETS, **kwargs)
     if name == "zero3":  # the backbone's two Linear layers are units, the head the root's
         from lightning_zero import ZeroStrategy
@@ -142,15 +147,17 @@ def _after(
     raise ValueError(f"unknown action {action!r}")
 
 
-def launched_strategies(name: str) -> list[str]:
+def launched_strategies(name: str, hybrid: bool = False) -> list[str]:
     """The multi-process runs of a case: its reference (unless one process) and ours."""
     case = CASES[name]
     reference = case.get("reference", "ddp")
-    return ([] if reference == "single" else [reference]) + ours_of(name)
+    return ([] if reference == "single" else [reference]) + ours_of(name, hybrid)
 
 
-def ours_of(name: str) -> list[str]:
-    """Our strategies a case runs under."""
+def ours_of(name: str, hybrid: bool = False) -> list[str]:
+    """Our strategies a case runs under (``hybrid``: in the 4-rank launch, :data:`HYBRID`)."""
+    if hybrid:
+        return list(HYBRID)
     case = CASES[name]
     ours = [s for s in OURS if not (s == "zero3" and name in SCHEDULES_WITHOUT_ZERO3)]
     return list(case.get("ours", ours + (["zero1"] if name in STAGE1 else [])))
@@ -194,11 +201,15 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", required=True, help="comma-separated case names")
     parser.add_argument("--workdir", required=True, help="shared by the ranks: checkpoints go there")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--hybrid", action="store_true", help="run the cases under HYBRID (4 ranks)")
     args = parser.parse_args()
+    global WORLD_SIZE  # noqa: PLW0603 - one launch, one world size
+    WORLD_SIZE = args.world_size
     workdir = Path(args.workdir)
     results: dict[str, dict[str, Any]] = {}
     for name in args.cases.split(","):
-        for strategy in launched_strategies(name):
+        for strategy in launched_strategies(name, args.hybrid):
             results[f"{name}/{strategy}"] = run_case(name, strategy, workdir)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.save(results, f"{args.out}.rank{rank}")

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conformance.cases import CASES
+from tests.conformance.cases import CASES, STAGE1
 from tests.conformance.module import ConformanceModule
-from tests.conformance.runner import launched_strategies, ours_of, run_case
+from tests.conformance.runner import HYBRID, launched_strategies, ours_of, run_case
 from tests.launch import launch_env, run_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,10 +30,12 @@ CHUNKS = 4
 _NAMES = list(CASES)
 _GROUPS = [_NAMES[i::CHUNKS] for i in range(CHUNKS)]
 _RESULTS: dict[int, list[dict[str, Any]]] = {}
+HYBRID_CASES = sorted(n for n in STAGE1 if CASES[n].get("reference", "ddp") != "single")
 
 
 def _launch(group: int, tmp: Path) -> list[dict[str, Any]]:
-    """Both ranks' results for one group of cases (one launch, cached for the session)."""
+    """Both ranks' results for one group of cases (one launch, cached for the session); group -1:
+    the hybrid launch (4 ranks, :data:`HYBRID_CASES`)."""
     if group not in _RESULTS:
         tmp.mkdir(parents=True, exist_ok=True)
         out = tmp / f"group{group}.pt"
@@ -47,9 +49,12 @@ def _launch(group: int, tmp: Path) -> list[dict[str, Any]]:
             "--workdir",
             str(tmp / "work"),
         ]
-        proc = run_script([*cmd, "--cases", ",".join(_GROUPS[group])], 2, cwd=ROOT, env=env, timeout=600)
+        hybrid = group == -1
+        cases, size = (HYBRID_CASES, 4) if hybrid else (_GROUPS[group], 2)
+        cmd += ["--cases", ",".join(cases), "--world-size", str(size), *(["--hybrid"] if hybrid else [])]
+        proc = run_script(cmd, size, cwd=ROOT, env=env, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        _RESULTS[group] = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
+        _RESULTS[group] = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(size)]
     return _RESULTS[group]
 
 
@@ -98,8 +103,28 @@ def test_case_equals_reference(name: str, tmp_path_factory: pytest.TempPathFacto
         ref_ranks = [run_case(name, "single", tmp_path_factory.mktemp(name))] * 2
     else:
         ref_ranks = [rank[f"{name}/{reference}"] for rank in ranks]
-    for ours in ours_of(name):
-        assert f"{name}/{ours}" in ranks[0], launched_strategies(name)
+    _compare(name, ranks, ref_ranks, ours_of(name))
+
+
+@pytest.mark.parametrize("name", HYBRID_CASES)
+def test_gradient_path_case_under_hybrid_2x2_equals_ddp_on_4_ranks(
+    name: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The cases of the gradient path (accumulation, clipping, manual rounds, re-plans, ...) under
+    ``shard_group_size=2`` on 4 ranks (2 groups of 2) against "ddp" on the same 4 ranks, every rank."""
+    ranks = _launch(-1, tmp_path_factory.getbasetemp() / "conformance_hybrid")
+    reference = CASES[name].get("reference", "ddp")
+    _compare(name, ranks, [rank[f"{name}/{reference}"] for rank in ranks], HYBRID)
+
+
+def _compare(
+    name: str, ranks: list[dict[str, Any]], ref_ranks: list[dict[str, Any]], strategies: list[str]
+) -> None:
+    """Every rank's results of ``name`` under each of ``strategies`` against the reference's."""
+    case = CASES[name]
+    reference = case.get("reference", "ddp")
+    for ours in strategies:
+        assert f"{name}/{ours}" in ranks[0], (launched_strategies(name), sorted(ranks[0]))
         for rank, (results, ref) in enumerate(zip(ranks, ref_ranks, strict=True)):
             got = results[f"{name}/{ours}"]
             where = f"{name}/{ours} rank {rank}"

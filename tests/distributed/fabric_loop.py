@@ -71,7 +71,7 @@ def make_fabric(case: dict[str, Any], devices: int) -> Fabric:
     name = case.get("strategy", "zero")
     strategy: Any = name
     if name.startswith("zero") and not case.get("by_name"):  # small buckets: several per model
-        names = ("overlap_param_gather", "sharded_checkpoint", "skip_nonfinite_steps")
+        names = ("overlap_param_gather", "sharded_checkpoint", "skip_nonfinite_steps", "shard_group_size")
         options = {k: case[k] for k in names if k in case}
         if name == "zero3":  # every layer a unit
             options["min_unit_numel"] = 0
@@ -161,7 +161,7 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
                 {"params": list(model.module.net.frozen.parameters()), "weight_decay": 0.0}
             )
         if sharded is not None:
-            sharded.engine.comm_stats.reset()
+            sharded.engine.reset_comm_stats()
         for micro in range(accum):
             x, y = rank_rows(step, micro, fabric.global_rank, fabric.world_size, dtype)
             with fabric.no_backward_sync(model, enabled=micro < accum - 1):
@@ -186,6 +186,9 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
             recorded["skipped"].append(optimizer.skipped_steps)  # through Fabric's optimizer wrapper
         if sharded is not None:
             recorded["elements"].append(sharded.engine.comm_stats.elements_sent)
+            recorded.setdefault("inter_group", []).append(sharded.engine.replica_comm_stats.elements_sent)
+            recorded["inter_group_min"] = sharded.engine.min_replica_elements_per_step()
+            recorded["layout"] = sharded.engine.groups.layout
             numel = sum(b.padded_numel for b in sharded.engine.plan.buckets)
             recorded["minimum"] = 2 * numel * (fabric.world_size - 1) // fabric.world_size
         if scheduler is not None:
@@ -200,7 +203,9 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
     fabric.barrier()
     # state_dict() waits for gathers left in flight by overlap_param_gather (named_parameters would not)
     result: dict[str, Any] = {n: t.detach().clone() for n, t in model.module.state_dict().items()}
+    mine = torch.cat([t.double().reshape(-1) for t in result.values()])  # each rank against rank 0's
     result["recorded"] = recorded
+    result["every_rank_max_diff"] = (fabric.all_gather(mine) - mine).abs().amax(dim=-1).reshape(-1).tolist()
     if sharded is not None and sharded.engine.units is not None:  # stage 3: placeholders between steps
         result["placeholders"] = all(
             torch.isnan(p).all() for p in model.module.net.parameters() if p.requires_grad

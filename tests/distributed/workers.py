@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from lightning_zero import ShardedAdamW, ZeroConfig
+from lightning_zero.comm import hybrid_mesh
 from tests.distributed.models import BlockNet, TinyNet, batch, param_groups, uses_extra
 
 NETS = {"tiny": TinyNet, "blocks": BlockNet}
@@ -40,8 +41,11 @@ def _parity_case(
     reshard: bool = True,
     prefetch: int = 1,
     bucket_cap_mb: float = 0.0004,
+    shard_group_size: int | None = None,
 ) -> dict[str, Any]:
-    """``no_sync=False``: every micro-batch's backward communicates (accumulation by hand, as a
+    """``shard_group_size``: hybrid sharding, buckets split over groups of that many ranks and
+    replicated across the groups (flat over all ranks when it is the world size).
+    ``no_sync=False``: every micro-batch's backward communicates (accumulation by hand, as a
     manual-optimization loop does under DDP); the sum must be the same. ``param_overlap``: the
     parameter gathers stay in flight into the next forward, and they only happen when waited for
     (:func:`_defer_gathers`), so any read before the right wait sees stale parameters."""
@@ -69,14 +73,15 @@ def _parity_case(
         param_order=model.parameters(),
         param_names=names,
         module=model if stage == 3 else None,
+        device_mesh=None if shard_group_size is None else hybrid_mesh(shard_group_size, "cpu"),
     )
     ref_opt = torch.optim.AdamW(param_groups(reference), lr=3e-2, amsgrad=amsgrad)
     if param_overlap:
         _defer_gathers(opt.engine.comm)
         opt.install_forward_waits(model)
-    max_diff, elements = [], []
+    max_diff, elements, replica_elements = [], [], []
     for step in range(steps):
-        opt.engine.comm.stats.reset()
+        opt.engine.reset_comm_stats()
         for micro in range(accum):
             x, y = batch(step, micro, rank, micro_size, torch_dtype)
             loss = torch.nn.functional.mse_loss(model(x, uses_extra(step, rank)), y) / accum
@@ -100,7 +105,8 @@ def _parity_case(
             opt.clip_grad_norm_(clip)
             torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.grad is not None], clip)
         opt.step()
-        elements.append(opt.engine.comm.stats.elements_sent)
+        elements.append(opt.engine.comm_stats.elements_sent)
+        replica_elements.append(opt.engine.replica_comm_stats.elements_sent)
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -122,6 +128,10 @@ def _parity_case(
         "min_elements": opt.engine.min_elements_per_step(),
         "units": [b.unit for b in opt.engine.plan.buckets],
         "padded": sum(b.padded_numel for b in opt.engine.plan.buckets),
+        "bucket_padded": [b.padded_numel for b in opt.engine.plan.buckets],
+        "replica_elements": replica_elements,
+        "min_replica_elements": opt.engine.min_replica_elements_per_step(),
+        "layout": opt.engine.groups.layout,
     }
 
 

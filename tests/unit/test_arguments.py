@@ -31,6 +31,8 @@ BAD = {
     "sharded_checkpoint": "no",
     "async_checkpoint": 1,
     "broadcast_buffers": None,
+    "shard_group_size": 0,
+    "device_mesh": "2x2",
     # Lightning's DDPStrategy
     "accelerator": "cpu",
     "parallel_devices": ["cpu"],

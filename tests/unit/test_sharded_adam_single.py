@@ -394,3 +394,32 @@ def test_a_gradient_alone_in_an_unpadded_bucket_is_the_buffer() -> None:
     assert len(opt.engine.plan.buckets) == 12
     _train_three_steps(opt, model)
     assert opt.engine.reducer.adopted == 3 * 12 and opt.engine.reducer.pool.nbytes() == 0
+
+
+def test_stage_3_frees_each_gradient_buffer_when_its_bucket_is_collected() -> None:
+    """Stage 3 takes the pool's slots as stage 2 does (the same padded buckets, no adoption) but
+    frees each buffer once its bucket is collected: nothing is held between steps, and results equal
+    torch's AdamW."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]).double()
+    config = ZeroConfig(
+        stage=3, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4, align_numel=3, min_unit_numel=0
+    )
+    opt = ShardedAdamW(model.parameters(), config=config, module=model)
+    taken = []
+    take = opt.engine.reducer.pool.take
+    opt.engine.reducer.pool.take = lambda *a: taken.append(take(*a)) or taken[-1]  # type: ignore[method-assign]
+    with opt.engine.full_parameters():
+        reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters())
+    for step in range(3):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            m(torch.full((2, 8), float(step), dtype=torch.float64)).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+        assert opt.engine.reducer.pool.nbytes() == 0, "every buffer freed after the step"
+    assert taken and all(t is not None for t in taken), "the buckets did take slots"
+    assert opt.engine.reducer.adopted == 0 and opt.engine.reducer.allocations_outside_pool == 0
+    with opt.engine.full_parameters():
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

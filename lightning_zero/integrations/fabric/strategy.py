@@ -74,7 +74,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
             to the skip instead of raising.
         sharded_checkpoint: ``fabric.save`` writes a directory of per-rank shards (the Trainer
             strategy's format); ``False``: one file written by rank 0, as ``"ddp"`` does.
-        broadcast_buffers: as :class:`~lightning_zero.ZeroStrategy`.
+        broadcast_buffers, shard_group_size, device_mesh: as :class:`~lightning_zero.ZeroStrategy`.
         log_comm_stats, async_checkpoint: accepted for symmetry with ``ZeroStrategy`` and refused
             when ``True``.
         Remaining arguments: as Fabric's ``DDPStrategy``.
@@ -104,6 +104,8 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         sharded_checkpoint: bool = True,
         async_checkpoint: bool = False,
         broadcast_buffers: bool = True,
+        shard_group_size: int | str | None = None,
+        device_mesh: Any = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -176,7 +178,8 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         check_sharded_io(self.checkpoint_io, self._zero.options.sharded_checkpoint, "ZeroFabricStrategy")
         # stage 3: every rank must hold the same model before it keeps only its shard of rank 0's
         ZeroFrontEnd.sync_module_states(module, check_same=self.zero_config.stage == 3)
-        sharded = self._zero.shard(optimizers[0], module, [] if scheduler is None else [scheduler])
+        mesh = self._zero.device_mesh(self.num_processes, self.root_device.type)
+        sharded = self._zero.shard(optimizers[0], module, [] if scheduler is None else [scheduler], mesh)
         self._module = module
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward),

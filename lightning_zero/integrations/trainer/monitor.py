@@ -14,6 +14,10 @@ batches since the previous log (rank-local values; rank 0's reach the logger):
   * ``zero/bytes_sent``: the same in bytes of the wire dtype (``reduce_dtype="bf16"`` halves the
     gradients' share);
   * ``zero/elements_sent_vs_min``: elements per optimizer step over the stage-2 minimum ``2·Ψ·(N−1)/N``;
+  * hybrid sharding (``shard_group_size``): the three above count the traffic inside the shard group
+    (``N`` is then ``G``), and ``zero/inter_group_elements_sent``, ``zero/inter_group_bytes_sent`` and
+    ``zero/inter_group_elements_vs_min`` (over ``2·(Ψ/G)·(R−1)/R`` per step) the all-reduces across
+    the replica groups;
   * stragglers, the same on every rank (one small all-gather per logged step, none in between):
     ``zero/step_time_{min,median,max}_s``, each rank's mean batch time across ranks (close to each
     other: ranks wait for one another at every collective), and ``zero/busy_time_{min,median,max}_s``,
@@ -54,7 +58,7 @@ class CommStatsMonitor(pl.Callback):
         engine = _engine_of(trainer)
         if engine is not None and self._start is None:
             engine.time_device_waits()  # CUDA events under NCCL, where a host timer reads ~0
-            engine.comm_stats.reset()  # nothing pending: the last log read every recorded wait
+            engine.reset_comm_stats()  # nothing pending: the last log read every recorded wait
             self._start, self._batches, self._steps = time.perf_counter(), 0, 0
         self._step_before = trainer.global_step
 
@@ -72,26 +76,39 @@ class CommStatsMonitor(pl.Callback):
         if not stepped or not trainer._logger_connector.should_update_logs:  # noqa: SLF001
             return
         engine.flush_timings()  # the device synchronisation, once per logged step
-        stats = engine.comm_stats
+        stats, wait_s = engine.comm_stats, engine.comm_wait_s()
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         minimum = engine.min_elements_per_step() * max(self._steps, 1)
-        rows = engine.gather_floats([elapsed / self._batches, (elapsed - stats.wait_s) / self._batches])
+        rows = engine.gather_floats([elapsed / self._batches, (elapsed - wait_s) / self._batches])
         step_times, busy_times = [row[0] for row in rows], [row[1] for row in rows]
         pl_module.log_dict(
             {
                 **_spread("zero/step_time", step_times),
                 **_spread("zero/busy_time", busy_times),
                 "zero/slowest_rank": float(busy_times.index(max(busy_times))),
-                "zero/comm_wait_s": stats.wait_s / self._batches,
-                "zero/comm_wait_frac": stats.wait_s / elapsed,
+                "zero/comm_wait_s": wait_s / self._batches,
+                "zero/comm_wait_frac": wait_s / elapsed,
                 "zero/elements_sent": stats.elements_sent / self._batches,
                 "zero/bytes_sent": stats.bytes_sent / self._batches,
                 "zero/elements_sent_vs_min": stats.elements_sent / minimum if minimum else 0.0,
+                **_inter_group(engine, self._batches, self._steps),
             },
             on_step=True,
             on_epoch=False,
         )
         self._start = None  # the next batch starts a new interval
+
+
+def _inter_group(engine: ShardEngine, batches: int, steps: int) -> dict[str, float]:
+    """The traffic across replica groups, per batch (nothing under flat sharding)."""
+    if not engine.groups.hybrid:
+        return {}
+    stats, minimum = engine.replica_comm_stats, engine.min_replica_elements_per_step() * max(steps, 1)
+    return {
+        "zero/inter_group_elements_sent": stats.elements_sent / batches,
+        "zero/inter_group_bytes_sent": stats.bytes_sent / batches,
+        "zero/inter_group_elements_vs_min": stats.elements_sent / minimum if minimum else 0.0,
+    }
 
 
 def _spread(name: str, values: list[float]) -> dict[str, float]:

@@ -104,6 +104,15 @@ class ZeroStrategy(ShardedCheckpointing):
             for a path a ``ModelCheckpoint(save_last="link")`` links to right after the save.
         broadcast_buffers: module buffers (BatchNorm statistics) are broadcast from rank 0 before a
             forward pass exactly when torch DDP's default ``broadcast_buffers=True`` does it.
+        shard_group_size: node-aware (hybrid) sharding at every stage: the optimizer state, gradients
+            (and parameters at stage 3) are split over groups of this many consecutive ranks and
+            replicated across the groups; gradients are reduced inside a group, then each rank's
+            ``1/G`` shard is all-reduced across the groups; parameters are gathered inside a group.
+            ``None`` (default): one group of all ranks (flat). ``"auto"``: the ranks of one node
+            (devices per node). Must divide the world size (checked at setup, naming the valid ones).
+        device_mesh: instead of ``shard_group_size``, an existing torch ``DeviceMesh`` over all ranks
+            (built by the user after ``init_process_group``): 2-D ``(replicate, shard)`` as in FSDP2's
+            hybrid sharding, or 1-D for flat sharding.
         Remaining arguments: as ``DDPStrategy``.
 
     Raises:
@@ -133,6 +142,8 @@ class ZeroStrategy(ShardedCheckpointing):
         sharded_checkpoint: bool = True,
         async_checkpoint: bool = False,
         broadcast_buffers: bool = True,
+        shard_group_size: int | str | None = None,
+        device_mesh: Any = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -271,7 +282,8 @@ class ZeroStrategy(ShardedCheckpointing):
         inner = self.optimizers[0]
         inner = getattr(inner, "_optimizer", inner)  # a LightningOptimizer's torch optimizer
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-        self.optimizers = [self._zero.shard(inner, self.lightning_module, schedulers)]
+        mesh = self._zero.device_mesh(self.num_processes, self.root_device.type)
+        self.optimizers = [self._zero.shard(inner, self.lightning_module, schedulers, mesh)]
 
     @contextmanager
     @override

@@ -1,0 +1,132 @@
+"""The data-parallel ranks as groups: who shards with whom, who replicates whom (node-aware sharding).
+
+Flat sharding splits every bucket over all ``N`` data-parallel ranks. Hybrid sharding splits it over
+groups of ``G`` ranks (one node, by default) and replicates the shards across the ``R = N / G``
+groups, as FSDP's ``HYBRID_SHARD``, DeepSpeed's hpZ and Megatron-Core's
+``num_distributed_optimizer_instances`` do. The layout is a torch ``DeviceMesh`` of shape
+``(R, G)``, dims ``("replicate", "shard")``: global rank ``r * G + s`` is shard ``s`` of replica
+``r``, so a shard group is ``G`` consecutive ranks: one node when ranks are numbered node by node
+(SLURM's block distribution, torchrun).
+
+:class:`CommGroups` holds one :class:`~lightning_zero.comm.Comm` per role:
+
+  * ``shard``: the ``G`` ranks that split the buckets. Gradients are reduce-scattered (stage 2) or
+    all-reduced (stage 1) and parameters all-gathered inside it; the bucket plan, the shard files of
+    a checkpoint and every rank index of the layout are this group's.
+  * ``replicas``: the ``R`` ranks that hold the same shard (shard ``s`` of every group). After the
+    shard group's reduction each rank all-reduces its ``1/G`` shard of the gradients across them.
+  * ``world``: all ``N`` ranks: what every rank must agree on (used-parameter masks, the non-finite
+    guard's flags, the plan check, broadcasts of rank 0's model, checkpoint commits).
+
+Flat sharding is the case ``R = 1``: ``shard`` and ``world`` are the same :class:`Comm` and
+``replicas`` is a single-process one, whose collectives cost nothing and count nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from lightning_zero.comm.communicator import Comm
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+MESH_DIMS = ("replicate", "shard")
+"""The dim names of the meshes built here (a user's mesh may name its dims otherwise: dim 0 is
+always the replicate dim, dim 1 the shard dim, as in FSDP2's hybrid sharding)."""
+
+
+@dataclass
+class CommGroups:
+    """The three roles of the data-parallel ranks (see the module docstring)."""
+
+    shard: Comm
+    replicas: Comm
+    world: Comm
+
+    @property
+    def hybrid(self) -> bool:
+        """Shards are replicated across groups (``R > 1``)."""
+        return self.replicas.world_size > 1
+
+    @property
+    def layout(self) -> str:
+        """``"RxG"``: replica groups times ranks per shard group (``"1x4"``: flat over 4 ranks)."""
+        return f"{self.replicas.world_size}x{self.shard.world_size}"
+
+    @classmethod
+    def of(cls, comm: Comm | CommGroups) -> CommGroups:
+        """``comm`` itself if it is groups, else flat sharding over its ranks."""
+        return comm if isinstance(comm, CommGroups) else cls(comm, Comm.single(comm.device), comm)
+
+    @classmethod
+    def flat(cls, process_group: ProcessGroup | None = None) -> CommGroups:
+        """Every bucket split over all ranks of ``process_group`` (``None``: the default group)."""
+        comm = Comm(process_group)
+        return cls(comm, Comm.single(comm.device), comm)
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> CommGroups:
+        """The groups of a 1-D mesh (flat sharding over it) or a 2-D ``(replicate, shard)`` mesh.
+
+        Raises:
+            ValueError: a mesh of another number of dims, or a 2-D one that does not span the
+                default process group (whose ranks then are the world every rank agrees over).
+        """
+        if mesh.ndim == 1:
+            return cls.flat(mesh.get_group(0))
+        if mesh.ndim != 2:
+            raise ValueError(
+                f"device_mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; pass a 1-D mesh (flat sharding) or "
+                "a 2-D one whose dim 0 replicates and dim 1 shards, e.g. init_device_mesh(device, (R, G))"
+            )
+        if mesh.size() != dist.get_world_size():
+            raise ValueError(
+                f"the 2-D device_mesh holds {mesh.size()} ranks, the default process group "
+                f"{dist.get_world_size()}: hybrid sharding runs over all ranks of the default group "
+                "(build the mesh over all of them, or pass a 1-D mesh or a process_group for flat sharding)"
+            )
+        return cls(Comm(mesh.get_group(1)), Comm(mesh.get_group(0)), Comm(None))
+
+
+def hybrid_mesh(shard_group_size: int, device_type: str) -> DeviceMesh | None:
+    """A ``(N / G, G)`` mesh over the default process group, dims :data:`MESH_DIMS`; ``None`` when
+    ``G`` is the world size (flat sharding needs no new group). Call on all ranks.
+
+    Raises:
+        ValueError: ``shard_group_size`` is not a positive divisor of the world size (named).
+    """
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    check_shard_group_size(shard_group_size, world)
+    if shard_group_size == world:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (world // shard_group_size, shard_group_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+
+
+def is_device_mesh(obj: Any) -> bool:
+    """Whether ``obj`` is a torch ``DeviceMesh``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return isinstance(obj, DeviceMesh)
+
+
+def check_shard_group_size(shard_group_size: Any, world_size: int) -> None:
+    """Raise a ``ValueError`` naming ``shard_group_size`` unless it divides ``world_size``."""
+    if (
+        isinstance(shard_group_size, bool)
+        or not isinstance(shard_group_size, int)
+        or shard_group_size < 1
+        or world_size % shard_group_size
+    ):
+        divisors = [g for g in range(1, world_size + 1) if world_size % g == 0]
+        raise ValueError(
+            f"shard_group_size={shard_group_size!r} must divide the {world_size} data-parallel ranks into "
+            f"equal shard groups: one of {divisors} (or 'auto': the ranks of one node)"
+        )
