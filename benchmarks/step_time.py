@@ -86,6 +86,8 @@ STRATEGIES = (
     "deepspeed3",
     "deepspeed2",
     "zero2",
+    "zero2-2x2",
+    "zero3-2x2",
     "zero2-overlap",
     "zero2-5MB",
     "zero2-nonfinite",
@@ -251,12 +253,12 @@ class GPT(L.LightningModule):
         if batch_idx > 0:  # the previous step, up to this batch start: includes a gather left in flight
             self.step_s.append(now - self._t0)
             if opt is not None:
-                opt.engine.comm.flush_timings()
-                self.wait_s.append(opt.engine.comm_stats.wait_s)
+                opt.engine.flush_timings()
+                self.wait_s.append(opt.engine.comm_wait_s())
         self._t0 = now
         self.counted["elements"] = 0
         if opt is not None:
-            opt.engine.comm_stats.reset()
+            opt.engine.reset_comm_stats()
 
     def on_train_start(self) -> None:
         self.setup_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -267,6 +269,11 @@ class GPT(L.LightningModule):
         opt = getattr(self.trainer.strategy, "sharded_optimizer", None)
         self.alone_s = collectives_alone_s(opt) if opt is not None else None
         self.min_elements = opt.engine.min_elements_per_step() if opt is not None else None
+        self.inter = (  # hybrid sharding: sent across the replica groups in the last step, and the formula's
+            (opt.engine.replica_comm_stats.elements_sent, opt.engine.min_replica_elements_per_step())
+            if opt is not None
+            else None
+        )
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -394,6 +401,9 @@ def collectives_alone_s(opt: Any, repeats: int = 3) -> float:
             grad = engine.reducer.grad_shards[b]
             comm = engine.comm
             comm.wait(comm.reduce_scatter(grad, wire) if stage >= 2 else comm.all_reduce(wire))
+            replicas = engine.groups.replicas  # hybrid sharding: the shard's all-reduce across groups
+            if replicas.world_size > 1:
+                replicas.wait(replicas.all_reduce(grad))
             full = torch.empty(bucket.padded_numel)  # stage 3's full buffers hold no storage here
             gathers = 2 if stage == 3 and bucket.unit != 0 and opt.config.reshard_after_forward else 1
             for _ in range(gathers):
@@ -429,6 +439,7 @@ def make_strategy(name: str, args: argparse.Namespace) -> Any:
         stage3 = {"reshard_after_forward": not name.endswith("keep")}  # units: blocks, embedding, head
         return lightning_zero.ZeroStrategy(
             stage=int(name[4]),
+            shard_group_size=2 if name.endswith("2x2") else None,  # 4 ranks: 2 groups of 2
             bucket_cap_mb=cap,
             overlap_param_gather=name.endswith("overlap"),
             skip_nonfinite_steps=3 if name.endswith("nonfinite") else 0,
@@ -449,10 +460,12 @@ def make_strategy(name: str, args: argparse.Namespace) -> Any:
     raise ValueError(f"unknown strategy row {name!r}")
 
 
-def unavailable(name: str) -> str | None:
+def unavailable(name: str, devices: int = 2) -> str | None:
     """Why the row ``name`` cannot run in this environment, or None."""
     if name.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         return "deepspeed not installed (pip install deepspeed==0.19.8)"
+    if name.endswith("2x2") and devices != 4:
+        return f"2 shard groups of 2 ranks need --devices 4, not {devices}"
     return None
 
 
@@ -516,6 +529,7 @@ def run_one(name: str, args: argparse.Namespace) -> None:
     skip = min(WARMUP_STEPS, len(model.step_s) - 1)  # at least one step is kept
     figures = {
         "min_elements": model.min_elements,
+        "inter_elements": model.inter,
         "step_s": model.step_s[skip:],
         "wait_s": model.wait_s[skip:],
         "alone_s": model.alone_s,
@@ -624,6 +638,33 @@ def row_line(name: str, ranks: list[dict[str, Any]], ref: dict[str, Any], params
     )
 
 
+def hybrid(rows: dict[str, list[dict[str, Any]]], params: int) -> None:
+    """The traffic of the hybrid rows inside and across groups, and what it means for a 7B model on
+    8 nodes of 8 GPUs (computed from the formula the count checks, not measured)."""
+    names = [name for name in rows if name.endswith("2x2")]
+    for name in names:
+        sent, formula = rows[name][0]["inter_elements"]
+        inside = rows[name][0]["elements_sent"]
+        print(
+            f"{name}: inside each group of 2: {inside / 1e6:.2f}M elements per step (1.00x is "
+            f"{rows[name][0]['min_elements'] / 1e6:.2f}M); across the 2 groups: {sent / 1e6:.2f}M = "
+            f"{sent / formula:.2f}x 2(Ψ/G)(R−1)/R = {formula / 1e6:.2f}M (Ψ = {params / 1e6:.1f}M)"
+        )
+    if names:
+        psi, nodes, per_node, link = 7e9, 8, 8, 50e9  # 400 Gb/s per node
+        ring = (nodes * per_node - 1) / (nodes * per_node)
+        cross = {  # bytes leaving each node per step, bf16 on the wire (docs/clusters.md#node-aware-sharding)
+            "ddp / flat stage 2": 2 * psi * ring * 2,
+            "flat stage 3 (one micro-batch)": 3 * psi * ring * 2,
+            "hybrid, every stage": 2 * psi * (nodes - 1) / nodes * 2,
+        }
+        print(
+            "7B on 8 nodes x 8 GPUs, 400 Gb/s per node, bf16 wire: leaving each node per step "
+            + ", ".join(f"{k} {b / 1e9:.1f} GB = {b / link:.2f} s" for k, b in cross.items())
+            + " (loopback on one machine cannot show bandwidth: these are the counted formulas' bytes)"
+        )
+
+
 def notes(rows: dict[str, list[dict[str, Any]]], ref: dict[str, Any], params: int, n: int) -> None:
     print(f"\nminimum elements sent per rank and step: 2Ψ(N−1)/N = {2 * params * (n - 1) // n / 1e6:.2f}M")
     for name, ranks in rows.items():
@@ -633,6 +674,7 @@ def notes(rows: dict[str, list[dict[str, Any]]], ref: dict[str, Any], params: in
                 f"{name}: its schedule's elements per step, (2Ψ + Ψ gathered again in backward)(N−1)/N = "
                 f"{own / 1e6:.2f}M; sent {ranks[0]['elements_sent'] / own:.2f}x that"
             )
+    hybrid(rows, params)
     if "zero2" in rows:
         zero2_rss = max(r["peak_rss_mb"] for r in rows["zero2"])
         param_mb = 4 * params * (n - 1) / n / 2**20
@@ -696,7 +738,7 @@ def main() -> None:
                 args.model = model
                 for stale in range(args.devices):  # a failed launch must not report an older run
                     figures_path(args, name, k, stale).unlink(missing_ok=True)
-                reason = unavailable(name) or launch(
+                reason = unavailable(name, args.devices) or launch(
                     [sys.executable, *sys.argv, "--model", model, "--only", name, "--round", str(k)],
                     args.mmap_threshold,
                 )

@@ -4,8 +4,11 @@
                                      a checkpoint directory -> one standard Lightning checkpoint file
     lightning-zero verify SRC        completeness, sizes, sha256 and metadata of a checkpoint directory
     lightning-zero estimate ...      model-state memory per rank for ddp / zero1 / zero2 / zero3
+    lightning-zero preflight ...     launched like training (srun, torchrun, --devices N): what makes
+                                     a multi-node job hang or fail late, and the bus bandwidth
 
-Exit status: 0 on success, 1 when ``verify`` or ``consolidate`` finds a problem, 2 on bad arguments.
+Exit status: 0 on success, 1 when ``verify``, ``consolidate`` or ``preflight`` finds a problem, 2 on bad
+arguments.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 from lightning_zero.checkpoint import META, CheckpointError, read_meta, shard_name, verify_files
 from lightning_zero.engine.reducer import POOL_SLOTS
+from lightning_zero.integrations import preflight
 
 _PRECISION_BYTES = {  # (parameter, gradient on the wire, optimizer arithmetic / master) bytes per element
     "32-true": (4, 4, 4),
@@ -161,7 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     p_est.add_argument("--stage", type=int, choices=(1, 2, 3), help="only this stage's row (besides ddp)")
     p_est.add_argument("--unit-params", type=float, default=0.0, help="stage 3: parameters of one block")
     p_est.add_argument("--prefetch-units", type=int, default=1, help="stage 3: units gathered ahead")
+    p_pre = sub.add_parser(
+        "preflight", help="check a multi-node launch before training (run it like training)"
+    )
+    preflight.add_arguments(p_pre)
     args = parser.parse_args(argv)
+    if args.command == "preflight":
+        return preflight.run(args)
     if args.command == "consolidate":
         return _consolidate(args.src, args.dst, args.weights_only, args.force)
     if args.command == "verify":

@@ -302,7 +302,25 @@ def check_keys(cfg: DictConfig) -> None:
             "requeues >= 0 (0: a job whose rank died or hung is not requeued)"
         )
     check_strategy(cfg.strategy)
+    check_shard_group(cfg)
     check_target_nodes(cfg)
+
+
+def check_shard_group(cfg: DictConfig) -> None:
+    """`strategy.shard_group_size` (node-aware sharding) must split the job's ranks, `cluster.nodes`
+    times `trainer.devices`, into equal groups; checked before anything is queued or launched."""
+    size = cfg.strategy.get("shard_group_size")
+    devices = cfg.trainer.devices
+    if not isinstance(size, int) or isinstance(size, bool) or not isinstance(devices, int) or size < 1:
+        return  # None, "auto" (one node), or a bad value the strategy's constructor names
+    world = cfg.cluster.nodes * devices
+    if world % size:
+        valid = [g for g in range(1, world + 1) if world % g == 0]
+        raise ConfigError(
+            f"strategy.shard_group_size={size} does not divide the job's {world} ranks "
+            f"(cluster.nodes={cfg.cluster.nodes} x trainer.devices={devices}); use one of {valid}, or "
+            "auto (the ranks of one node)"
+        )
 
 
 def _build_named(node: DictConfig, key: str) -> Any:

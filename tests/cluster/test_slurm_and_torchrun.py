@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint import read_meta, shard_name
+from lightning_zero.checkpoint.consolidate import load_module_checkpoint
 from recipes.data.sampling import global_batch
 from recipes.sbatch import ROOT, compose_config, sbatch_script
 from recipes.training.lineage import is_complete
@@ -134,54 +135,75 @@ def assert_same_shards(ours: Path, reference: Path) -> None:
             assert all(torch.equal(x, y) for x, y in zip(mine[key], tensors, strict=True)), (rank, key)
 
 
-def test_torchrun_two_nodes_matches_one_node(tmp_path: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    common = [f"output_root={tmp_path}", *TINY]
+def _torchrun_nodes(per_node: int, overrides: list[str]) -> list[subprocess.Popen[str]]:
+    """Two torchrun "nodes" of ``per_node`` processes each running the recipe, started at once."""
     port = free_port()
-    one = subprocess.Popen(  # the reference runs meanwhile: its ranks start one after the other
-        [sys.executable, "-m", "recipes.pretrain", "run_name=one_node", "trainer.devices=2", *common],
+    return [
+        _start(
+            [
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--nproc-per-node={per_node}",
+                "--rdzv-backend=c10d",  # as on clusters without SLURM; ranks are assigned at rendezvous
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id=lzero-{port}",
+                "-m",
+                "recipes.pretrain",
+                f"trainer.devices={per_node}",
+                "cluster.nodes=2",
+                *overrides,
+            ]
+        )
+        for _node in (0, 1)
+    ]
+
+
+def _start(args: list[str]) -> subprocess.Popen[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                "--nproc-per-node=1",
-                "--rdzv-backend=c10d",  # as on clusters without SLURM; ranks are assigned at rendezvous
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                f"--rdzv-id=lzero-{port}",
-                "-m",
-                "recipes.pretrain",
-                "run_name=two_nodes",
-                "trainer.devices=1",
-                "cluster.nodes=2",
-                *common,
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for _node in (0, 1)
-    ]
+
+
+def _finish(processes: list[subprocess.Popen[str]]) -> None:
     try:
-        outputs = [p.communicate(timeout=300)[0] for p in (one, *nodes)]
+        outputs = [p.communicate(timeout=300)[0] for p in processes]
     finally:
-        for p in (one, *nodes):
+        for p in processes:
             p.kill()
-    assert one.returncode == 0, outputs[0][-3000:]
-    assert all(p.returncode == 0 for p in nodes), outputs[1][-3000:] + outputs[2][-3000:]
+    for p, output in zip(processes, outputs, strict=True):
+        assert p.returncode == 0, output[-4000:]
+
+
+def test_torchrun_two_nodes_matches_one_node(tmp_path: Path) -> None:
+    common = [f"output_root={tmp_path}", *TINY]
+    # the reference runs meanwhile: its ranks start one after the other
+    one = _start(["-m", "recipes.pretrain", "run_name=one_node", "trainer.devices=2", *common])
+    _finish([one, *_torchrun_nodes(1, ["run_name=two_nodes", *common])])
     a, b = (tmp_path / name / "checkpoints" / "last.ckpt" for name in ("one_node", "two_nodes"))
     assert read_meta(b)["world_size"] == 2
     assert_same_shards(b, a)
+
+
+def test_torchrun_two_nodes_of_two_shard_within_a_node_and_match_flat_sharding(tmp_path: Path) -> None:
+    """``torchrun --nnodes=2 --nproc-per-node=2`` with ``strategy.shard_group_size=auto``: each node's
+    2 ranks shard, the 2 nodes replicate (the checkpoint holds 2 shards), and training equals flat
+    sharding over the same 4 ranks (fp32: the sums run in another order, so to rounding)."""
+    common = [f"output_root={tmp_path}", *TINY]
+    flat = _start(["-m", "recipes.pretrain", "run_name=flat", "trainer.devices=4", *common])
+    _finish([flat, *_torchrun_nodes(2, ["run_name=hybrid", "strategy.shard_group_size=auto", *common])])
+    a, b = (tmp_path / name / "checkpoints" / "last.ckpt" for name in ("flat", "hybrid"))
+    assert read_meta(a)["world_size"] == 4 and read_meta(b)["world_size"] == 2
+    ref, got = (load_module_checkpoint(path)["state_dict"] for path in (a, b))
+    assert sorted(got) == sorted(ref)
+    for name, value in ref.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def assert_each_sample_trained_once_in_order(run_dir: Path, steps: int, world_size: int) -> None:

@@ -299,3 +299,19 @@ def test_schemas_mirror_the_recipe_dataclasses(schema_cls: type, config_cls: typ
     schema_fields = {f.name for f in dataclasses.fields(schema_cls)} - {"_target_"}
     assert schema_fields == {f.name for f in dataclasses.fields(config_cls)}
     assert schema_cls._target_ == f"{config_cls.__module__}.{config_cls.__name__}"
+
+
+def test_node_aware_sharding_is_set_from_the_command_line_and_checked_before_launch() -> None:
+    """`strategy.shard_group_size=auto` (one node's ranks) composes and builds; a size that does not
+    divide cluster.nodes x trainer.devices is refused by the checks `recipes.sbatch` runs too."""
+    from recipes.config.validation import ConfigError, check_keys
+
+    cfg = compose_pretrain(["strategy=zero3", "strategy.shard_group_size=auto", "cluster.nodes=2"])
+    check_keys(cfg)
+    assert instantiate(cfg.strategy)._zero.options.shard_group_size == "auto"
+    check_keys(compose_pretrain(["strategy.shard_group_size=2", "cluster.nodes=2", "trainer.devices=2"]))
+    bad = compose_pretrain(["strategy.shard_group_size=3", "cluster.nodes=2", "trainer.devices=2"])
+    with pytest.raises(
+        ConfigError, match=r"shard_group_size=3 does not divide the job's 4 ranks.*\[1, 2, 4\]"
+    ):
+        check_keys(bad)

@@ -1,0 +1,374 @@
+"""``lightning-zero preflight``: in under a minute, what makes a multi-node job hang or fail late.
+
+Launched exactly as training is (``srun``, ``torchrun``, or by itself with ``--devices N`` through
+Lightning's launcher), every rank joins the process group the way training will (Lightning's cluster
+environment, its launcher, the process-group timeout given), then:
+
+  1. **the ranks agree on the job**: every rank reports what it sees (host, global and local rank, node
+     rank, world size, main address and port, devices and nodes it was given, torch and lightning-zero
+     versions); rank 0 checks one world of ``devices x num_nodes`` ranks, each rank once, the same
+     main address everywhere, as many hosts as nodes with ``devices`` ranks on each, one version;
+  2. **the checkpoint directory is one directory** (``--checkpoint-dir``): every rank writes a probe file
+     into it and looks for every other rank's; a rank that cannot see them is on storage not shared
+     by all nodes (a node-local disk), where a sharded checkpoint would be missing shards;
+  3. **the layout** (``--shard-group-size``, as the strategy takes it: ``auto`` = the ranks of one
+     node): it must divide the world, be the same on every rank, and (``auto``) keep each shard group
+     on one host;
+  4. **the bus bandwidth** of an all-reduce over all ranks, and of the reduce-scatter and all-gather
+     inside a shard group and the all-reduce across groups, at a few sizes (nccl-tests' convention:
+     all-reduce ``2(n-1)/n``, reduce-scatter and all-gather ``(n-1)/n`` times the algorithm bandwidth).
+
+Rank 0 prints one table; every rank exits 0 if nothing is wrong, else 1 after a line per problem,
+naming it. A rank that cannot join (another world size, main address or port than its peers) ends
+within ``--timeout`` with a message naming what it was told, instead of waiting for ranks that never
+come.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+import lightning_zero
+from lightning_zero.comm import Comm, CommGroups
+from lightning_zero.comm.groups import hybrid_mesh
+
+_DEFAULT_SIZES_MB = {"cpu": [1.0, 8.0], "cuda": [1.0, 16.0, 128.0]}
+
+
+@dataclass(frozen=True)
+class RankView:
+    """What one rank was told and sees."""
+
+    rank: int
+    host: str
+    world_size: int
+    local_rank: int
+    node_rank: int
+    main_address: str
+    main_port: int
+    devices: int
+    num_nodes: int
+    shard_group_size: str
+    torch: str
+    lightning_zero: str
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name, "")
+        digits = value.split("(")[0]  # SLURM_TASKS_PER_NODE="2(x3)"
+        if digits.isdigit():
+            return int(digits)
+    return None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lightning-zero preflight", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--devices",
+        type=int,
+        help="ranks per node, as the Trainer's devices (default: from torchrun or SLURM, else 1)",
+    )
+    parser.add_argument(
+        "--num-nodes",
+        type=int,
+        help="nodes, as the Trainer's num_nodes (default: from torchrun or SLURM, else 1)",
+    )
+    parser.add_argument("--accelerator", default="auto", help="cpu, cuda or auto (as the Trainer's)")
+    parser.add_argument("--checkpoint-dir", help="the directory training will save checkpoints into")
+    parser.add_argument(
+        "--shard-group-size", default=None, help="as the strategy's shard_group_size: a number, or auto"
+    )
+    parser.add_argument(
+        "--sizes-mb", help="message sizes in MiB, comma-separated (default: 1,8 on CPU, 1,16,128 on CUDA)"
+    )
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds a rank waits for its peers")
+
+
+def _defaults(args: argparse.Namespace) -> tuple[int, int]:
+    devices = (
+        args.devices or _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE") or 1
+    )
+    nodes = args.num_nodes or _env_int("SLURM_NNODES")
+    if nodes is None:
+        world = _env_int("WORLD_SIZE")
+        nodes = max(1, world // devices) if world else 1
+    return devices, nodes
+
+
+def run(args: argparse.Namespace) -> int:
+    """The whole check on this rank; its exit status (the same on every rank that joined)."""
+    start = time.perf_counter()
+    devices, nodes = _defaults(args)
+    host = socket.gethostname()
+    try:
+        from lightning.fabric import Fabric
+        from lightning.fabric.strategies import DDPStrategy
+
+        fabric = Fabric(
+            accelerator=args.accelerator,
+            devices=devices,
+            num_nodes=nodes,
+            strategy=DDPStrategy(timeout=timedelta(seconds=args.timeout)),
+        )
+        fabric.launch()
+    except Exception as err:  # noqa: BLE001 - every way of not joining ends here, named
+        print(
+            f"FAIL rank {os.environ.get('RANK', os.environ.get('SLURM_PROCID', '?'))} (host {host}) could "
+            f"not join the job as devices={devices} x num_nodes={nodes} (WORLD_SIZE="
+            f"{os.environ.get('WORLD_SIZE', '?')}, MASTER_ADDR={os.environ.get('MASTER_ADDR', '?')}, "
+            f"MASTER_PORT={os.environ.get('MASTER_PORT', '?')}) within {args.timeout:.0f} s: "
+            f"{type(err).__name__}: {err}. Every rank must be told the same world size, main address "
+            "and port, and the devices and nodes must match how the job was launched",
+            flush=True,
+        )
+        return 1
+    env = fabric.strategy.cluster_environment  # type: ignore[attr-defined]
+    device = fabric.device
+    mine = RankView(
+        rank=fabric.global_rank,
+        host=host,
+        world_size=fabric.world_size,
+        local_rank=fabric.local_rank,
+        node_rank=fabric.node_rank,
+        main_address=str(env.main_address),
+        main_port=int(env.main_port),
+        devices=devices,
+        num_nodes=nodes,
+        shard_group_size=str(args.shard_group_size),
+        torch=torch.__version__,
+        lightning_zero=lightning_zero.__version__,
+    )
+    world = Comm()
+    views = [RankView(**v) for v in world.all_gather_object(asdict(mine))]
+    problems = check_views(views)
+    problems += check_checkpoint_dir(world, args.checkpoint_dir, host)
+    layout, groups, layout_problems = choose_layout(world, views, args.shard_group_size, device.type)
+    problems += layout_problems
+    sizes = (
+        [float(s) for s in args.sizes_mb.split(",")]
+        if args.sizes_mb
+        else _DEFAULT_SIZES_MB.get(device.type, [1.0])
+    )
+    rows = measure(world, groups, sizes, device) if not problems else []
+    problems = world.broadcast_object(problems if world.rank == 0 else None, src=0)
+    if world.rank == 0:
+        report(views, layout, rows, problems, args.checkpoint_dir, device, time.perf_counter() - start)
+    world.all_gather_object(None)  # nobody leaves before rank 0 has printed
+    return 1 if problems else 0
+
+
+def check_views(views: list[RankView]) -> list[str]:
+    """Rank 0's checks of what every rank reported (see the module docstring)."""
+    problems = []
+    first = views[0]
+    for key in ("world_size", "devices", "num_nodes", "main_address", "main_port", "torch", "lightning_zero"):
+        values = {getattr(v, key) for v in views}
+        if len(values) > 1:
+            seen = ", ".join(
+                f"rank {v.rank}: {getattr(v, key)}" for v in views if getattr(v, key) != getattr(first, key)
+            )
+            problems.append(f"{key} differs between ranks: rank 0 has {getattr(first, key)!r}; {seen}")
+    expected = first.devices * first.num_nodes
+    if len(views) != expected:
+        problems.append(
+            f"{len(views)} ranks joined, devices={first.devices} x num_nodes={first.num_nodes} = "
+            f"{expected} expected"
+        )
+    ranks = sorted(v.rank for v in views)
+    if ranks != list(range(len(views))):
+        problems.append(f"global ranks are not 0..{len(views) - 1} once each: {ranks}")
+    hosts: dict[str, list[int]] = {}
+    for v in views:
+        hosts.setdefault(v.host, []).append(v.rank)
+    uneven = {h: r for h, r in hosts.items() if len(r) != first.devices}
+    if len(hosts) > 1 and uneven:  # one host may stand for several "nodes" (tests, a workstation)
+        problems.append(
+            "hosts do not each run devices="
+            f"{first.devices} ranks: " + "; ".join(f"{h}: ranks {r}" for h, r in uneven.items())
+        )
+    local = {(v.host, v.node_rank, v.local_rank) for v in views}
+    if len(local) != len(views):
+        problems.append("two ranks share a host, node rank and local rank: they would use the same device")
+    return problems
+
+
+def check_checkpoint_dir(world: Comm, directory: str | None, host: str) -> list[str]:
+    """Every rank writes a probe into ``directory`` and looks for everyone's (rank 0 gets the problems)."""
+    if directory is None:
+        return []
+    token = world.broadcast_object(uuid.uuid4().hex[:12] if world.rank == 0 else None, src=0)
+    probe_dir = Path(directory).expanduser() / f".preflight-{token}"
+    error = None
+    try:
+        probe_dir.mkdir(parents=True, exist_ok=True)
+        (probe_dir / f"rank{world.rank}").write_text(host)
+    except OSError as err:
+        error = f"rank {world.rank} (host {host}) cannot write into {directory}: {err}"
+    world.all_gather_object(None)  # every probe written before anyone looks
+    seen = {int(p.name[4:]) for p in probe_dir.glob("rank*")} if probe_dir.is_dir() else set()
+    missing = sorted(set(range(world.world_size)) - seen)
+    reports = world.all_gather_object((host, error, missing, directory))
+    problems = [e for _, e, _, _ in reports if e]
+    for rank, (rank_host, _, unseen, rank_directory) in enumerate(reports):
+        if unseen:
+            problems.append(
+                f"rank {rank} (host {rank_host}) cannot see the probe files of ranks {unseen} in "
+                f"{rank_directory}: it is not on storage shared by all nodes (every rank writes its shard of "
+                "a checkpoint there); use a shared file system path"
+            )
+    world.all_gather_object(None)  # every rank has looked
+    try:
+        (probe_dir / f"rank{world.rank}").unlink(missing_ok=True)
+        world.all_gather_object(None)
+        if world.rank == 0 or missing:
+            probe_dir.rmdir()
+    except OSError:
+        pass  # another rank's node-local copy, or already gone
+    return problems
+
+
+def choose_layout(
+    world: Comm, views: list[RankView], size: str | None, device_type: str
+) -> tuple[str, CommGroups | None, list[str]]:
+    """The layout a ``shard_group_size`` gives on these ranks: its description, its groups, problems."""
+    first = views[0]
+    if len({v.shard_group_size for v in views}) > 1:
+        told = ", ".join(f"rank {v.rank}: {v.shard_group_size}" for v in views)
+        return "", None, [f"shard_group_size differs between ranks ({told}): every rank must shard alike"]
+    if size is None or size == "None":
+        return f"flat: every bucket split over all {len(views)} ranks", CommGroups.flat(), []
+    group = first.devices if size == "auto" else int(size) if str(size).isdigit() else -1
+    try:
+        mesh = hybrid_mesh(group, device_type)
+    except ValueError as err:
+        return "", None, [str(err).replace(f"shard_group_size={group!r}", f"shard_group_size={size}")]
+    groups = CommGroups.flat() if mesh is None else CommGroups.from_mesh(mesh)
+    replicas = len(views) // group
+    members = [list(range(r * group, (r + 1) * group)) for r in range(replicas)]
+    host_of = {v.rank: v.host for v in views}
+    spanning = [m for m in members if len({host_of[r] for r in m}) > 1]
+    problems = []
+    if size == "auto" and spanning:
+        problems.append(
+            f"shard_group_size=auto: the shard groups {spanning} span several hosts (ranks are not "
+            "numbered node by node)"
+        )
+    text = f"{replicas}x{group} (shard_group_size={size}): shard groups {members}"
+    if not spanning and len(set(host_of.values())) > 1:
+        text += ", each within one host"
+    return text, groups, problems
+
+
+def _bus_factor(kind: str, n: int) -> float:
+    return 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+
+
+def measure(
+    world: Comm, groups: CommGroups | None, sizes_mb: list[float], device: torch.device, repeats: int = 3
+) -> list[tuple[str, str, int, float, float, float, float]]:
+    """(collective, group, ranks, MiB, ms, algorithm GB/s, bus GB/s) per size: the mean of ``repeats``
+    after one warm-up, each started together (a small all-reduce first)."""
+    runs: list[tuple[str, str, Comm]] = [("all-reduce", "world", world)]
+    if groups is not None and groups.shard is not world:
+        runs += [("reduce-scatter", "shard group", groups.shard), ("all-gather", "shard group", groups.shard)]
+        runs += [("all-reduce", "across groups", groups.replicas)]
+    elif groups is not None:
+        runs += [("reduce-scatter", "world", world), ("all-gather", "world", world)]
+    rows = []
+    for kind, label, comm in runs:
+        if comm.world_size < 2:
+            continue
+        for size in sizes_mb:
+            numel = max(comm.world_size, int(size * 2**20 / 4) // comm.world_size * comm.world_size)
+            full = torch.ones(numel, dtype=torch.float32, device=device)
+            part = torch.ones(numel // comm.world_size, dtype=torch.float32, device=device)
+            times = []
+            for i in range(repeats + 1):
+                world.wait(world.all_reduce(torch.zeros(1, device=world.device), control=True))
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                began = time.perf_counter()
+                if kind == "all-reduce":
+                    comm.wait(comm.all_reduce(full))
+                elif kind == "reduce-scatter":
+                    comm.wait(comm.reduce_scatter(part, full))
+                else:
+                    comm.wait(comm.all_gather(full, part))
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i:
+                    times.append(time.perf_counter() - began)
+            seconds = max(row[0] for row in world.all_gather_floats([sum(times) / len(times)]))  # the slowest
+            algbw = numel * 4 / seconds / 1e9
+            rows.append(
+                (
+                    kind,
+                    label,
+                    comm.world_size,
+                    numel * 4 / 2**20,
+                    seconds * 1e3,
+                    algbw,
+                    algbw * _bus_factor(kind, comm.world_size),
+                )
+            )
+    return rows
+
+
+def report(
+    views: list[RankView],
+    layout: str,
+    rows: list[tuple[str, str, int, float, float, float, float]],
+    problems: list[str],
+    directory: str | None,
+    device: torch.device,
+    elapsed: float,
+) -> None:
+    """Rank 0's table."""
+    hosts = sorted({v.host for v in views})
+    print(
+        f"lightning-zero preflight: {len(views)} ranks on {len(hosts)} host(s), device {device.type}, "
+        f"main {views[0].main_address}:{views[0].main_port}, torch {views[0].torch}, "
+        f"lightning-zero {views[0].lightning_zero}"
+    )
+    print(f"{'rank':>5} {'host':<24}{'node':>5}{'local':>6}{'world':>6}")
+    for v in sorted(views, key=lambda v: v.rank):
+        print(f"{v.rank:>5} {v.host:<24}{v.node_rank:>5}{v.local_rank:>6}{v.world_size:>6}")
+    if directory is not None:
+        print(
+            f"checkpoint directory {directory}: "
+            + (
+                "FAIL (below)"
+                if any(directory in p for p in problems)
+                else "every rank sees every rank's files"
+            )
+        )
+    if layout:
+        print(f"layout {layout}")
+    if rows:
+        print(
+            f"{'collective':<16}{'group':<15}{'ranks':>6}{'MiB':>9}{'ms':>10}"
+            f"{'algbw GB/s':>12}{'busbw GB/s':>12}"
+        )
+        for kind, label, n, mib, ms, alg, bus in rows:
+            print(f"{kind:<16}{label:<15}{n:>6}{mib:>9.1f}{ms:>10.2f}{alg:>12.3f}{bus:>12.3f}")
+    for problem in problems:
+        print(f"FAIL {problem}")
+    print(
+        ("OK: no problem found" if not problems else f"{len(problems)} problem(s)") + f" ({elapsed:.1f} s)",
+        flush=True,
+    )

@@ -1,0 +1,114 @@
+"""``lightning-zero preflight`` on 4 processes: a consistent launch (Lightning's launcher, and
+torchrun's environment as 2 "nodes" of 2) passes and prints the table; each inconsistency, injected
+alone into one rank (its checkpoint directory, its layout, its main port) or into all (a shard group
+size that does not divide the world), makes every rank exit 1 with a line naming it. The launches run
+at once (each has its own port and directory)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch import free_port, launch_env, run_processes
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "lightning_zero.cli", "preflight", "--accelerator", "cpu", "--sizes-mb", "0.25"]
+
+
+def _torchrun_like(
+    args: list[str],
+    per_rank_args: dict[int, list[str]] | None = None,
+    per_rank_env: dict[int, dict[str, str]] | None = None,
+) -> list[tuple[int, str]]:
+    """4 processes with the environment torchrun gives 2 nodes of 2 (ranks 0-1, 2-3), each rank's
+    arguments and environment changed by ``per_rank_*``; (exit status, output) of each."""
+    port, commands, envs = free_port(), [], []
+    for rank in range(4):
+        env = launch_env(
+            TORCHELASTIC_RUN_ID="preflight-test",
+            RANK=str(rank),
+            WORLD_SIZE="4",
+            LOCAL_RANK=str(rank % 2),
+            LOCAL_WORLD_SIZE="2",
+            GROUP_RANK=str(rank // 2),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        env.update((per_rank_env or {}).get(rank, {}))
+        envs.append(env)
+        commands.append([*CLI, *args, *(per_rank_args or {}).get(rank, [])])
+    codes, outs, errs = run_processes(commands, envs, cwd=ROOT, timeout=120)
+    return [(code, out + err) for code, out, err in zip(codes, outs, errs, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[int, str]]]:
+    tmp = tmp_path_factory.mktemp("preflight")
+    shared, private = tmp / "shared", tmp / "node_local"
+    launcher = subprocess.run(
+        [*CLI, "--devices", "4", "--shard-group-size", "2", "--checkpoint-dir", str(shared / "a")],
+        cwd=ROOT,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    return {
+        "launcher": [(launcher.returncode, launcher.stdout + launcher.stderr)],
+        "torchrun": _torchrun_like(["--shard-group-size", "auto", "--checkpoint-dir", str(shared / "b")]),
+        "node_local_dir": _torchrun_like(
+            ["--shard-group-size", "auto"],
+            {r: ["--checkpoint-dir", str(private if r == 3 else shared / "c")] for r in range(4)},
+        ),
+        "layout_differs": _torchrun_like(
+            [], {r: ["--shard-group-size", "4" if r == 2 else "2"] for r in range(4)}
+        ),
+        "group_does_not_divide": _torchrun_like(["--shard-group-size", "3"]),
+        "port_differs": _torchrun_like(
+            ["--timeout", "15"], per_rank_env={1: {"MASTER_PORT": str(free_port())}}
+        ),
+    }
+
+
+def test_a_consistent_launch_passes_and_prints_one_table(runs: dict) -> None:
+    for name in ("launcher", "torchrun"):
+        outcomes = runs[name]
+        assert all(code == 0 for code, _ in outcomes), (name, [out[-3000:] for _, out in outcomes])
+        table = outcomes[0][1]
+        assert "lightning-zero preflight: 4 ranks" in table and "OK: no problem found" in table
+        assert "every rank sees every rank's files" in table
+        assert "layout 2x2" in table and "shard groups [[0, 1], [2, 3]]" in table
+        for row in ("all-reduce      world", "reduce-scatter  shard group", "all-gather      shard group"):
+            assert row in table, (name, table)
+        assert "all-reduce      across groups" in table
+
+
+def _failed_everywhere(runs: dict, name: str, expected: str) -> None:
+    outcomes = runs[name]
+    assert all(code == 1 for code, _ in outcomes), (name, [(c, out[-2000:]) for c, out in outcomes])
+    assert any(expected in out for _, out in outcomes), (name, expected, [out[-2000:] for _, out in outcomes])
+
+
+def test_a_checkpoint_directory_one_rank_cannot_share_is_named(runs: dict) -> None:
+    _failed_everywhere(runs, "node_local_dir", "rank 3 (host")
+    _failed_everywhere(runs, "node_local_dir", "cannot see the probe files of ranks [0, 1, 2]")
+
+
+def test_a_layout_that_differs_on_one_rank_is_named(runs: dict) -> None:
+    _failed_everywhere(runs, "layout_differs", "shard_group_size differs between ranks")
+    _failed_everywhere(runs, "layout_differs", "rank 2: 4")
+
+
+def test_a_shard_group_size_that_does_not_divide_the_world_names_the_valid_ones(runs: dict) -> None:
+    _failed_everywhere(
+        runs, "group_does_not_divide", "shard_group_size=3 must divide the 4 data-parallel ranks"
+    )
+    _failed_everywhere(runs, "group_does_not_divide", "[1, 2, 4]")
+
+
+def test_a_rank_told_another_main_port_ends_every_rank_within_the_timeout(runs: dict) -> None:
+    _failed_everywhere(runs, "port_differs", "could not join the job")
+    _failed_everywhere(runs, "port_differs", "within 15 s")
