@@ -194,10 +194,11 @@ def test_torchrun_two_nodes_matches_one_node(tmp_path: Path) -> None:
 def test_torchrun_two_nodes_of_two_shard_within_a_node_and_match_flat_sharding(tmp_path: Path) -> None:
     """``torchrun --nnodes=2 --nproc-per-node=2`` with ``strategy.shard_group_size=auto``: each node's
     2 ranks shard, the 2 nodes replicate (the checkpoint holds 2 shards), and training equals flat
-    sharding over the same 4 ranks (fp32: the sums run in another order, so to rounding)."""
+    sharding over the same 4 ranks launched the same way (fp32: the sums run in another order, so to
+    rounding)."""
     common = [f"output_root={tmp_path}", *TINY]
-    flat = _start(["-m", "recipes.pretrain", "run_name=flat", "trainer.devices=4", *common])
-    _finish([flat, *_torchrun_nodes(2, ["run_name=hybrid", "strategy.shard_group_size=auto", *common])])
+    flat = _torchrun_nodes(2, ["run_name=flat", *common])  # the same launch, flat over the 4 ranks
+    _finish([*flat, *_torchrun_nodes(2, ["run_name=hybrid", "strategy.shard_group_size=auto", *common])])
     a, b = (tmp_path / name / "checkpoints" / "last.ckpt" for name in ("flat", "hybrid"))
     assert read_meta(a)["world_size"] == 4 and read_meta(b)["world_size"] == 2
     ref, got = (load_module_checkpoint(path)["state_dict"] for path in (a, b))
