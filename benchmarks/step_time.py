@@ -267,13 +267,13 @@ class GPT(L.LightningModule):
         self.train_heap_mb = self.heap.peak_mb if self.heap is not None else None  # training only
         self.figures = optimizer_and_grad_bytes(self.trainer, self)
         opt = getattr(self.trainer.strategy, "sharded_optimizer", None)
-        self.alone_s = collectives_alone_s(opt) if opt is not None else None
-        self.min_elements = opt.engine.min_elements_per_step() if opt is not None else None
         self.inter = (  # hybrid sharding: sent across the replica groups in the last step, and the formula's
             (opt.engine.replica_comm_stats.elements_sent, opt.engine.min_replica_elements_per_step())
             if opt is not None
             else None
-        )
+        )  # read before collectives_alone_s sends more
+        self.alone_s = collectives_alone_s(opt) if opt is not None else None
+        self.min_elements = opt.engine.min_elements_per_step() if opt is not None else None
 
 
 class CPUFSDPStrategy(FSDPStrategy):

@@ -64,7 +64,7 @@ class CommGroups:
         return comm if isinstance(comm, CommGroups) else cls(comm, Comm.single(comm.device), comm)
 
     @classmethod
-    def flat(cls, process_group: ProcessGroup | None = None) -> CommGroups:
+    def flat_over(cls, process_group: ProcessGroup | None = None) -> CommGroups:
         """Every bucket split over all ranks of ``process_group`` (``None``: the default group)."""
         comm = Comm(process_group)
         return cls(comm, Comm.single(comm.device), comm)
@@ -78,7 +78,7 @@ class CommGroups:
                 default process group (whose ranks then are the world every rank agrees over).
         """
         if mesh.ndim == 1:
-            return cls.flat(mesh.get_group(0))
+            return cls.flat_over(mesh.get_group(0))
         if mesh.ndim != 2:
             raise ValueError(
                 f"device_mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; pass a 1-D mesh (flat sharding) or "

@@ -52,6 +52,9 @@ class InFlight:
     """``wire`` is the accumulation buffer: its pool slot is busy until the bucket is collected."""
     narrower: bool = False
     """The wire dtype has less range than the accumulation dtype: the reduction itself may overflow."""
+    across: bool = False
+    """Hybrid sharding: ``handle`` is now the all-reduce of this rank's part across the replicas
+    (:meth:`WireCodec.start_across`), the reduction inside the shard group being done."""
 
 
 Inspect = Callable[[Tensor], None]
@@ -119,18 +122,32 @@ class WireCodec:
         """Wait for ``sent`` and fold this rank's part into ``shard``; ``inspect`` sees that part when
         the reduction on a narrower wire may have overflowed. ``replicas`` (hybrid sharding): the
         part is first summed across them, in the wire dtype."""
-        comm.wait(sent.handle)
-        if self.stage == 1:
-            start, end = shard_range(sent.wire.numel(), comm.world_size, comm.rank)
-            result = sent.wire[start:end]
-        else:
-            assert sent.output is not None
-            result = sent.output
         if replicas is not None and replicas.world_size > 1:
-            replicas.wait(replicas.all_reduce(result, what="gradient all-reduce across replicas"))
+            if not sent.across:
+                self.start_across(comm, sent, replicas)
+            replicas.wait(sent.handle)
+        else:
+            comm.wait(sent.handle)
+        result = self._part(comm, sent)
         if inspect is not None and sent.narrower:
             inspect(result)
         self.decode(result, shard, accumulate=not first_round)
+
+    def start_across(self, comm: Comm, sent: InFlight, replicas: Comm) -> None:
+        """Hybrid sharding: once the reduction inside the shard group is done (waited for here), start
+        the all-reduce of this rank's part across the replicas; ``sent.handle`` becomes that one."""
+        comm.wait(sent.handle)
+        part = self._part(comm, sent)
+        sent.handle = replicas.all_reduce(part, what="gradient all-reduce across replicas")
+        sent.across = True
+
+    def _part(self, comm: Comm, sent: InFlight) -> Tensor:
+        """This rank's part of the reduced bucket."""
+        if self.stage == 1:
+            start, end = shard_range(sent.wire.numel(), comm.world_size, comm.rank)
+            return sent.wire[start:end]
+        assert sent.output is not None
+        return sent.output
 
 
 def codec_for(config: ZeroConfig, param_dtype: torch.dtype) -> WireCodec:

@@ -28,10 +28,11 @@ bucket, keep the owned slice) and stage 2 (reduce-scatter it) differ. Either way
 only ``grad_shards[b]``: ``(padded_numel // world_size,)`` in the master dtype.
 
 Hybrid sharding (:class:`~lightning_zero.comm.CommGroups` with replicas): the bucket is divided by
-all ``N`` ranks and reduced inside the shard group as above; as each bucket is collected, this rank's
-part is all-reduced (summed) across the replicas before it is folded into the shard. Buckets are
-then collected strictly in order, so that every rank of a replica group makes those all-reduces in
-the same order (flat sharding collects whichever have finished).
+all ``N`` ranks and reduced inside the shard group as above; once that reduction has finished, this
+rank's part is all-reduced (summed) across the replicas, asynchronously while backward goes on, and
+folded into the shard when that has finished too. Those all-reduces start strictly in bucket order,
+so that every rank of a replica group makes them in the same sequence (flat sharding collects
+whichever buckets have finished).
 
 ``skip_nonfinite_steps``: each bucket is shown to the :class:`NonFiniteGuard` as it is sent (and
 collected); the guard's flags ride on the used-parameter mask, then launched after the collects.
@@ -306,15 +307,26 @@ class GradReducer:
 
     def _collect_finished(self, newest: int) -> None:
         """Collect launched buckets that have finished; keep at most ``_MAX_IN_FLIGHT`` uncollected
-        (the newest included: it is never waited for here)."""
+        (the newest included: it is never waited for here). Hybrid sharding: a bucket whose reduction
+        inside the shard group has finished starts its all-reduce across the replicas (strictly in
+        bucket order) and is collected once that one has finished too."""
         in_flight = [b for b in range(newest + 1) if self._buckets[b].sent is not None]
         excess = len(in_flight) - _MAX_IN_FLIGHT
+        hybrid = self.replicas.world_size > 1
         for b in in_flight[:-1]:  # oldest first
-            sent = self._buckets[b].sent
-            if excess > 0 or (sent is not None and _is_completed(sent)):
+            state = self._buckets[b]
+            sent = state.sent
+            assert sent is not None
+            if excess > 0:
                 self._collect(b)
                 excess -= 1
-            elif self.replicas.world_size > 1:
+            elif _is_completed(sent):
+                if hybrid and not sent.across:
+                    state.codec.start_across(self.comm, sent, self.replicas)
+                else:
+                    self._collect(b)
+                    excess -= 1
+            elif hybrid and not sent.across:
                 break  # in order: the replica all-reduces must follow the same sequence on every rank
 
     def _fill_missing(self, bucket_index: int) -> None:

@@ -251,13 +251,13 @@ def choose_layout(
         told = ", ".join(f"rank {v.rank}: {v.shard_group_size}" for v in views)
         return "", None, [f"shard_group_size differs between ranks ({told}): every rank must shard alike"]
     if size is None or size == "None":
-        return f"flat: every bucket split over all {len(views)} ranks", CommGroups.flat(), []
+        return f"flat: every bucket split over all {len(views)} ranks", CommGroups.flat_over(), []
     group = first.devices if size == "auto" else int(size) if str(size).isdigit() else -1
     try:
         mesh = hybrid_mesh(group, device_type)
     except ValueError as err:
         return "", None, [str(err).replace(f"shard_group_size={group!r}", f"shard_group_size={size}")]
-    groups = CommGroups.flat() if mesh is None else CommGroups.from_mesh(mesh)
+    groups = CommGroups.flat_over() if mesh is None else CommGroups.from_mesh(mesh)
     replicas = len(views) // group
     members = [list(range(r * group, (r + 1) * group)) for r in range(replicas)]
     host_of = {v.rank: v.host for v in views}

@@ -114,7 +114,10 @@ class ShardedAdamW(torch.optim.Optimizer):
             _check_group(group)
         if device_mesh is not None and process_group is not None:
             raise ValueError("pass process_group or device_mesh, not both")
-        groups = CommGroups.flat(process_group) if device_mesh is None else CommGroups.from_mesh(device_mesh)
+        if device_mesh is None:
+            groups = CommGroups.flat_over(process_group)
+        else:
+            groups = CommGroups.from_mesh(device_mesh)
         if module is not None:
             param_order = module.parameters() if param_order is None else param_order
             param_names = {p: n for n, p in module.named_parameters()} if param_names is None else param_names

@@ -94,6 +94,7 @@ def test_generated_script_matches_the_config() -> None:
         "run_name=big",
         "cluster.cpus_per_task=6",
         "cluster.sbatch_extra=[--exclusive]",
+        "strategy.shard_group_size=auto",  # node-aware sharding: a shard group is a node's 8 tasks
     ]
     text = sbatch_script(compose_config(overrides), overrides, python="python")
     for line in (
