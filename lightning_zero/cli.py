@@ -102,13 +102,15 @@ def estimate(
     stage: int | None = None,
     unit_params: float = 0.0,
     prefetch_units: int = 1,
+    shard_group_size: int | None = None,
 ) -> None:
     """Print model-state bytes per rank (no activations) for DDP and ZeRO stages 1 / 2 / 3 (``stage``:
     that one only). Stage 3 holds ``1 + prefetch_units`` gathered units of ``unit_params`` (one
-    block) at once, besides the root's parameters, which this estimate does not know of."""
+    block) at once, besides the root's parameters, which this estimate does not know of.
+    ``shard_group_size``: node-aware sharding, the state split over that many ranks, not all."""
     p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
     separate_master = m_bytes > p_bytes
-    n = world_size
+    n = shard_group_size or world_size
     adam = 2 * m_bytes
     in_flight = POOL_SLOTS * bucket_cap_mb * 2**20  # buckets being filled or in flight, transient
     rows = {
@@ -124,8 +126,9 @@ def estimate(
     }
     if stage is not None:
         rows = {name: value for name, value in rows.items() if name in ("ddp", f"zero{stage}")}
+    layout = f" sharded in groups of {n} (replicated {world_size // n}x)" if n != world_size else ""
     print(
-        f"{params / 1e9:.3g}B parameters, {world_size} ranks, {precision}: model state per rank "
+        f"{params / 1e9:.3g}B parameters, {world_size} ranks{layout}, {precision}: model state per rank "
         "(parameters, gradients, optimizer; no activations)"
     )
     for name, nbytes in rows.items():
@@ -165,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     p_est.add_argument("--stage", type=int, choices=(1, 2, 3), help="only this stage's row (besides ddp)")
     p_est.add_argument("--unit-params", type=float, default=0.0, help="stage 3: parameters of one block")
     p_est.add_argument("--prefetch-units", type=int, default=1, help="stage 3: units gathered ahead")
+    p_est.add_argument(
+        "--shard-group-size", type=int, help="node-aware sharding: ranks per shard group (e.g. GPUs per node)"
+    )
     p_pre = sub.add_parser(
         "preflight", help="check a multi-node launch before training (run it like training)"
     )
@@ -181,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         return verify(args.src)
     if args.world_size < 1 or args.params <= 0:
         parser.error(f"--world-size must be >= 1 and --params > 0, got {args.world_size} and {args.params}")
+    group = args.shard_group_size
+    if group is not None and (group < 1 or args.world_size % group):
+        valid = [g for g in range(1, args.world_size + 1) if args.world_size % g == 0]
+        parser.error(f"--shard-group-size {group} must divide --world-size {args.world_size}: one of {valid}")
     if args.unit_params < 0 or args.prefetch_units < 0:
         parser.error(
             "--unit-params and --prefetch-units must be >= 0, "
@@ -194,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         args.stage,
         args.unit_params,
         args.prefetch_units,
+        group,
     )
     return 0
 

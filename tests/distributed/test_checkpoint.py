@@ -225,3 +225,29 @@ def test_estimate_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--precision", "bf16-true"]) == 0
     rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:3]]
     assert rows == ["ddp", "zero3"]
+
+
+def test_estimate_cli_with_node_aware_sharding(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--shard-group-size G``: the state is split over G ranks, not the world (fp32: zero2 holds
+    4 + 12/G bytes per parameter); a G that does not divide the world is refused, naming the valid ones."""
+    from lightning_zero.cli import main
+
+    argv = [
+        "estimate",
+        "--params",
+        "1e9",
+        "--world-size",
+        "8",
+        "--precision",
+        "32-true",
+        "--shard-group-size",
+        "2",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "8 ranks sharded in groups of 2 (replicated 4x)" in out[0]
+    lines = {line.split()[0]: float(line.split()[1]) for line in out[1:5]}
+    assert lines["zero2"] == pytest.approx((10e9 + 75 * 2**20) / 2**30, rel=1e-3)
+    with pytest.raises(SystemExit):
+        main([*argv[:-1], "3"])
+    assert "--shard-group-size 3 must divide --world-size 8: one of [1, 2, 4, 8]" in capsys.readouterr().err

@@ -29,6 +29,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "zero1_4x1": dict(BASE, strategy="zero1", shard_group_size=1),
         "zero3_2x2": dict(BASE, strategy="zero3", shard_group_size=2),
         "zero_1x4": dict(BASE, strategy="zero", shard_group_size=4),
+        "zero_auto": dict(BASE, strategy="zero", shard_group_size="auto"),  # one node of 4 devices: flat
         "fp16_ddp": {**FP16, "strategy": "ddp"},
         "fp16_zero_2x2": {**FP16, "strategy": "zero", "shard_group_size": 2},
         "skip_ddp": {"strategy": "ddp", "skip_step": 3},
@@ -51,6 +52,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_every_layout_and_stage_equals_ddp_on_every_rank(runs: dict[str, Any]) -> None:
     four = runs["four"]
     layouts = {"zero_2x2": "2x2", "zero1_4x1": "4x1", "zero3_2x2": "2x2", "zero_1x4": "1x4"}
+    layouts["zero_auto"] = "1x4"  # Lightning's launcher: one node of 4 devices
     for name, layout in layouts.items():
         assert four[name]["recorded"]["layout"] == layout
         assert diff(four[name], four["ddp"]) <= 1e-10, name
