@@ -114,6 +114,7 @@ def make_strategy(
     sharded_checkpoint: bool = True,
     async_checkpoint: bool = False,
     skip_nonfinite_steps: int = 0,
+    shard_group_size: int | None = None,
 ) -> Any:
     if name == "zero_small_buckets":  # several buckets on a tiny model
         import lightning_zero  # here, not at the top: a test loads checkpoints with lightning_zero blocked
@@ -127,6 +128,7 @@ def make_strategy(
             sharded_checkpoint=sharded_checkpoint,
             async_checkpoint=async_checkpoint,
             skip_nonfinite_steps=skip_nonfinite_steps,
+            shard_group_size=shard_group_size,
         )
     return name
 
@@ -157,13 +159,15 @@ def fit(
     skip_nonfinite_steps: int = 0,
     nan_at: list[list[int]] | None = None,
     skip_step: int | None = None,
+    shard_group_size: int | None = None,
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """Fit TinyLit; ``batch_size`` is per rank; ``save``: checkpoint path written at the end; ``csv_dir``:
     log to CSV there, with the strategy's communication figures; ``precision="16-mixed-cpu"``: fp16 autocast
     with a GradScaler on CPU (Lightning itself maps "16-mixed" to bf16 there); ``inf_at_step``: rank 1's loss
     is inf at that step; ``identical_batches``: see :func:`repeated_dataset`; ``resume``: ``ckpt_path``;
     ``checkpoint_dir``: a ModelCheckpoint there every 2 steps (top 2 by step, ``save_last``);
-    ``skip_nonfinite_steps``: the strategy's; ``nan_at``, ``skip_step``: see :class:`TinyLit`.
+    ``skip_nonfinite_steps``, ``shard_group_size``: the strategy's; ``nan_at``, ``skip_step``: see
+    :class:`TinyLit`.
     Returns (global rank, final parameters and, with a scaler, ``"loss_scale"``; with
     ``skip_nonfinite_steps``, ``"skipped_steps"``)."""
     if die_at_save is not None:
@@ -176,7 +180,13 @@ def fit(
         precision = None  # type: ignore[assignment]
     trainer = L.Trainer(
         strategy=make_strategy(
-            strategy, stage, csv_dir is not None, sharded_checkpoint, async_checkpoint, skip_nonfinite_steps
+            strategy,
+            stage,
+            csv_dir is not None,
+            sharded_checkpoint,
+            async_checkpoint,
+            skip_nonfinite_steps,
+            shard_group_size,
         ),
         devices=devices,
         accelerator="cpu",

@@ -1,0 +1,44 @@
+"""``ZeroStrategy(shard_group_size=2)`` on 4 ranks under the Trainer: the fit equals one process's
+AdamW on the global batch (float64, 1e-10), and ``log_comm_stats`` logs the traffic inside a group
+and across groups apart, each at 1.00x its formula (``2Ψ(G−1)/G`` inside, ``2(Ψ/G)(R−1)/R`` across).
+One launch of ``tests/distributed/lit_fit.py`` on 4 processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed.test_lightning_parity import launch, max_diff, reference
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("hybrid_trainer")
+    case = {"devices": 4, "stage": 2, "steps": 4, "accum": 2, "clip": 0.05, "unused_every": 0}
+    (params,) = launch([dict(case, shard_group_size=2, csv_dir=str(tmp))], tmp)
+    return tmp, params, case
+
+
+def test_the_fit_equals_single_process_adamw(launched: tuple[Path, dict, dict]) -> None:
+    _, params, case = launched
+    expected = reference(case)
+    assert max_diff({k: params[k] for k in expected}, expected) <= 1e-10
+
+
+def test_comm_stats_report_inside_and_across_groups_apart(launched: tuple[Path, dict, dict]) -> None:
+    rows = (launched[0] / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    logged = [r.split(",") for r in rows[1:] if r.split(",")[header.index("zero/elements_sent_vs_min")]]
+    assert len(logged) == 4
+
+    def column(name: str) -> list[float]:
+        return [float(r[header.index(name)]) for r in logged]
+
+    assert column("zero/elements_sent_vs_min") == [1.0] * 4  # inside the group of 2
+    assert column("zero/inter_group_elements_vs_min") == [1.0] * 4
+    inside, across = column("zero/elements_sent"), column("zero/inter_group_elements_sent")
+    # G = R = 2: Ψ inside (reduce-scatter and all-gather, Ψ/2 each), Ψ/2 across (per bucket, rounded down)
+    assert all(0 < 2 * a <= i < 2 * a + 64 for a, i in zip(across, inside, strict=True)), (inside, across)
+    assert column("zero/inter_group_bytes_sent") == [8.0 * a for a in across]  # float64 on the wire
