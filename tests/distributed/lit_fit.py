@@ -115,9 +115,12 @@ def make_strategy(
     async_checkpoint: bool = False,
     skip_nonfinite_steps: int = 0,
     shard_group_size: int | None = None,
+    user_mesh: bool = False,
 ) -> Any:
     if name == "zero_small_buckets":  # several buckets on a tiny model
         import lightning_zero  # here, not at the top: a test loads checkpoints with lightning_zero blocked
+
+        mesh = _user_mesh() if user_mesh else None
 
         return lightning_zero.ZeroStrategy(
             stage=stage or 2,
@@ -129,8 +132,21 @@ def make_strategy(
             async_checkpoint=async_checkpoint,
             skip_nonfinite_steps=skip_nonfinite_steps,
             shard_group_size=shard_group_size,
+            device_mesh=mesh,
         )
     return name
+
+
+def _user_mesh() -> Any:
+    """A (2, N/2) mesh built the way a user does under torchrun: the process group initialised first
+    (Lightning then finds it initialised and uses it), then ``init_device_mesh``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", os.environ["LOCAL_RANK"])  # one node: what torchrun would set
+        dist.init_process_group("gloo")
+    return init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
 
 
 def fit(
@@ -160,13 +176,15 @@ def fit(
     nan_at: list[list[int]] | None = None,
     skip_step: int | None = None,
     shard_group_size: int | None = None,
+    user_mesh: bool = False,
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """Fit TinyLit; ``batch_size`` is per rank; ``save``: checkpoint path written at the end; ``csv_dir``:
     log to CSV there, with the strategy's communication figures; ``precision="16-mixed-cpu"``: fp16 autocast
     with a GradScaler on CPU (Lightning itself maps "16-mixed" to bf16 there); ``inf_at_step``: rank 1's loss
     is inf at that step; ``identical_batches``: see :func:`repeated_dataset`; ``resume``: ``ckpt_path``;
     ``checkpoint_dir``: a ModelCheckpoint there every 2 steps (top 2 by step, ``save_last``);
-    ``skip_nonfinite_steps``, ``shard_group_size``: the strategy's; ``nan_at``, ``skip_step``: see
+    ``skip_nonfinite_steps``, ``shard_group_size``: the strategy's; ``user_mesh``: a 2-D device mesh the
+    "user" builds, passed as the strategy's ``device_mesh``; ``nan_at``, ``skip_step``: see
     :class:`TinyLit`.
     Returns (global rank, final parameters and, with a scaler, ``"loss_scale"``; with
     ``skip_nonfinite_steps``, ``"skipped_steps"``)."""
@@ -187,6 +205,7 @@ def fit(
             async_checkpoint,
             skip_nonfinite_steps,
             shard_group_size,
+            user_mesh,
         ),
         devices=devices,
         accelerator="cpu",
@@ -228,6 +247,9 @@ def fit(
         result["flushes"] = torch.tensor(flushes[0])
     if skip_nonfinite_steps:
         result["skipped_steps"] = torch.tensor(trainer.strategy.sharded_optimizer.skipped_steps)
+    if shard_group_size or user_mesh:  # the layout the engine ran: replica groups, ranks per group
+        groups = trainer.strategy.sharded_optimizer.engine.groups
+        result["layout"] = torch.tensor([groups.replicas.world_size, groups.shard.world_size])
     return trainer.global_rank, result
 
 

@@ -17,12 +17,19 @@ from tests.distributed.test_lightning_parity import launch, max_diff, reference
 def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("hybrid_trainer")
     case = {"devices": 4, "stage": 2, "steps": 4, "accum": 2, "clip": 0.05, "unused_every": 0}
-    (params,) = launch([dict(case, shard_group_size=2, csv_dir=str(tmp))], tmp)
-    return tmp, params, case
+    # the user's mesh first: its process group is initialised before Lightning's setup, as under torchrun
+    cases = [dict(case, user_mesh=True), dict(case, shard_group_size=2, csv_dir=str(tmp))]
+    by_mesh, params = launch(cases, tmp)
+    return tmp, {"shard_group_size": params, "user_mesh": by_mesh}, case
 
 
-def test_the_fit_equals_single_process_adamw(launched: tuple[Path, dict, dict]) -> None:
-    _, params, case = launched
+@pytest.mark.parametrize("how", ["shard_group_size", "user_mesh"])
+def test_the_fit_equals_single_process_adamw(launched: tuple[Path, dict, dict], how: str) -> None:
+    """Set by ``shard_group_size=2``, or by a (2, 2) ``DeviceMesh`` the user built after initialising
+    the process group (``ZeroStrategy(device_mesh=mesh)``): 2 replica groups of 2 ranks either way."""
+    _, runs, case = launched
+    params = runs[how]
+    assert params["layout"].tolist() == [2, 2]
     expected = reference(case)
     assert max_diff({k: params[k] for k in expected}, expected) <= 1e-10
 
