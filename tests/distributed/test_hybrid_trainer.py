@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.distributed.test_lightning_parity import launch, max_diff, reference
 
@@ -19,11 +20,12 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     case = {"devices": 4, "stage": 2, "steps": 4, "accum": 2, "clip": 0.05, "unused_every": 0}
     # the user's mesh first: its process group is initialised before Lightning's setup, as under torchrun
     cases = [dict(case, user_mesh=True), dict(case, shard_group_size=2, csv_dir=str(tmp))]
-    by_mesh, params = launch(cases, tmp)
-    return tmp, {"shard_group_size": params, "user_mesh": by_mesh}, case
+    saving = dict(case, shard_group_size=2, async_checkpoint=True, checkpoint_dir=str(tmp / "ckpt"))
+    by_mesh, params, saved = launch([*cases, saving], tmp)
+    return tmp, {"shard_group_size": params, "user_mesh": by_mesh, "async_checkpoint": saved}, case
 
 
-@pytest.mark.parametrize("how", ["shard_group_size", "user_mesh"])
+@pytest.mark.parametrize("how", ["shard_group_size", "user_mesh", "async_checkpoint"])
 def test_the_fit_equals_single_process_adamw(launched: tuple[Path, dict, dict], how: str) -> None:
     """Set by ``shard_group_size=2``, or by a (2, 2) ``DeviceMesh`` the user built after initialising
     the process group (``ZeroStrategy(device_mesh=mesh)``): 2 replica groups of 2 ranks either way."""
@@ -49,3 +51,25 @@ def test_comm_stats_report_inside_and_across_groups_apart(launched: tuple[Path, 
     # G = R = 2: Ψ inside (reduce-scatter and all-gather, Ψ/2 each), Ψ/2 across (per bucket, rounded down)
     assert all(0 < 2 * a <= i < 2 * a + 64 for a, i in zip(across, inside, strict=True)), (inside, across)
     assert column("zero/inter_group_bytes_sent") == [8.0 * a for a in across]  # float64 on the wire
+
+
+def test_async_checkpoints_under_hybrid_sharding_hold_one_shard_group(
+    launched: tuple[Path, dict, dict],
+) -> None:
+    """Background saves every 2 steps: the first replica group's 2 shard files, committed and intact,
+    holding the fit's final parameters in the last one."""
+    from lightning_zero.checkpoint import read_meta, verify_files
+    from lightning_zero.checkpoint.consolidate import load_module_checkpoint
+
+    last = launched[0] / "ckpt" / "last.ckpt"
+    meta = read_meta(last)
+    assert meta["world_size"] == 2 and sorted(meta["files"]) == [
+        "model_extra.pt",
+        "shard-00000-of-00002.pt",
+        "shard-00001-of-00002.pt",
+    ]
+    assert verify_files(last, meta) == []
+    saved = load_module_checkpoint(last)["state_dict"]
+    final = launched[1]["async_checkpoint"]
+    params = {k: v for k, v in final.items() if k != "layout"}
+    assert params and all(torch.equal(saved[k], v) for k, v in params.items()), sorted(saved)
