@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from lightning_zero.checkpoint import META, CheckpointError, read_meta, shard_name, verify_files
+from lightning_zero.comm.groups import check_shard_group_size
 from lightning_zero.engine.reducer import POOL_SLOTS
 from lightning_zero.integrations import preflight
 
@@ -188,9 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.world_size < 1 or args.params <= 0:
         parser.error(f"--world-size must be >= 1 and --params > 0, got {args.world_size} and {args.params}")
     group = args.shard_group_size
-    if group is not None and (group < 1 or args.world_size % group):
-        valid = [g for g in range(1, args.world_size + 1) if args.world_size % g == 0]
-        parser.error(f"--shard-group-size {group} must divide --world-size {args.world_size}: one of {valid}")
+    if group is not None:
+        try:
+            check_shard_group_size(group, args.world_size)
+        except ValueError as err:
+            parser.error(f"--shard-group-size: {err}")
     if args.unit_params < 0 or args.prefetch_units < 0:
         parser.error(
             "--unit-params and --prefetch-units must be >= 0, "

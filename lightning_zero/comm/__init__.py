@@ -6,6 +6,14 @@ timing); how a collective runs on the process group's backend is chosen in one p
 """
 
 from lightning_zero.comm.communicator import Comm, CommError, CommStats, collective_failures
-from lightning_zero.comm.groups import CommGroups, hybrid_mesh
+from lightning_zero.comm.groups import CommGroups, check_shard_group_size, hybrid_mesh
 
-__all__ = ["Comm", "CommError", "CommGroups", "CommStats", "collective_failures", "hybrid_mesh"]
+__all__ = [
+    "Comm",
+    "CommError",
+    "CommGroups",
+    "CommStats",
+    "check_shard_group_size",
+    "collective_failures",
+    "hybrid_mesh",
+]

@@ -66,8 +66,7 @@ class CommGroups:
     @classmethod
     def flat_over(cls, process_group: ProcessGroup | None = None) -> CommGroups:
         """Every bucket split over all ranks of ``process_group`` (``None``: the default group)."""
-        comm = Comm(process_group)
-        return cls(comm, Comm.single(comm.device), comm)
+        return cls.of(Comm(process_group))
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> CommGroups:

@@ -56,8 +56,8 @@ class EngineFigures:
     @property
     def comm_stats(self) -> CommStats:
         """Elements and bytes sent and time waited since the counters were last reset, inside the
-        shard group (all of it under flat sharding; under hybrid sharding the control collectives
-        over all ranks are counted here too)."""
+        shard group (all of it under flat sharding; under hybrid sharding the small control
+        collectives over all ranks, masks and flags, are counted on the world's group, not here)."""
         return self.comm.stats
 
     @property

@@ -284,11 +284,9 @@ def measure(
     """(collective, group, ranks, MiB, ms, algorithm GB/s, bus GB/s) per size: the mean of ``repeats``
     after one warm-up, each started together (a small all-reduce first)."""
     runs: list[tuple[str, str, Comm]] = [("all-reduce", "world", world)]
-    if groups is not None and groups.shard is not world:
+    if groups is not None:  # groups of one rank (flat: no replicas) are skipped below
         runs += [("reduce-scatter", "shard group", groups.shard), ("all-gather", "shard group", groups.shard)]
         runs += [("all-reduce", "across groups", groups.replicas)]
-    elif groups is not None:
-        runs += [("reduce-scatter", "world", world), ("all-gather", "world", world)]
     rows = []
     for kind, label, comm in runs:
         if comm.world_size < 2:

@@ -32,14 +32,16 @@ def _group_indices(engine: ShardEngine) -> dict[torch.nn.Parameter, int]:
 def gather_full_state(engine: ShardEngine, dst: int = 0) -> dict[str, Any] | None:
     """The full AdamW state dict on rank ``dst`` (``None`` elsewhere). Call on all ranks.
 
-    Under hybrid sharding ``dst`` must be a rank of the first replica group (``dst < G``): each shard
-    group gathers its state to its rank ``dst``, and only the world's rank ``dst`` returns it."""
+    Under hybrid sharding ``dst`` must be a rank of the first replica group (``dst < G``): that group
+    gathers its shards to ``dst``; the other groups, which hold the same, send nothing."""
     comm, plan, shards = engine.comm, engine.plan, engine.state
     if not 0 <= dst < comm.world_size:
         raise ValueError(
             f"dst={dst}: the optimizer state is gathered to a rank of the first shard group, "
             f"0..{comm.world_size - 1}"
         )
+    if engine.groups.replicas.rank != 0:
+        return None  # another replica group: the first holds the same shards (a gather inside each group)
     numbering = _group_indices(engine)
     state: dict[int, dict[str, Tensor]] = {}
     for b, bucket in enumerate(plan.buckets):

@@ -313,14 +313,14 @@ def check_shard_group(cfg: DictConfig) -> None:
     devices = cfg.trainer.devices
     if not isinstance(size, int) or isinstance(size, bool) or not isinstance(devices, int) or size < 1:
         return  # None, "auto" (one node), or a bad value the strategy's constructor names
-    world = cfg.cluster.nodes * devices
-    if world % size:
-        valid = [g for g in range(1, world + 1) if world % g == 0]
+    from lightning_zero.comm import check_shard_group_size  # checked importable by check_strategy
+
+    try:
+        check_shard_group_size(size, cfg.cluster.nodes * devices)
+    except ValueError as error:
         raise ConfigError(
-            f"strategy.shard_group_size={size} does not divide the job's {world} ranks "
-            f"(cluster.nodes={cfg.cluster.nodes} x trainer.devices={devices}); use one of {valid}, or "
-            "auto (the ranks of one node)"
-        )
+            f"strategy.{error} (the job: cluster.nodes={cfg.cluster.nodes} x trainer.devices={devices})"
+        ) from error
 
 
 def _build_named(node: DictConfig, key: str) -> Any:

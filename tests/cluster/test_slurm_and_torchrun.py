@@ -420,19 +420,7 @@ def test_fabric_loop_under_srun_matches_lightning_launcher(slurm: None, tmp_path
         timeout=240,
     )
     assert launched.returncode == 0, launched.stderr[-3000:]
-    script = tmp_path / "fabric.sbatch"
-    script.write_text(
-        "#!/bin/bash\n#SBATCH --ntasks-per-node=2\n#SBATCH --nodes=1\n"
-        f"#SBATCH --output={tmp_path}/fabric-%j.out\n"
-        f"cd {ROOT}\nexport OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore\n"
-        f"srun {sys.executable} {module} --out {tmp_path}/srun.pt\n"
-    )
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True
-    )
-    job_id = submitted.stdout.strip().split(";")[0]
-    state = wait_for_job(job_id, deadline_s=180)
-    log = (tmp_path / f"fabric-{job_id}.out").read_text()
+    state, log = _srun_job(tmp_path, "fabric", f"{module} --out {tmp_path}/srun.pt")
     assert state == "COMPLETED", log[-3000:]
     launcher = torch.load(tmp_path / "launcher.pt", weights_only=False)[0]
     under_srun = torch.load(tmp_path / "srun.pt", weights_only=False)[0]
@@ -444,20 +432,26 @@ def test_fabric_loop_under_srun_matches_lightning_launcher(slurm: None, tmp_path
 def test_preflight_under_srun_reads_the_job_from_slurm(slurm: None, tmp_path: Path) -> None:
     """``srun lightning-zero preflight`` takes devices and nodes from SLURM's variables, joins through
     Lightning's SLURMEnvironment, and passes on a healthy job (one node of 2 tasks)."""
-    script = tmp_path / "preflight.sbatch"
+    preflight = "-m lightning_zero.cli preflight --accelerator cpu --sizes-mb 0.25 --shard-group-size auto"
+    state, log = _srun_job(tmp_path, "preflight", f"{preflight} --checkpoint-dir {tmp_path}/ckpt")
+    assert state == "COMPLETED", log[-3000:]
+    assert "lightning-zero preflight: 2 ranks on 1 host(s)" in log and "OK: no problem found" in log, log
+    assert "layout 1x2 (shard_group_size=auto)" in log and "every rank sees every rank's files" in log
+
+
+def _srun_job(tmp_path: Path, name: str, python_args: str) -> tuple[str, str]:
+    """An sbatch job of one node with 2 tasks, each ``srun python {python_args}``: its final state
+    and its log."""
+    script = tmp_path / f"{name}.sbatch"
     script.write_text(
         "#!/bin/bash\n#SBATCH --ntasks-per-node=2\n#SBATCH --nodes=1\n"
-        f"#SBATCH --output={tmp_path}/preflight-%j.out\n"
+        f"#SBATCH --output={tmp_path}/{name}-%j.out\n"
         f"cd {ROOT}\nexport OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore\n"
-        f"srun {sys.executable} -m lightning_zero.cli preflight --accelerator cpu --sizes-mb 0.25 "
-        f"--shard-group-size auto --checkpoint-dir {tmp_path}/ckpt\n"
+        f"srun {sys.executable} {python_args}\n"
     )
     submitted = subprocess.run(
         ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True
     )
     job_id = submitted.stdout.strip().split(";")[0]
     state = wait_for_job(job_id, deadline_s=180)
-    log = (tmp_path / f"preflight-{job_id}.out").read_text()
-    assert state == "COMPLETED", log[-3000:]
-    assert "lightning-zero preflight: 2 ranks on 1 host(s)" in log and "OK: no problem found" in log, log
-    assert "layout 1x2 (shard_group_size=auto)" in log and "every rank sees every rank's files" in log
+    return state, (tmp_path / f"{name}-{job_id}.out").read_text()

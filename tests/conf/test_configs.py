@@ -312,6 +312,7 @@ def test_node_aware_sharding_is_set_from_the_command_line_and_checked_before_lau
     check_keys(compose_pretrain(["strategy.shard_group_size=2", "cluster.nodes=2", "trainer.devices=2"]))
     bad = compose_pretrain(["strategy.shard_group_size=3", "cluster.nodes=2", "trainer.devices=2"])
     with pytest.raises(
-        ConfigError, match=r"shard_group_size=3 does not divide the job's 4 ranks.*\[1, 2, 4\]"
+        ConfigError,
+        match=r"strategy.shard_group_size=3 must divide the 4 data-parallel ranks.*\[1, 2, 4\].*nodes=2 x",
     ):
         check_keys(bad)

@@ -250,4 +250,7 @@ def test_estimate_cli_with_node_aware_sharding(capsys: pytest.CaptureFixture[str
     assert lines["zero2"] == pytest.approx((10e9 + 75 * 2**20) / 2**30, rel=1e-3)
     with pytest.raises(SystemExit):
         main([*argv[:-1], "3"])
-    assert "--shard-group-size 3 must divide --world-size 8: one of [1, 2, 4, 8]" in capsys.readouterr().err
+    assert "--shard-group-size: shard_group_size=3 must divide the 8 data-parallel ranks" in (
+        err := capsys.readouterr().err
+    )
+    assert "one of [1, 2, 4, 8]" in err

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.test_lightning_parity import launch, max_diff, reference
+from tests.distributed.test_lightning_parity import assert_same_adamw_state, launch, max_diff, reference
 
 
 @pytest.fixture(scope="module")
@@ -21,11 +21,13 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     # the user's mesh first: its process group is initialised before Lightning's setup, as under torchrun
     cases = [dict(case, user_mesh=True), dict(case, shard_group_size=2, csv_dir=str(tmp))]
     saving = dict(case, shard_group_size=2, async_checkpoint=True, checkpoint_dir=str(tmp / "ckpt"))
-    by_mesh, params, saved = launch([*cases, saving], tmp)
-    return tmp, {"shard_group_size": params, "user_mesh": by_mesh, "async_checkpoint": saved}, case
+    one_file = dict(case, shard_group_size=2, sharded_checkpoint=False, save=str(tmp / "one_file.ckpt"))
+    by_mesh, params, saved, single = launch([*cases, saving, one_file], tmp)
+    runs = {"shard_group_size": params, "user_mesh": by_mesh, "async_checkpoint": saved, "one_file": single}
+    return tmp, runs, case
 
 
-@pytest.mark.parametrize("how", ["shard_group_size", "user_mesh", "async_checkpoint"])
+@pytest.mark.parametrize("how", ["shard_group_size", "user_mesh", "async_checkpoint", "one_file"])
 def test_the_fit_equals_single_process_adamw(launched: tuple[Path, dict, dict], how: str) -> None:
     """Set by ``shard_group_size=2``, or by a (2, 2) ``DeviceMesh`` the user built after initialising
     the process group (``ZeroStrategy(device_mesh=mesh)``): 2 replica groups of 2 ranks either way."""
@@ -73,3 +75,13 @@ def test_async_checkpoints_under_hybrid_sharding_hold_one_shard_group(
     final = launched[1]["async_checkpoint"]
     params = {k: v for k, v in final.items() if k != "layout"}
     assert params and all(torch.equal(saved[k], v) for k, v in params.items()), sorted(saved)
+
+
+def test_a_single_file_checkpoint_holds_adamw_state_gathered_in_the_first_group(
+    launched: tuple[Path, dict, dict], tmp_path: Path
+) -> None:
+    """``sharded_checkpoint=False`` at 2x2: the first replica group gathers its shards to rank 0 (the
+    others send nothing); the file holds the state single-process AdamW would."""
+    tmp, _, case = launched
+    reference(dict(case, save=str(tmp_path / "ref.ckpt")))
+    assert_same_adamw_state(tmp / "one_file.ckpt", tmp_path / "ref.ckpt")

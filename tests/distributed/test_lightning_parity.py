@@ -145,8 +145,13 @@ def test_checkpoint_optimizer_state_is_torch_adamw_state(launched: tuple[Path, d
     """With sharded_checkpoint=False, the single file of a 3-rank zero2 fit holds the state that
     single-process AdamW would."""
     reference(dict(OPTIMIZER_STATE, save=str(tmp_path / "ref.ckpt")))
-    ours = torch.load(launched[0] / "zero.ckpt", weights_only=True)["optimizer_states"][0]
-    ref = torch.load(tmp_path / "ref.ckpt", weights_only=True)["optimizer_states"][0]
+    assert_same_adamw_state(launched[0] / "zero.ckpt", tmp_path / "ref.ckpt")
+
+
+def assert_same_adamw_state(ours_file: Path, ref_file: Path) -> None:
+    """Two single-file Lightning checkpoints hold the same ``torch.optim.AdamW`` state (1e-10)."""
+    ours = torch.load(ours_file, weights_only=True)["optimizer_states"][0]
+    ref = torch.load(ref_file, weights_only=True)["optimizer_states"][0]
     assert ours["state"].keys() == ref["state"].keys() and len(ref["state"]) == 7  # frozen layer: no state
     for i, entry in ref["state"].items():
         assert entry.keys() == ours["state"][i].keys()

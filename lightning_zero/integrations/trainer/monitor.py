@@ -101,13 +101,14 @@ class CommStatsMonitor(pl.Callback):
 
 def _inter_group(engine: ShardEngine, batches: int, steps: int) -> dict[str, float]:
     """The traffic across replica groups, per batch (nothing under flat sharding)."""
-    if not engine.groups.hybrid:
+    minimum = engine.min_replica_elements_per_step() * max(steps, 1)
+    if not minimum:  # flat sharding: one group, nothing across
         return {}
-    stats, minimum = engine.replica_comm_stats, engine.min_replica_elements_per_step() * max(steps, 1)
+    stats = engine.replica_comm_stats
     return {
         "zero/inter_group_elements_sent": stats.elements_sent / batches,
         "zero/inter_group_bytes_sent": stats.bytes_sent / batches,
-        "zero/inter_group_elements_vs_min": stats.elements_sent / minimum if minimum else 0.0,
+        "zero/inter_group_elements_vs_min": stats.elements_sent / minimum,
     }
 
 
