@@ -26,6 +26,10 @@ with its error and the next one runs):
   3. ``two_processes``: 2 processes on the one GPU with gloo (NCCL refuses two ranks on one GPU):
      the sharded optimizer's parameters against AdamW on the global batch after 6 steps, fp32, at
      stage 2 and at stage 3 (``zero3``).
+  4. ``sync_debug``, ``watchdog``, ``max_connections`` (``benchmarks/gpu_nccl_checks.py``): steps of
+     every stage under ``torch.cuda.set_sync_debug_mode("error")``; a collective stuck behind a
+     kernel ending as ``CommError`` (and a main thread blocked behind it ending with status 75) within
+     the timeout; stage 3 with ``CUDA_DEVICE_MAX_CONNECTIONS=1``. ~1 minute.
 
 GPU time, estimated for one H200 (no GPU run recorded yet): ~3 minutes in all. ``train`` makes 12
 fits of 20 steps of 8×1024 tokens; compute is ~25 ms (125M) and ~70 ms (350M) a step, so each fit
@@ -89,6 +93,10 @@ def _init_single_process_group(backend: str) -> None:
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
 
 
+def _backend(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
 def _mlp() -> torch.nn.Sequential:
     """Two layers of 131k elements each: both are stage-3 units at the default ``min_unit_numel``."""
     return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
@@ -101,7 +109,7 @@ def _allocated_mib(device: str) -> float | None:
 def part_parity(device: str) -> dict[str, Any]:
     """Sharded AdamW vs torch's fused AdamW on the device: stage 2 in fp32 and bf16 (fp32 masters,
     loosely), stage 3 in fp32."""
-    _init_single_process_group("nccl" if device == "cuda" else "gloo")
+    _init_single_process_group(_backend(device))
     return {
         "float32": _parity_one(device, 2, torch.float32),
         "bfloat16": _parity_one(device, 2, torch.bfloat16),
@@ -342,17 +350,22 @@ def main() -> None:
         "--quick", action="store_true", help="tiny model, vocabulary and batches (a dry run of the script)"
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    parser.add_argument("--parts", default="parity,train,two_processes")
+    parser.add_argument("--parts", default="parity,train,two_processes,sync_debug,watchdog,max_connections")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --device cpu --quick for a dry run")
     report: dict[str, Any] = {"torch": torch.__version__}
     if args.device == "cuda":
         report["device"] = torch.cuda.get_device_name()
+    from benchmarks.gpu_nccl_checks import part_max_connections, part_sync_debug, part_watchdog
+
     parts = {
         "parity": lambda: part_parity(args.device),
         "train": lambda: part_train(args),
         "two_processes": lambda: part_two_processes(args),
+        "sync_debug": lambda: part_sync_debug(args.device, _init_single_process_group),
+        "watchdog": lambda: part_watchdog(args.device),
+        "max_connections": lambda: part_max_connections(args.device),
     }
     for name in args.parts.split(","):
         start = time.perf_counter()

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 
-import lightning_zero  # noqa: F401  # registers "zero", "zero1", "zero2" for Fabric
+import lightning_zero  # noqa: F401  # registers "zero", "zero1", "zero2", "zero3" for Fabric
 from recipes.training.model import GPT, GPTConfig
 
 

@@ -1,7 +1,7 @@
-"""lightning-zero: ZeRO-1/2 data parallelism for Lightning.
+"""lightning-zero: ZeRO data parallelism for Lightning, stages 1, 2 and 3, flat or node-aware.
 
-``import lightning_zero`` registers the Trainer strategies ``"zero"`` (stage 2), ``"zero1"`` and
-``"zero2"`` and the same names for ``lightning.fabric.Fabric``, and lets
+``import lightning_zero`` registers the Trainer strategies ``"zero"`` (stage 2), ``"zero1"``,
+``"zero2"`` and ``"zero3"`` and the same names for ``lightning.fabric.Fabric``, and lets
 ``LightningModule.load_from_checkpoint`` read sharded checkpoint directories — as soon as Lightning
 is imported (:mod:`lightning_zero.integrations.autoregister`), so that :class:`ShardedAdamW` on its
 own, in a plain ``torch.distributed`` loop, does not import Lightning. ``ZeroStrategy``,

@@ -16,6 +16,7 @@ processes instead.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import subprocess
@@ -24,7 +25,10 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from lightning_zero.comm import recorder
 from tests import zygote
+
+_LAUNCHES = itertools.count()
 
 
 def free_port() -> int:
@@ -65,6 +69,9 @@ def run_processes(
     Raises:
         subprocess.TimeoutExpired: when a process is still running after ``timeout`` seconds.
     """
+    if any(recorder.ENV_DIR in env for env in envs):  # one name per launch for the collective-order logs
+        launch = f"launch-{os.getpid()}-{next(_LAUNCHES)}"
+        envs = [dict(env, **{recorder.ENV_LAUNCH: launch}) for env in envs]
     if zygote.enabled():
         zygote.start(len(envs), envs[0])  # every slot's zygote at once, before the deadline starts
     deadline = time.monotonic() + timeout

@@ -68,6 +68,26 @@ class Backend(ABC):
         self.device = device
         """Device of control tensors: NCCL moves only CUDA tensors, gloo only CPU ones."""
 
+    watched = False
+    """``Work.wait()`` does not raise when a peer fails (NCCL): the collective watchdog
+    (:mod:`lightning_zero.comm.watchdog`) watches this backend's collectives."""
+
+    def timeout_s(self) -> float | None:
+        """The process group's timeout in seconds (``None``: unknown)."""
+        return None
+
+    def abort(self) -> None:
+        """Abort the group's pending collectives and connections, where the backend can."""
+        return None
+
+    def global_rank(self) -> int:
+        """This rank's rank in the default process group."""
+        return self.rank
+
+    def global_ranks(self) -> list[int]:
+        """The default group's ranks of this group, in group-rank order."""
+        return list(range(self.world_size))
+
     @abstractmethod
     def reduce_scatter(self, output: Tensor, input_: Tensor) -> Any:
         """Implemented by each backend."""
@@ -145,6 +165,27 @@ class Native(Backend):
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    def global_rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def watched(self) -> bool:  # type: ignore[override]
+        return self.device.type == "cuda"  # NCCL (and any backend on CUDA tensors): wait() is a stream wait
+
+    def timeout_s(self) -> float | None:
+        group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        try:
+            return float(group._get_backend(self.device).options._timeout.total_seconds())
+        except (AttributeError, RuntimeError):  # a backend without options
+            return None
+
+    def abort(self) -> None:
+        group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        group.abort()
+
+    def global_ranks(self) -> list[int]:
+        return [self._global(r) for r in range(self.world_size)]
 
     def reduce_scatter(self, output: Tensor, input_: Tensor) -> Any:
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -29,6 +29,8 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm.backends import Backend, SingleProcess, backend_for
+from lightning_zero.comm.recorder import Recorder, recorder_for
+from lightning_zero.comm.watchdog import Watchdog
 
 
 class CommError(RuntimeError):
@@ -64,6 +66,26 @@ class _Named:
     def wait(self) -> bool:
         """Wait without the accounting of :meth:`Comm.wait` (use that one)."""
         return bool(self.handle.wait())
+
+
+class _EventDone:
+    """A CUDA event as something the watchdog can poll."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def is_completed(self) -> bool:
+        return bool(self.event.query())
+
+
+_PROCESS_WATCHDOG: list[Watchdog] = []
+
+
+def process_watchdog() -> Watchdog:
+    """The watchdog every watched :class:`Comm` of this process shares (one thread)."""
+    if not _PROCESS_WATCHDOG:
+        _PROCESS_WATCHDOG.append(Watchdog(CommError))
+    return _PROCESS_WATCHDOG[0]
 
 
 @dataclass
@@ -106,18 +128,39 @@ class Comm:
             (then every collective is a local copy).
         backend: how the collectives run; default: :func:`~lightning_zero.comm.backends.backend_for`
             ``group``.
+        role: what the group is for (``"world"``, ``"shard"``, ``"replicas"``, ``"background"``), the
+            name the collective-order recorder compares ranks by (:mod:`lightning_zero.comm.recorder`);
+            default ``"world"`` for the default group, ``"group"`` for another.
+        ordered: the group's collectives are issued by the training thread in program order (false
+            for a group used by a background thread; the recorder then checks it on its own).
     """
 
-    def __init__(self, group: Any = None, backend: Backend | None = None) -> None:
+    def __init__(
+        self, group: Any = None, backend: Backend | None = None, role: str | None = None, ordered: bool = True
+    ) -> None:
         self.backend: Backend = backend if backend is not None else backend_for(group)
         self.group = group
         self.rank = self.backend.rank
         self.world_size = self.backend.world_size
+        self.role = role or ("world" if group is None else "group")
+        self.ordered = ordered
+        self._recorder: Recorder | None = (
+            None
+            if isinstance(self.backend, SingleProcess)
+            else recorder_for(self.backend.global_rank(), self.backend.global_ranks(), self.role, ordered)
+        )
+        self._some_groups = 0  # depth of only_some_groups()
+        self._watchdog: Watchdog | None = None
+        self._watch_timeout_s = 0.0
+        timeout_s = self.backend.timeout_s() if self.backend.watched else None
+        if timeout_s is not None:
+            self.watch(process_watchdog(), timeout_s)
         self.stats = CommStats()
         self.time_device_waits = False
         """Measure waits with CUDA events (NCCL); off by default: it keeps two events per wait
         until :meth:`flush_timings`."""
         self._device_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._side_stream: torch.cuda.Stream | None = None
 
     @classmethod
     def single(cls, device: torch.device) -> Comm:
@@ -135,16 +178,66 @@ class Comm:
 
     def _fail(self, what: str, err: BaseException) -> CommError:
         return CommError(
-            f"rank {self.rank} of {self.world_size}: {what} failed ({type(err).__name__}: {err}); a peer "
+            f"{self._where()}: {what} failed ({type(err).__name__}: {err}); a peer "
             "has died, hung past the process group's timeout, or lost its connection"
         )
 
-    def _run(self, what: str, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``, a blocking collective, with a failure named."""
+    @contextmanager
+    def only_some_groups(self) -> Iterator[None]:
+        """Collectives issued inside are issued by some groups of ranks only, by design (each group's
+        own sequence still agrees, and no other group waits for them); the collective-order recorder
+        compares them inside their group only (:mod:`lightning_zero.comm.recorder`)."""
+        self._some_groups += 1
         try:
-            return fn(*args)
+            yield
+        finally:
+            self._some_groups -= 1
+
+    def watch(self, watchdog: Watchdog, timeout_s: float) -> None:
+        """Have ``watchdog`` end this rank with a :class:`CommError` when a collective of this ``Comm``
+        does not complete within ``timeout_s`` (on by itself where ``wait()`` cannot raise: NCCL, with
+        the group's own timeout; :mod:`lightning_zero.comm.watchdog`)."""
+        self._watchdog, self._watch_timeout_s = watchdog, timeout_s
+
+    def _where(self) -> str:
+        group = {"world": "", "group": " of its process group"}.get(self.role, f" in the {self.role} group")
+        return f"rank {self.rank} of {self.world_size}{group}"
+
+    def _watched(self, named: _Named) -> _Named:
+        if self._watchdog is not None:
+            what = f"{self._where()}: {named.what}"
+            self._watchdog.watch(named, what, self._watch_timeout_s, self.backend.abort)
+        return named
+
+    def _watch_stream(self, what: str) -> None:
+        """After a blocking collective on CUDA (enqueued, not finished): watch an event behind it."""
+        if self._watchdog is not None and self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            where = f"{self._where()}: {what}"
+            self._watchdog.watch(_EventDone(event), where, self._watch_timeout_s, self.backend.abort)
+
+    def _record(self, op: str, numel: int, dtype: torch.dtype | None = None) -> None:
+        """Before every collective: raise the watchdog's failure if it found one (every later
+        collective of a failed rank fails at once); in test mode log the collective
+        (:mod:`lightning_zero.comm.recorder`)."""
+        if self._watchdog is not None:
+            self._watchdog.check()
+        if self._recorder is not None:
+            self._recorder.record(op, numel, dtype if dtype is not None else "object", not self._some_groups)
+
+    def _run(self, what: str, fn: Any, *args: Any, blocking: bool = True) -> Any:
+        """``fn(*args)``, a collective (``blocking``: one that returns no handle, on CUDA watched
+        through an event behind it), with a failure named."""
+        try:
+            out = fn(*args)
+        except CommError:
+            raise
         except Exception as err:  # noqa: BLE001 - named and re-raised
             raise self._fail(what, err) from err
+        if blocking:
+            self._watch_stream(what)
+        return out
 
     def reduce_scatter(self, output: Tensor, input_: Tensor, what: str = "reduce-scatter") -> Any:
         """Async sum-reduce-scatter of ``input_`` (``world_size * output.numel()``) into ``output``.
@@ -153,9 +246,12 @@ class Comm:
         """
         self.stats.count(self._ring(input_.numel()), input_.dtype)
         self.stats.collectives += 1
-        return _Named(
-            self._run(what, self.backend.reduce_scatter, output, input_),
-            f"{what} of {input_.numel()} elements",
+        self._record("reduce_scatter", input_.numel(), input_.dtype)
+        return self._watched(
+            _Named(
+                self._run(what, self.backend.reduce_scatter, output, input_, blocking=False),
+                f"{what} of {input_.numel()} elements",
+            )
         )
 
     def all_reduce(
@@ -165,16 +261,24 @@ class Comm:
         from gradient traffic."""
         self.stats.count(2 * self._ring(tensor.numel()), tensor.dtype, control)
         self.stats.collectives += 1
-        return _Named(
-            self._run(what, self.backend.all_reduce, tensor, op), f"{what} of {tensor.numel()} elements"
+        self._record(f"all_reduce_{op}", tensor.numel(), tensor.dtype)
+        return self._watched(
+            _Named(
+                self._run(what, self.backend.all_reduce, tensor, op, blocking=False),
+                f"{what} of {tensor.numel()} elements",
+            )
         )
 
     def all_gather(self, output: Tensor, input_: Tensor, what: str = "all-gather") -> Any:
         """Async all-gather of every rank's ``input_`` into ``output`` (may be in place)."""
         self.stats.count(self._ring(output.numel()), output.dtype)
         self.stats.collectives += 1
-        return _Named(
-            self._run(what, self.backend.all_gather, output, input_), f"{what} of {output.numel()} elements"
+        self._record("all_gather", output.numel(), output.dtype)
+        return self._watched(
+            _Named(
+                self._run(what, self.backend.all_gather, output, input_, blocking=False),
+                f"{what} of {output.numel()} elements",
+            )
         )
 
     def wait(self, handle: Any) -> None:
@@ -184,17 +288,37 @@ class Comm:
         host timer reads ~0: with :attr:`time_device_waits` on, a pair of CUDA events around it
         measures how long the stream stalled (read by :meth:`flush_timings`, which synchronises).
         """
+        if self._watchdog is not None:
+            self._watchdog.check()
         work, what = (handle.handle, handle.what) if isinstance(handle, _Named) else (handle, "a collective")
         if self.device.type == "cuda" and self.time_device_waits:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self._run(what, work.wait)
+            self._run(what, work.wait, blocking=False)
             end.record()
             self._device_waits.append((start, end))
             return
         start_s = time.perf_counter()
-        self._run(what, work.wait)
+        self._run(what, work.wait, blocking=False)
         self.stats.wait_s += time.perf_counter() - start_s
+
+    @contextmanager
+    def after(self, handle: Any) -> Iterator[None]:
+        """Collectives issued inside run after ``handle``'s, without making the current CUDA stream
+        wait for it (NCCL: a side stream waits on it and the collectives are issued from that stream,
+        as FSDP2 orders its all-reduce after its reduce-scatter; elsewhere: a host wait, accounted
+        as :meth:`wait` accounts it)."""
+        if self.device.type != "cuda":
+            self.wait(handle)
+            yield
+            return
+        work, what = (handle.handle, handle.what) if isinstance(handle, _Named) else (handle, "a collective")
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.device)
+        self._side_stream.wait_stream(torch.cuda.current_stream(self.device))  # its inputs are ready
+        with torch.cuda.stream(self._side_stream):
+            self._run(what, work.wait, blocking=False)
+            yield
 
     def flush_timings(self) -> None:
         """Add the CUDA-measured waits recorded so far to ``stats.wait_s`` (synchronises with the
@@ -231,6 +355,7 @@ class Comm:
     def _broadcast_chunk(self, tensors: list[Tensor], src: int) -> None:
         flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(self.device)
         self.stats.count(flat.numel() if self.rank == src else 0, flat.dtype, control=True)
+        self._record(f"broadcast_from_{src}", flat.numel(), flat.dtype)
         self._run(f"broadcast of {flat.numel()} elements from rank {src}", self.backend.broadcast, flat, src)
         offset = 0
         for t in tensors:
@@ -244,6 +369,7 @@ class Comm:
         local = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
         self.stats.count(self._ring(out.numel()), out.dtype, control=True)
+        self._record("all_gather", out.numel(), out.dtype)
         self._run("all-gather of integers", self.backend.all_gather_tensor, out, local)
         return out.view(self.world_size, len(values)).tolist()
 
@@ -254,6 +380,7 @@ class Comm:
         local = torch.tensor(values, dtype=torch.float64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.float64, device=self.device)
         self.stats.count(self._ring(out.numel()), out.dtype, control=True)
+        self._record("all_gather", out.numel(), out.dtype)
         self._run("all-gather of floats", self.backend.all_gather_tensor, out, local)
         return out.view(self.world_size, len(values)).tolist()
 
@@ -267,25 +394,30 @@ class Comm:
             else None
         )
         self.stats.count(tensor.numel() if self.rank != dst else 0, tensor.dtype, control=True)
+        self._record(f"gather_to_{dst}", tensor.numel(), tensor.dtype)
         self._run(f"gather of {tensor.numel()} elements to rank {dst}", self.backend.gather, tensor, out, dst)
         return out
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order, on every rank (blocking)."""
+        self._record("all_gather_object", -1)
         return self._run("all-gather of a Python object", self.backend.all_gather_object, obj)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s picklable ``obj`` on every rank (blocking)."""
+        self._record(f"broadcast_object_from_{src}", -1)
         return self._run(
             f"broadcast of a Python object from rank {src}", self.backend.broadcast_object, obj, src
         )
 
     def new_group(self, backend: str, timeout: timedelta | None = None) -> Comm:
-        """A :class:`Comm` over the same ranks on a new process group (e.g. gloo for background
-        work that must not interleave with training collectives). Call on all ranks.
+        """A :class:`Comm` over the same ranks on a new process group, for background work that must
+        not interleave with training collectives (e.g. gloo for the async checkpoint writer's thread:
+        role ``"background"``, not ordered with the training thread's collectives). Call on all ranks.
 
         ``timeout``: how long a collective of the new group may wait for a peer before it fails;
         pass the training group's (the strategy's ``timeout``): ``None`` gives torch's default
         (30 minutes), which a dead or hung peer would then cost every other rank.
         """
-        return Comm(self.backend.new_group(backend, timeout))
+        self._record("new_group", -1)
+        return Comm(self.backend.new_group(backend, timeout), role="background", ordered=False)

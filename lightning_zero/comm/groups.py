@@ -25,6 +25,7 @@ Flat sharding is the case ``R = 1``: ``shard`` and ``world`` are the same :class
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -89,12 +90,21 @@ class CommGroups:
                 f"{dist.get_world_size()}: hybrid sharding runs over all ranks of the default group "
                 "(build the mesh over all of them, or pass a 1-D mesh or a process_group for flat sharding)"
             )
-        return cls(Comm(mesh.get_group(1)), Comm(mesh.get_group(0)), Comm(None))
+        return cls(
+            Comm(mesh.get_group(1), role="shard"), Comm(mesh.get_group(0), role="replicas"), Comm(None)
+        )
 
 
-def hybrid_mesh(shard_group_size: int, device_type: str) -> DeviceMesh | None:
+def hybrid_mesh(
+    shard_group_size: int, device_type: str, timeout: timedelta | None = None
+) -> DeviceMesh | None:
     """A ``(N / G, G)`` mesh over the default process group, dims :data:`MESH_DIMS`; ``None`` when
     ``G`` is the world size (flat sharding needs no new group). Call on all ranks.
+
+    Its process groups are created here (every shard group and every replica group, in one fixed order
+    on every rank) with ``timeout``, the training group's: torch's ``init_device_mesh`` would give them
+    its default (10 minutes on NCCL, 30 on gloo), which a hung peer inside a shard or replica collective
+    would then cost every rank. ``None``: torch's default.
 
     Raises:
         ValueError: ``shard_group_size`` is not a positive divisor of the world size (named).
@@ -103,10 +113,22 @@ def hybrid_mesh(shard_group_size: int, device_type: str) -> DeviceMesh | None:
     check_shard_group_size(shard_group_size, world)
     if shard_group_size == world:
         return None
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
-    shape = (world // shard_group_size, shard_group_size)
-    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    replicas, size = world // shard_group_size, shard_group_size
+    layout = torch.arange(world).view(replicas, size)  # (R, G): global rank r * G + s
+    rank = dist.get_rank()
+    mine: dict[str, ProcessGroup] = {}
+    # dist.new_group is a collective of the default group: every rank creates every group, same order
+    for dim, groups in ((1, layout.tolist()), (0, layout.t().tolist())):
+        for ranks in groups:
+            group = dist.new_group(ranks=ranks, timeout=timeout)
+            if rank in ranks:
+                mine[MESH_DIMS[dim]] = group
+    return DeviceMesh.from_group(
+        [mine["replicate"], mine["shard"]], device_type, mesh=layout, mesh_dim_names=MESH_DIMS
+    )
 
 
 def is_device_mesh(obj: Any) -> bool:

@@ -121,10 +121,14 @@ class WireCodec:
     ) -> None:
         """Wait for ``sent`` and fold this rank's part into ``shard``; ``inspect`` sees that part when
         the reduction on a narrower wire may have overflowed. ``replicas`` (hybrid sharding): the
-        part is first summed across them, in the wire dtype."""
+        part is first summed across them, in the wire dtype; :meth:`start_across` must have been
+        called (collecting issues no collective: the caller decides where each one is issued)."""
         if replicas is not None and replicas.world_size > 1:
             if not sent.across:
-                self.start_across(comm, sent, replicas)
+                raise RuntimeError(
+                    "a bucket was collected before its all-reduce across the replicas was issued; the "
+                    "reducer issues it at a fixed point of the program (engine/reducer.py)"
+                )
             replicas.wait(sent.handle)
         else:
             comm.wait(sent.handle)
@@ -134,11 +138,12 @@ class WireCodec:
         self.decode(result, shard, accumulate=not first_round)
 
     def start_across(self, comm: Comm, sent: InFlight, replicas: Comm) -> None:
-        """Hybrid sharding: once the reduction inside the shard group is done (waited for here), start
-        the all-reduce of this rank's part across the replicas; ``sent.handle`` becomes that one."""
-        comm.wait(sent.handle)
-        part = self._part(comm, sent)
-        sent.handle = replicas.all_reduce(part, what="gradient all-reduce across replicas")
+        """Hybrid sharding: start the all-reduce of this rank's part across the replicas, after the
+        reduction inside the shard group (on CUDA ordered on a side stream, so the compute stream does
+        not wait for it); ``sent.handle`` becomes that one."""
+        with comm.after(sent.handle):
+            part = self._part(comm, sent)
+            sent.handle = replicas.all_reduce(part, what="gradient all-reduce across replicas")
         sent.across = True
 
     def _part(self, comm: Comm, sent: InFlight) -> Tensor:

@@ -52,7 +52,7 @@ from lightning_zero.engine.reducer import GradReducer
 from lightning_zero.engine.replan import Parked, carry_state
 from lightning_zero.engine.shard_state import ShardState, UpdateRule
 from lightning_zero.engine.unit_gather import UnitGather
-from lightning_zero.layout.buckets import ParamSpec, plan_buckets
+from lightning_zero.layout.buckets import BucketPlan, ParamSpec, plan_buckets
 from lightning_zero.layout.flat import FlatParams
 from lightning_zero.layout.units import find_units
 
@@ -104,6 +104,7 @@ class ShardEngine(ParameterAccess, EngineFigures):
         self._param_order = None if param_order is None else list(param_order)
         self._names = param_names or {}
         self._parked = Parked()
+        self._owned: tuple[BucketPlan, torch.Tensor] | None = None  # grad_math.owned_params of a plan
         self.guard = NonFiniteGuard(self.world, config.skip_nonfinite_steps)
         self.optimizer_steps = 0
         """Optimizer steps so far: :meth:`step` calls with gradients, skipped ones included (the step an
@@ -264,7 +265,10 @@ class ShardEngine(ParameterAccess, EngineFigures):
         """Per-parameter gradient norms: the parameters in plan order, ``(num_params,)`` float64 norms,
         and the used mask of :meth:`finish_grad_sync`. All ranks (one all-reduce), after backward."""
         used = self.finish_grad_sync()
-        norms = grad_math.param_norms(self.comm, self.plan, self.reducer.grad_shards, norm_type)
+        if self._owned is None or self._owned[0] is not self.plan:  # once per plan (re-plans make a new one)
+            self._owned = (self.plan, grad_math.owned_params(self.plan, self.comm.rank, self.comm.device))
+        shards = self.reducer.grad_shards
+        norms = grad_math.param_norms(self.comm, self.plan, shards, norm_type, self._owned[1])
         return self.params_in_order, norms, used
 
     # ---- the step ---------------------------------------------------------------------------

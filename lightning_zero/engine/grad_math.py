@@ -53,22 +53,32 @@ def unscale(comm: Comm, grads: list[Tensor], scale: float | Tensor) -> bool:
     return bool(local.item())
 
 
+def owned_params(plan: BucketPlan, rank: int, device: torch.device) -> Tensor:
+    """``(pieces,)`` int64 on ``device``: the parameter index of each piece ``rank`` owns, in plan order
+    (what :func:`param_norms` scatters by). Build it once per plan: a host-to-device copy of Python
+    data waits for the device."""
+    index = [seg.param_index for bucket in plan.buckets for seg in plan.segments(bucket, rank)]
+    return torch.tensor(index, dtype=torch.int64, device=device)
+
+
 @torch.no_grad()
-def param_norms(comm: Comm, plan: BucketPlan, grads: list[Tensor], norm_type: float) -> Tensor:
+def param_norms(
+    comm: Comm, plan: BucketPlan, grads: list[Tensor], norm_type: float, owned: Tensor | None = None
+) -> Tensor:
     """``(num_params,)`` float64: the ``norm_type``-norm of each planned parameter's gradient.
+    ``owned``: :func:`owned_params` of the plan, this rank and the device (built here if not given).
 
     Each rank sums ``|g|^p`` over the pieces it owns; one all-reduce of one value per parameter
     combines them.
     """
-    index, values = [], []
+    values = []
     for b, bucket in enumerate(plan.buckets):
         for seg in plan.segments(bucket, comm.rank):
             piece = grads[b][seg.shard_offset : seg.shard_offset + seg.numel]
-            index.append(seg.param_index)
             values.append(torch.linalg.vector_norm(piece, norm_type, dtype=torch.float64))
     local = torch.zeros(len(plan.params), dtype=torch.float64, device=comm.device)
     if values:
-        where = torch.tensor(index, device=comm.device)
+        where = owned if owned is not None else owned_params(plan, comm.rank, comm.device)
         norms = torch.stack(values).to(comm.device)
         if math.isinf(norm_type):
             local.scatter_reduce_(0, where, norms, reduce="amax")

@@ -28,11 +28,16 @@ bucket, keep the owned slice) and stage 2 (reduce-scatter it) differ. Either way
 only ``grad_shards[b]``: ``(padded_numel // world_size,)`` in the master dtype.
 
 Hybrid sharding (:class:`~lightning_zero.comm.CommGroups` with replicas): the bucket is divided by
-all ``N`` ranks and reduced inside the shard group as above; once that reduction has finished, this
-rank's part is all-reduced (summed) across the replicas, asynchronously while backward goes on, and
-folded into the shard when that has finished too. Those all-reduces start strictly in bucket order,
-so that every rank of a replica group makes them in the same sequence (flat sharding collects
-whichever buckets have finished).
+all ``N`` ranks and reduced inside the shard group as above; then this rank's part is all-reduced
+(summed) across the replicas, asynchronously while backward goes on, and folded into the shard when
+that has finished too. **Collective order** (``docs/architecture.md``): where each collective is
+issued is a function of the program, never of timing, so that every rank issues the same sequence per
+group and interleaved across groups, as NCCL requires. A bucket's all-reduce across the replicas is
+issued right after the next bucket's collective inside the group is launched (the last bucket's at
+the end of the round, after every launch, before the used-parameter mask), never when a completion
+check happens to see its reduction done; collecting a bucket (waiting, folding into the shard) issues
+no collective, so buckets are collected whenever they are done. On CUDA the all-reduce waits for the
+reduction on a side stream (:meth:`~lightning_zero.comm.Comm.after`), not on the compute stream.
 
 ``skip_nonfinite_steps``: each bucket is shown to the :class:`NonFiniteGuard` as it is sent (and
 collected); the guard's flags ride on the used-parameter mask, then launched after the collects.
@@ -147,6 +152,7 @@ class GradReducer:
         self._skip_unused = config.find_unused_parameters
         self._used = [False] * len(self.params)  # got a gradient on this rank in this step
         self._used_global: list[bool] | None = None
+        self._used_host: Tensor | None = None  # pinned on CUDA: the mask's way to the device
         self._has_data = [False] * len(self.params)  # accumulated in this round's buffers
         self._arrived = [False] * len(self.params)  # arrived in this round's backward
         self._next_launch = 0
@@ -275,9 +281,12 @@ class GradReducer:
         return state.accum
 
     def _collect_oldest(self) -> bool:
-        """Collect the oldest launched bucket (waits for it); False if none is in flight."""
+        """Collect the oldest launched bucket (waits for it); False if none is in flight that can be
+        collected without issuing a collective (hybrid: the newest waits for its all-reduce across)."""
         for b, state in enumerate(self._buckets):
             if state.sent is not None:
+                if not self._collectable(state):
+                    return False
                 self._collect(b)
                 return True
         return False
@@ -303,31 +312,37 @@ class GradReducer:
             self._release(state)  # the wire copy is all that is needed from here on
         state.sent = sent
         self._next_launch = bucket_index + 1
+        self._start_across(bucket_index)
         self._collect_finished(bucket_index)
+
+    def _start_across(self, end: int) -> None:
+        """Hybrid sharding: issue the all-reduce across the replicas of every launched bucket before
+        ``end`` that has none yet, in bucket order. Called right after a launch and at the end of a
+        round only: fixed points of the program (the module docstring's collective order)."""
+        if self.replicas.world_size == 1:
+            return
+        for state in self._buckets[:end]:
+            if state.sent is not None and not state.sent.across:
+                state.codec.start_across(self.comm, state.sent, self.replicas)
+
+    def _collectable(self, state: _BucketState) -> bool:
+        """Collecting ``state`` issues no collective (hybrid: its all-reduce across is issued)."""
+        return state.sent is not None and (self.replicas.world_size == 1 or state.sent.across)
 
     def _collect_finished(self, newest: int) -> None:
         """Collect launched buckets that have finished; keep at most ``_MAX_IN_FLIGHT`` uncollected
-        (the newest included: it is never waited for here). Hybrid sharding: a bucket whose reduction
-        inside the shard group has finished starts its all-reduce across the replicas (strictly in
-        bucket order) and is collected once that one has finished too."""
+        (the newest included: it is never waited for here). Collecting issues no collective, so which
+        buckets a completion check finds done changes no rank's collective sequence."""
         in_flight = [b for b in range(newest + 1) if self._buckets[b].sent is not None]
         excess = len(in_flight) - _MAX_IN_FLIGHT
-        hybrid = self.replicas.world_size > 1
         for b in in_flight[:-1]:  # oldest first
             state = self._buckets[b]
-            sent = state.sent
-            assert sent is not None
-            if excess > 0:
+            assert state.sent is not None
+            if not self._collectable(state):
+                break
+            if excess > 0 or _is_completed(state.sent):
                 self._collect(b)
                 excess -= 1
-            elif _is_completed(sent):
-                if hybrid and not sent.across:
-                    state.codec.start_across(self.comm, sent, self.replicas)
-                else:
-                    self._collect(b)
-                    excess -= 1
-            elif hybrid and not sent.across:
-                break  # in order: the replica all-reduces must follow the same sequence on every rank
 
     def _fill_missing(self, bucket_index: int) -> None:
         """Zeros for parameters that have no gradient in this round's buffers."""
@@ -357,6 +372,7 @@ class GradReducer:
         for bucket_index in range(self._next_launch, len(self._buckets)):
             self._fill_missing(bucket_index)
             self._launch(bucket_index)
+        self._start_across(len(self._buckets))
         used, used_handle = None, None  # launched after every bucket: the same collective order everywhere
         if self._skip_unused and self.world.world_size == 1:
             self._used_global = list(self._used)  # local is global: no tensor, no host synchronisation
@@ -384,7 +400,15 @@ class GradReducer:
     def _launch_used_mask(self) -> tuple[Tensor, object]:
         """Start the max all-reduce of this rank's used-parameter mask (``(num_params,)`` int32),
         followed by the non-finite guard's ``(2 * world_size,)`` flags when the guard is on."""
-        used = torch.tensor(self._used, dtype=torch.int32, device=self.world.device)
+        # Python data to the device without a host synchronisation: into a pinned host buffer (the last
+        # round's copy out of it has finished: its mask was read back), then an asynchronous copy
+        host = self._used_host
+        if host is None or host.numel() != len(self._used):
+            pin = self.world.device.type == "cuda"
+            host = self._used_host = torch.empty(len(self._used), dtype=torch.int32, pin_memory=pin)
+        host.copy_(torch.tensor(self._used, dtype=torch.int32))
+        used = torch.empty(len(self._used), dtype=torch.int32, device=self.world.device)
+        used.copy_(host, non_blocking=True)
         if self._guard is not None:
             used = torch.cat([used, self._guard.local_flags()])  # (num_params + 2 * world_size,)
         return used, self.world.all_reduce(used, op="max", control=True)

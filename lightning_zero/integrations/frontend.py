@@ -24,6 +24,7 @@ import importlib
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -174,10 +175,10 @@ class ZeroFrontEnd:
     def engine(self) -> ShardEngine | None:
         return None if self.optimizer is None else self.optimizer.engine
 
-    def device_mesh(self, ranks_per_node: int, device_type: str) -> Any:
+    def device_mesh(self, ranks_per_node: int, device_type: str, timeout: timedelta | None) -> Any:
         """The mesh the engine shards over (``None``: flat over the default group), built at the first
         call from ``shard_group_size`` (``"auto"``: ``ranks_per_node``) and kept: the strategy's later
-        fits reuse its process groups. Call on all ranks.
+        fits reuse its process groups, created with ``timeout`` (the strategy's). Call on all ranks.
 
         Raises:
             ValueError: a group size that does not divide the world size (named, with the valid ones).
@@ -186,7 +187,7 @@ class ZeroFrontEnd:
             size = self.options.shard_group_size
             group = ranks_per_node if size == "auto" else size
             assert isinstance(group, int)  # checked by ZeroOptions
-            self._mesh = hybrid_mesh(group, device_type)
+            self._mesh = hybrid_mesh(group, device_type, timeout)
             self._mesh_built = True
         return self._mesh
 

@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     views = [RankView(**v) for v in world.all_gather_object(asdict(mine))]
     problems = check_views(views)
     problems += check_checkpoint_dir(world, args.checkpoint_dir, host)
-    layout, groups, layout_problems = choose_layout(world, views, args.shard_group_size, device.type)
+    timeout = timedelta(seconds=args.timeout)
+    layout, groups, layout_problems = choose_layout(world, views, args.shard_group_size, device.type, timeout)
     problems += layout_problems
     sizes = (
         [float(s) for s in args.sizes_mb.split(",")]
@@ -243,9 +244,10 @@ def check_checkpoint_dir(world: Comm, directory: str | None, host: str) -> list[
 
 
 def choose_layout(
-    world: Comm, views: list[RankView], size: str | None, device_type: str
+    world: Comm, views: list[RankView], size: str | None, device_type: str, timeout: timedelta
 ) -> tuple[str, CommGroups | None, list[str]]:
-    """The layout a ``shard_group_size`` gives on these ranks: its description, its groups, problems."""
+    """The layout a ``shard_group_size`` gives on these ranks: its description, its groups (created
+    with ``timeout``, so a measurement inside or across groups cannot outwait ``--timeout``), problems."""
     first = views[0]
     if len({v.shard_group_size for v in views}) > 1:
         told = ", ".join(f"rank {v.rank}: {v.shard_group_size}" for v in views)
@@ -254,7 +256,7 @@ def choose_layout(
         return f"flat: every bucket split over all {len(views)} ranks", CommGroups.flat_over(), []
     group = first.devices if size == "auto" else int(size) if str(size).isdigit() else -1
     try:
-        mesh = hybrid_mesh(group, device_type)
+        mesh = hybrid_mesh(group, device_type, timeout)
     except ValueError as err:
         return "", None, [str(err).replace(f"shard_group_size={group!r}", f"shard_group_size={size}")]
     groups = CommGroups.flat_over() if mesh is None else CommGroups.from_mesh(mesh)
@@ -274,8 +276,24 @@ def choose_layout(
     return text, groups, problems
 
 
-def _bus_factor(kind: str, n: int) -> float:
-    return 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+_BUS_TRAFFIC = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1}
+"""Times ``(n-1)/n`` of the full buffer each rank sends (and receives) in a ring, per collective."""
+
+
+def bandwidths(kind: str, world_size: int, nbytes: int, seconds: float) -> tuple[float, float]:
+    """(algorithm, bus) bandwidth in GB/s of one ``kind`` collective over ``world_size`` ranks on a full
+    buffer of ``nbytes`` (the all-reduce's buffer, the reduce-scatter's input, the all-gather's output)
+    taking ``seconds``. nccl-tests' convention: algbw = nbytes / seconds; busbw = algbw x 2(n-1)/n for an
+    all-reduce, x (n-1)/n for a reduce-scatter or an all-gather, so that busbw compares with the
+    links' peak bandwidth whatever the number of ranks.
+
+    Raises:
+        ValueError: for a collective other than those three.
+    """
+    if kind not in _BUS_TRAFFIC:
+        raise ValueError(f"no bus bandwidth for {kind!r}: one of {list(_BUS_TRAFFIC)}")
+    algbw = nbytes / seconds / 1e9
+    return algbw, algbw * _BUS_TRAFFIC[kind] * (world_size - 1) / world_size
 
 
 def measure(
@@ -312,18 +330,8 @@ def measure(
                 if i:
                     times.append(time.perf_counter() - began)
             seconds = max(row[0] for row in world.all_gather_floats([sum(times) / len(times)]))  # the slowest
-            algbw = numel * 4 / seconds / 1e9
-            rows.append(
-                (
-                    kind,
-                    label,
-                    comm.world_size,
-                    numel * 4 / 2**20,
-                    seconds * 1e3,
-                    algbw,
-                    algbw * _bus_factor(kind, comm.world_size),
-                )
-            )
+            algbw, busbw = bandwidths(kind, comm.world_size, numel * 4, seconds)
+            rows.append((kind, label, comm.world_size, numel * 4 / 2**20, seconds * 1e3, algbw, busbw))
     return rows
 
 

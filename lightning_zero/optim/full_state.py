@@ -46,7 +46,8 @@ def gather_full_state(engine: ShardEngine, dst: int = 0) -> dict[str, Any] | Non
     state: dict[int, dict[str, Tensor]] = {}
     for b, bucket in enumerate(plan.buckets):
         for name, moment in shards.records[b].moments.items():
-            full = comm.gather(moment, dst)  # (padded_numel,) on dst
+            with comm.only_some_groups():  # the first replica group's (all of them, flat)
+                full = comm.gather(moment, dst)  # (padded_numel,) on dst
             if full is None:
                 continue
             for slot in bucket.slots:

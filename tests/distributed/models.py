@@ -80,3 +80,18 @@ class BlockNet(nn.Module):
         for i, block in enumerate(self.blocks):
             h = block(h, use_extra and i == 1)
         return self.out(h)
+
+
+class RootedBlockNet(BlockNet):
+    """BlockNet with a parameter the root module holds itself, a mixing matrix between the input layer
+    and the blocks: stage 3's root unit is not empty (in BlockNet every parameter is in a unit)."""
+
+    def __init__(self, width: int = 13) -> None:
+        super().__init__(width)
+        self.mix = nn.Parameter(torch.eye(width) + 0.1 * torch.randn(width, width))
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.frozen(torch.relu(self.inp(x)))) @ self.mix
+        for i, block in enumerate(self.blocks):
+            h = block(h, use_extra and i == 1)
+        return self.out(h)

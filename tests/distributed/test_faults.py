@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 from lightning_zero.checkpoint import read_meta, verify_files
-from tests.launch import launch_env, run_processes
+from tests.launch import launch_env, run_processes, run_ranks
+
+pytestmark = pytest.mark.collective_faults  # every launch here fails on purpose
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 6.0
@@ -128,3 +130,36 @@ def test_a_stopped_rank_ends_a_lightning_fit_with_async_saves_within_the_timeout
     assert [p.name for p in committed][:1] == ["epoch=0-step=2.ckpt"], committed
     for checkpoint in committed:
         assert verify_files(checkpoint, read_meta(checkpoint)) == [], checkpoint
+
+
+def test_a_peer_hung_inside_an_all_reduce_across_replica_groups_ends_every_rank_within_the_timeout(
+    tmp_path: Path,
+) -> None:
+    """Node-aware sharding, 4 ranks as 2x2 under Fabric: the shard and replica groups the strategy
+    creates carry its ``timeout`` (torch's ``init_device_mesh`` would give them 30 minutes on gloo, 10
+    on NCCL). Rank 3 hangs where it would issue an all-reduce across the replicas; every rank, the hung
+    one included, ends with an error within the timeout plus a margin."""
+    timeout_s = 8.0
+    with contextlib.suppress(subprocess.TimeoutExpired):  # a rank still running: the asserts say which
+        run_ranks(
+            [sys.executable, "-m", "tests.distributed.hybrid_hang", str(tmp_path), str(timeout_s)],
+            4,
+            cwd=ROOT,
+            env=launch_env(),
+            timeout=240,
+        )
+    results = {
+        r: json.loads((tmp_path / f"rank{r}.json").read_text())
+        for r in range(4)
+        if (tmp_path / f"rank{r}.json").exists()
+    }
+    for rank, result in sorted(results.items()):  # the figures of the note (pytest -s)
+        seconds = result["seconds_after_fault"]
+        print(f"hybrid hang: rank {rank} ended {seconds:.2f} s after the fault: {result['error']}")
+    assert sorted(results) == [0, 1, 2, 3], f"ranks that ended by themselves: {sorted(results)}"
+    for rank, result in results.items():
+        assert result["error"] is not None, f"rank {rank} finished without noticing the hung peer"
+        assert "CommError" in result["chain"], (rank, result)
+        if rank != 3:  # the hung rank itself wakes up HANG timeouts later, to a broken group
+            assert result["seconds_after_fault"] <= timeout_s + MARGIN_S, (rank, result)
+    assert "across replicas" in results[1]["error"], results[1]["error"]

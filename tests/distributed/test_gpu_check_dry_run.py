@@ -68,3 +68,16 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
         for rank in (0, 1):
             diff = two[f"{stage}_max_abs_diff_vs_adamw_rank{rank}"]
             assert isinstance(diff, float) and diff <= 1e-4, (stage, rank, diff)
+
+    # issue 28's parts (benchmarks/gpu_nccl_checks.py), here on CPU
+    for stage, row in report["sync_debug"].items():
+        assert row["error"] is None and row["counted_per_step"] == 0, (stage, row)
+    dog = report["watchdog"]
+    assert dog["raised"] is not None and "injected all-reduce of 4 elements" in dog["raised"], dog
+    assert dog["timeout_s"] <= dog["seconds_to_comm_error"] <= dog["timeout_s"] + 2.0, dog
+    assert dog["aborts"] == 1, dog
+    assert dog["blocked_child_exit_status"] == 75, dog
+    assert dog["blocked_child_seconds"] <= 3 * dog["timeout_s"] + 15, dog  # a child's start included
+    connections = report["max_connections"]
+    assert connections["exit_status"] == 0, connections
+    assert connections["parity"]["zero3_float32"]["max_abs_diff_after_20_steps"] == 0.0, connections

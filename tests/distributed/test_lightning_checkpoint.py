@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint import META, shard_name
+from lightning_zero.comm import recorder
 from tests.distributed.lit_fit import fit
 from tests.distributed.test_async_checkpoint import assert_same_checkpoint
 from tests.distributed.test_lightning_parity import ROOT, launch, max_diff
@@ -91,7 +92,7 @@ def kill_rank_mid_save(ck: Path, out: Path) -> tuple[int, float]:
         [sys.executable, "-m", "tests.distributed.lit_fit", "--out", str(out), "--cases", json.dumps(cases)],
         2,
         cwd=ROOT,
-        env=launch_env(),
+        env=launch_env(**{recorder.ENV_FAULTS: "1"}),  # rank 1 dies on purpose
         timeout=180,
     )
     return proc.returncode, time.monotonic() - start

@@ -19,17 +19,22 @@ CASES = [
     {**BLOCKS, "accum": 3, "clip": 0.05, "no_sync": False, "prefetch": 0},
     {**BLOCKS, "accum": 2, "clip": 0.05, "prefetch": 2, "width": 12, "bucket_cap_mb": 0.0004},
 ]
+ROOTED = {"stage": 3, "net": "rooted", "steps": 4, "bucket_cap_mb": 1.0, "clip": 0.05}  # a root unit
+ROOTED_CASES = [{**ROOTED, "accum": 1}, {**ROOTED, "accum": 3}, {**ROOTED, "accum": 2, "reshard": False}]
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[Any] | RuntimeError]:
     runs: dict[str, list[Any] | RuntimeError] = {}
     for size in (1, 2, 3):
+        rooted = [(parity, (ROOTED_CASES,))] if size > 1 else []
         extra = [(stage3_sync, ())] if size == 2 else []
-        out = run_ranks_each([(parity, (CASES,)), *extra], size)
+        out = run_ranks_each([(parity, (CASES,)), *rooted, *extra], size)
         runs[f"stage3_{size}"] = out[0]
+        if rooted:
+            runs[f"rooted_{size}"] = out[1]
         if extra:
-            runs["sync"] = out[1]
+            runs["sync"] = out[2]
     return runs
 
 
@@ -58,6 +63,31 @@ def test_stage3_sends_two_gathers_and_a_reduce_scatter_per_step(world_size: int,
                 assert result["min_elements"] == expected, case
     resharded, kept = ranks(runs, f"stage3_{world_size}")[0][0], ranks(runs, f"stage3_{world_size}")[0][2]
     assert resharded["min_elements"] > kept["min_elements"] > 0
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stage3_gathers_the_root_once_per_step(world_size: int, runs: dict) -> None:
+    """A model whose root module holds a parameter itself: the root unit is gathered once per step (its
+    first forward; it stays for the backward and the micro-batches after, until the step), every other
+    unit in each micro-batch's forward and again in its backward (once with ``reshard_after_forward=False``).
+    Per step ``(Ψ_root + 2A(Ψ - Ψ_root) + Ψ)(N-1)/N`` elements for A micro-batches: ``(3Ψ - Ψ_root)(N-1)/N``
+    at A = 1."""
+    for rank_results in ranks(runs, f"rooted_{world_size}"):
+        for case, result in zip(ROOTED_CASES, rank_results, strict=True):
+            assert result["moved"] > 1e-2, f"parameters barely moved in {case}: the test would be vacuous"
+            assert max(result["max_diff"]) <= 1e-10, (case, result["max_diff"])
+            units, padded = result["units"], result["bucket_padded"]
+            assert sorted(units) == [0, 1, 2, 3, 4, 5], "one bucket per unit: the root, inp, 3 blocks, out"
+            root = padded[units.index(0)]
+            assert root >= 13 * 13, "the root's bucket holds the mixing matrix"
+            total, accum = sum(padded), case["accum"]
+            per_unit = 2 * accum if case.get("reshard", True) else accum
+            assert result["gathers"] == [{0: 1, **dict.fromkeys(range(1, 6), per_unit)}] * case["steps"], case
+            expected = (root + per_unit * (total - root) + total) * (world_size - 1) // world_size
+            assert result["elements"] == [expected] * case["steps"], case
+            if accum == 1:  # the docstring's formula, and the engine's own figure
+                assert expected == (3 * total - root) * (world_size - 1) // world_size
+                assert result["min_elements"] == expected, case
 
 
 def test_rank0s_parameters_everywhere_before_sharding_and_another_model_refused(runs: dict) -> None:

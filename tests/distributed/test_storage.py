@@ -1,4 +1,5 @@
-"""A checkpoint directory on storage that is not shared by all nodes is an error at save time.
+"""A checkpoint directory on storage that is not shared by all nodes is an error at save time, and so
+is a shard file rank 0 sees at another size than its rank wrote.
 
 Rank 1 gets its own view of the checkpoint directory (a private tmpfs in its own mount namespace, as a
 node-local disk would be): its shard lands where rank 0 cannot see it. The save must fail on every
@@ -15,7 +16,7 @@ import pytest
 
 from lightning_zero.checkpoint import read_meta, verify_files
 from tests.distributed.harness import run_ranks
-from tests.distributed.workers_ckpt import node_local_save
+from tests.distributed.workers_ckpt import node_local_save, stale_size_save
 
 
 @pytest.mark.parametrize("redirect", [False, True], ids=["mount_namespace", "redirected_writes"])
@@ -43,3 +44,23 @@ def test_a_save_rank_0_cannot_see_fails_everywhere_and_keeps_the_previous(
     assert results[1]["how"] == ("redirected writes" if redirect else "mount namespace"), (
         "this machine cannot make a private mount namespace: the test ran with redirected writes only"
     )
+
+
+def test_a_shard_rank_0_sees_at_the_wrong_size_fails_and_keeps_the_previous(tmp_path: Path) -> None:
+    """Rank 1's shard file is in the directory, but rank 0 sees half the bytes rank 1 wrote: the commit
+    must not happen (present is not enough), and the error names the file and both sizes."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    results = run_ranks(stale_size_save, 2, str(root), timeout_s=120)
+    host = socket.gethostname()
+    [(name, size)] = results[1]["written"]
+    assert name == "shard-00001-of-00002.pt"
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, f"rank {rank}: the save committed a shard rank 0 saw truncated"
+        error = result["error"]
+        assert f"rank 1 (host {host}) wrote {name}, rank 0 (host {host}) sees it {size // 2} bytes" in error
+        assert f"{size // 2} bytes instead of {size}" in error, error
+        assert result["left"] == ["ckpt"], f"rank {rank} sees temporaries left behind: {result['left']}"
+    assert results[0]["step"] == 2, "the previous checkpoint must stay the committed one"
+    meta = read_meta(root / "ckpt")
+    assert meta["lightning"]["global_step"] == 2 and verify_files(root / "ckpt", meta) == []

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import torch
 
 from lightning_zero import ShardedAdamW, ZeroConfig
 from lightning_zero.comm import hybrid_mesh
-from tests.distributed.models import BlockNet, TinyNet, batch, param_groups, uses_extra
+from tests.distributed.models import BlockNet, RootedBlockNet, TinyNet, batch, param_groups, uses_extra
 
-NETS = {"tiny": TinyNet, "blocks": BlockNet}
+NETS = {"tiny": TinyNet, "blocks": BlockNet, "rooted": RootedBlockNet}
 
 
 def parity(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -42,8 +43,12 @@ def _parity_case(
     prefetch: int = 1,
     bucket_cap_mb: float = 0.0004,
     shard_group_size: int | None = None,
+    slow_rank: int | None = None,
 ) -> dict[str, Any]:
-    """``shard_group_size``: hybrid sharding, buckets split over groups of that many ranks and
+    """``slow_rank``: that rank issues each collective inside its shard group 20 ms late (a slow
+    peer), so its group's reductions finish later than the other groups' (the collective-order check
+    of tests/conftest.py must still find every rank's sequence the same).
+    ``shard_group_size``: hybrid sharding, buckets split over groups of that many ranks and
     replicated across the groups (flat over all ranks when it is the world size).
     ``no_sync=False``: every micro-batch's backward communicates (accumulation by hand, as a
     manual-optimization loop does under DDP); the sum must be the same. ``param_overlap``: the
@@ -76,12 +81,16 @@ def _parity_case(
         device_mesh=None if shard_group_size is None else hybrid_mesh(shard_group_size, "cpu"),
     )
     ref_opt = torch.optim.AdamW(param_groups(reference), lr=3e-2, amsgrad=amsgrad)
+    if slow_rank == rank:
+        _slow_down(opt.engine.comm.backend)
     if param_overlap:
         _defer_gathers(opt.engine.comm)
         opt.install_forward_waits(model)
-    max_diff, elements, replica_elements = [], [], []
+    max_diff, elements, replica_elements, gathers = [], [], [], []
+    gathered_units = _record_unit_gathers(opt) if stage == 3 else []
     for step in range(steps):
         opt.engine.reset_comm_stats()
+        gathered_units.clear()
         for micro in range(accum):
             x, y = batch(step, micro, rank, micro_size, torch_dtype)
             loss = torch.nn.functional.mse_loss(model(x, uses_extra(step, rank)), y) / accum
@@ -106,6 +115,7 @@ def _parity_case(
             torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.grad is not None], clip)
         opt.step()
         elements.append(opt.engine.comm_stats.elements_sent)
+        gathers.append({u: gathered_units.count(u) for u in sorted(set(gathered_units))})
         replica_elements.append(opt.engine.replica_comm_stats.elements_sent)
         opt.zero_grad()
         ref_opt.step()
@@ -125,6 +135,7 @@ def _parity_case(
         "buckets": len(opt.engine.plan.buckets),
         "adopted": opt.engine.reducer.adopted,
         "elements": elements,
+        "gathers": gathers,
         "min_elements": opt.engine.min_elements_per_step(),
         "units": [b.unit for b in opt.engine.plan.buckets],
         "padded": sum(b.padded_numel for b in opt.engine.plan.buckets),
@@ -133,6 +144,21 @@ def _parity_case(
         "min_replica_elements": opt.engine.min_replica_elements_per_step(),
         "layout": opt.engine.groups.layout,
     }
+
+
+def _record_unit_gathers(opt: ShardedAdamW) -> list[int]:
+    """Stage 3: the unit of every bucket all-gathered from now on, in order (a list the caller reads and
+    clears)."""
+    engine, units = opt.engine, []
+    unit_of = {id(engine.flat.bucket(b)): b.unit for b in engine.plan.buckets}  # the gathers' outputs
+    all_gather = engine.comm.all_gather
+
+    def recorded(output: torch.Tensor, input_: torch.Tensor, **kwargs: Any) -> Any:
+        units.append(unit_of.get(id(output), -1))  # -1: not a bucket of the plan
+        return all_gather(output, input_, **kwargs)
+
+    engine.comm.all_gather = recorded  # type: ignore[method-assign]
+    return units
 
 
 def _stage3_settings(reshard: bool, prefetch: int) -> dict[str, Any]:
@@ -159,6 +185,17 @@ class _Deferred:
 
     def is_completed(self) -> bool:
         return self._done
+
+
+def _slow_down(backend: Any) -> None:
+    for name in ("reduce_scatter", "all_reduce", "all_gather"):
+        original = getattr(backend, name)
+
+        def late(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            time.sleep(0.02)
+            return _original(*args, **kwargs)
+
+        setattr(backend, name, late)
 
 
 def _defer_gathers(comm: Any) -> None:

@@ -167,3 +167,40 @@ def node_local_save(rank: int, world_size: int, root: str, redirect: bool) -> di
         "left": sorted(p.name for p in view.iterdir()) if view.is_dir() else [],
         "step": read_meta(root_path / "ckpt")["lightning"]["global_step"] if rank == 0 else None,
     }
+
+
+def stale_size_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A save into a directory every rank sees, then a save over it where rank 0 sees rank 1's shard file
+    present but at half the size rank 1 wrote and reported (what a shared file system that has not yet
+    made the whole write visible to another node shows: no sha256 is read at commit, only sizes)."""
+    import lightning_zero.checkpoint.format as checkpoint_format
+
+    root_path = Path(root)
+    model, opt = build(2)
+    train(model, opt, range(2), rank, world_size)
+    save_sharded(opt.engine, root_path / "ckpt", {"global_step": 2}, {}, 2)
+    written: list[tuple[str, int]] = []
+    if rank == 1:
+        original = checkpoint_format._write  # noqa: SLF001
+
+        def write(obj: Any, path: Path) -> tuple[str, int, str]:
+            name, size, digest = original(obj, path)
+            if name.startswith("shard-"):
+                with open(path, "rb+") as f:
+                    f.truncate(size // 2)  # what rank 0 will see
+                written.append((name, size))
+            return name, size, digest
+
+        checkpoint_format._write = write  # type: ignore[attr-defined]  # noqa: SLF001
+    train(model, opt, range(2, 4), rank, world_size)
+    try:
+        save_sharded(opt.engine, root_path / "ckpt", {"global_step": 4}, {}, 2)
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    return {
+        "error": error,
+        "written": written,
+        "left": sorted(p.name for p in root_path.iterdir()),
+        "step": read_meta(root_path / "ckpt")["lightning"]["global_step"] if rank == 0 else None,
+    }

@@ -66,3 +66,15 @@ def test_every_argument_has_a_check(index: int) -> None:
         assert name in message and repr(BAD[name]) in message, (name, message)
     for name, value in GOOD.items():
         cls(**{name: value})  # the checks accept what is valid
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["ZeroStrategy", "ZeroFabricStrategy"])
+@pytest.mark.parametrize("timeout", [timedelta(0), timedelta(seconds=-5)], ids=["zero", "negative"])
+def test_a_timeout_that_is_not_positive_is_refused(index: int, timeout: timedelta) -> None:
+    """``timedelta(0)`` (or less) leaves no collective any time to complete: refused at construction,
+    naming the value and what is valid (the type check alone let it through)."""
+    cls = _strategies()[index]
+    with pytest.raises(ValueError, match="timeout") as caught:
+        cls(timeout=timeout)
+    message = str(caught.value)
+    assert repr(timeout) in message and "positive datetime.timedelta" in message, message

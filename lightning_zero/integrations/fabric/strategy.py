@@ -178,7 +178,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         check_sharded_io(self.checkpoint_io, self._zero.options.sharded_checkpoint, "ZeroFabricStrategy")
         # stage 3: every rank must hold the same model before it keeps only its shard of rank 0's
         ZeroFrontEnd.sync_module_states(module, check_same=self.zero_config.stage == 3)
-        mesh = self._zero.device_mesh(self.num_processes, self.root_device.type)
+        mesh = self._zero.device_mesh(self.num_processes, self.root_device.type, self._timeout)
         sharded = self._zero.shard(optimizers[0], module, [] if scheduler is None else [scheduler], mesh)
         self._module = module
         self._hooks = [

@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from typing_extensions import override
 
 from lightning_zero.engine import ShardEngine
@@ -83,9 +84,7 @@ class CommStatsMonitor(pl.Callback):
         step_times, busy_times = [row[0] for row in rows], [row[1] for row in rows]
         pl_module.log_dict(
             {
-                **_spread("zero/step_time", step_times),
-                **_spread("zero/busy_time", busy_times),
-                "zero/slowest_rank": float(busy_times.index(max(busy_times))),
+                **straggler_figures(step_times, busy_times),
                 "zero/comm_wait_s": wait_s / self._batches,
                 "zero/comm_wait_frac": wait_s / elapsed,
                 "zero/elements_sent": stats.elements_sent / self._batches,
@@ -112,6 +111,17 @@ def _inter_group(engine: ShardEngine, batches: int, steps: int) -> dict[str, flo
     }
 
 
+def straggler_figures(step_times: list[float], busy_times: list[float]) -> dict[str, float]:
+    """``zero/step_time_*``, ``zero/busy_time_*`` and ``zero/slowest_rank`` from every rank's mean batch
+    time and mean busy time (indexed by rank): the slowest rank is the one busy longest (the first of
+    equals), since every rank's batch time includes waiting for it."""
+    return {
+        **_spread("zero/step_time", step_times),
+        **_spread("zero/busy_time", busy_times),
+        "zero/slowest_rank": float(busy_times.index(max(busy_times))),
+    }
+
+
 def _spread(name: str, values: list[float]) -> dict[str, float]:
     return {
         f"{name}_min_s": min(values),
@@ -121,17 +131,26 @@ def _spread(name: str, values: list[float]) -> dict[str, float]:
 
 
 class SkippedStepsMonitor(pl.Callback):
-    """Added by ``ZeroStrategy(skip_nonfinite_steps=K)``; logs ``zero/skipped_steps`` every batch."""
+    """Added by ``ZeroStrategy(skip_nonfinite_steps=K)``; logs ``zero/skipped_steps`` after every
+    optimizer step (not on the other micro-batches of an accumulation window), as a device tensor made
+    by a fill kernel: a Python float would be copied to the device by Lightning, a host
+    synchronisation per batch."""
 
     reads_parameters_between_steps = False  # overlap_param_gather need not wait for it
+
+    def __init__(self) -> None:
+        self._logged_after = -1  # the engine's optimizer step count at the last log
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         engine = _engine_of(trainer)
-        if engine is not None:
-            pl_module.log("zero/skipped_steps", float(engine.skipped_steps), on_step=True, on_epoch=False)
+        if engine is None or engine.optimizer_steps == self._logged_after:
+            return
+        self._logged_after = engine.optimizer_steps
+        skipped = torch.full((), float(engine.skipped_steps), device=pl_module.device)
+        pl_module.log("zero/skipped_steps", skipped, on_step=True, on_epoch=False)
 
 
 def _engine_of(trainer: pl.Trainer) -> ShardEngine | None:

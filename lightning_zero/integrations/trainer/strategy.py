@@ -282,7 +282,7 @@ class ZeroStrategy(ShardedCheckpointing):
         inner = self.optimizers[0]
         inner = getattr(inner, "_optimizer", inner)  # a LightningOptimizer's torch optimizer
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-        mesh = self._zero.device_mesh(self.num_processes, self.root_device.type)
+        mesh = self._zero.device_mesh(self.num_processes, self.root_device.type, self._timeout)
         self.optimizers = [self._zero.shard(inner, self.lightning_module, schedulers, mesh)]
 
     @contextmanager
