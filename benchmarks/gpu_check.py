@@ -21,7 +21,8 @@ with its error and the next one runs):
      tokens/s against ``zero``): tokens/s, MFU (recipes' FLOP count over the device's dense bf16
      peak), peak CUDA memory during ``fit`` (reset only after the previous configuration's trainer,
      model and optimizer were released, collected and the cache emptied) against each strategy's
-     per-parameter formula, communication wait from CUDA events, then
+     per-parameter formula and against ``lightning-zero estimate``'s figure for the same model
+     (``model_state_estimate_gib``), communication wait from CUDA events, then
      ``trainer.test(ckpt_path="best")`` after ``fit``.
   3. ``two_processes``: 2 processes on the one GPU with gloo (NCCL refuses two ranks on one GPU):
      the sharded optimizer's parameters against AdamW on the global batch after 6 steps, fp32, at
@@ -254,10 +255,21 @@ def _train_one(
         "peak_cuda_gib": None if peak is None else peak / 2**30,
         "cuda_allocated_before_fit_gib": None if before_mib is None else before_mib / 2**10,
         "model_state_formula_gib": params * BYTES_PER_PARAM[(precision, strategy_name)] / 2**30,
+        "model_state_estimate_gib": _estimate_gib(module, params, precision, strategy_name),
         "comm_wait_s_last_step": metrics.get("zero/comm_wait_s"),
         "test_after_fit_best": tested[0] if tested else None,
         "best_checkpoint": Path(checkpoint.best_model_path).name,
     }
+
+
+def _estimate_gib(module: Any, params: int, precision: Precision, strategy_name: str) -> float:
+    """What ``lightning-zero estimate`` says for this model at world size 1 (stage 3: one block per
+    unit), to read beside the measured peak."""
+    from lightning_zero.cli import estimate_rows
+
+    block = sum(p.numel() for p in module.model.blocks[0].parameters())
+    rows = estimate_rows(params, 1, precision, 25.0, unit_params=block)
+    return rows[{"ddp": "ddp", "zero": "zero2", "zero3": "zero3"}[strategy_name]] / 2**30
 
 
 def part_train(args: argparse.Namespace) -> dict[str, Any]:

@@ -95,6 +95,34 @@ def _consolidate(src: Path, dst: Path, weights_only: bool, force: bool) -> int:
     return 0
 
 
+def estimate_rows(
+    params: float,
+    n: int,
+    precision: str,
+    bucket_cap_mb: float,
+    unit_params: float = 0.0,
+    prefetch_units: int = 1,
+) -> dict[str, float]:
+    """Model-state bytes per rank (no activations) of ``ddp``, ``zero1``, ``zero2`` and ``zero3`` with
+    the state sharded over ``n`` ranks (the world, or the shard group of node-aware sharding).
+    Stage 3 holds ``1 + prefetch_units`` gathered units of ``unit_params`` (one block) at once,
+    besides the root's parameters, which this estimate does not know of."""
+    p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
+    separate_master = m_bytes > p_bytes
+    adam = 2 * m_bytes
+    in_flight = POOL_SLOTS * bucket_cap_mb * 2**20  # buckets being filled or in flight, transient
+    sharded = m_bytes + adam + (m_bytes if separate_master else 0)  # fp32 gradient shard, moments, master
+    return {
+        # DDP: full gradients plus DDP's bucket copy; torch keeps Adam state in the parameter dtype
+        "ddp": params * (p_bytes + 2 * g_bytes + 2 * p_bytes),
+        # ours, both stages: full parameters, fp32 shard gradient, sharded moments (+ master if 16-bit)
+        "zero1": params * (p_bytes + sharded / n) + in_flight,
+        "zero2": params * (p_bytes + sharded / n) + in_flight,
+        # stage 3: the parameters sharded too, plus the units gathered at once
+        "zero3": params * (p_bytes + sharded) / n + (1 + prefetch_units) * unit_params * p_bytes + in_flight,
+    }
+
+
 def estimate(
     params: float,
     world_size: int,
@@ -105,26 +133,10 @@ def estimate(
     prefetch_units: int = 1,
     shard_group_size: int | None = None,
 ) -> None:
-    """Print model-state bytes per rank (no activations) for DDP and ZeRO stages 1 / 2 / 3 (``stage``:
-    that one only). Stage 3 holds ``1 + prefetch_units`` gathered units of ``unit_params`` (one
-    block) at once, besides the root's parameters, which this estimate does not know of.
-    ``shard_group_size``: node-aware sharding, the state split over that many ranks, not all."""
-    p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
-    separate_master = m_bytes > p_bytes
+    """Print :func:`estimate_rows` (``stage``: that one only, beside ``ddp``). ``shard_group_size``:
+    node-aware sharding, the state split over that many ranks, not all."""
     n = shard_group_size or world_size
-    adam = 2 * m_bytes
-    in_flight = POOL_SLOTS * bucket_cap_mb * 2**20  # buckets being filled or in flight, transient
-    rows = {
-        # DDP: full gradients plus DDP's bucket copy; torch keeps Adam state in the parameter dtype
-        "ddp": params * (p_bytes + 2 * g_bytes + 2 * p_bytes),
-        # ours, both stages: full parameters, fp32 shard gradient, sharded moments (+ master if 16-bit)
-        "zero1": params * (p_bytes + (m_bytes + adam + (m_bytes if separate_master else 0)) / n) + in_flight,
-        "zero2": params * (p_bytes + (m_bytes + adam + (m_bytes if separate_master else 0)) / n) + in_flight,
-        # stage 3: the parameters sharded too, plus the units gathered at once
-        "zero3": params * (p_bytes + m_bytes + adam + (m_bytes if separate_master else 0)) / n
-        + (1 + prefetch_units) * unit_params * p_bytes
-        + in_flight,
-    }
+    rows = estimate_rows(params, n, precision, bucket_cap_mb, unit_params, prefetch_units)
     if stage is not None:
         rows = {name: value for name, value in rows.items() if name in ("ddp", f"zero{stage}")}
     layout = f" sharded in groups of {n} (replicated {world_size // n}x)" if n != world_size else ""

@@ -63,6 +63,11 @@ class _Named:
         done = getattr(self.handle, "is_completed", None)
         return bool(done()) if done is not None else True
 
+    def exception(self) -> BaseException | None:
+        """The error the collective completed with, where the handle tells (torch's ``Work``)."""
+        failed = getattr(self.handle, "exception", None)
+        return failed() if failed is not None else None
+
     def wait(self) -> bool:
         """Wait without the accounting of :meth:`Comm.wait` (use that one)."""
         return bool(self.handle.wait())

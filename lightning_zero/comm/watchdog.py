@@ -152,10 +152,28 @@ class Watchdog:
 
 
 def _done(pending: Any) -> bool:
+    """Completed successfully (a collective that completed with an error, e.g. one that torch's own
+    watchdog aborted under ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, is not: it stays until its deadline
+    and then fails by name)."""
     try:
-        return bool(pending.is_completed())
-    except Exception:  # noqa: BLE001 - a collective that failed is done: its waiter raises
-        return True
+        if not pending.is_completed():
+            return False
+        failed = getattr(pending, "exception", None)
+        return failed is None or failed() is None
+    except Exception:  # noqa: BLE001 - an error from the handle itself: failed, see above
+        return False
+
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def let_errors_reach_python() -> None:
+    """Call before the NCCL process group is created: unless the user chose otherwise, torch's own
+    watchdog is set to abort a failed or timed-out communicator without ending the process
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``; torch's default, 3, ends the process at the same timeout
+    as ours, before a ``CommError`` can reach Python). The abort also ends kernels stuck on a dead
+    peer, so a host blocked behind them returns."""
+    os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
 
 
 def _raise_in(thread: threading.Thread, exc_type: type[BaseException]) -> None:

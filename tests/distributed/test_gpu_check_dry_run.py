@@ -12,7 +12,7 @@ from typing import Any
 from tests.launch import launch_env, run_script
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAIN_FIGURES = ("tokens_per_s", "mfu", "fit_wall_s", "model_state_formula_gib")
+TRAIN_FIGURES = ("tokens_per_s", "mfu", "fit_wall_s", "model_state_formula_gib", "model_state_estimate_gib")
 
 
 def _finite_positive(value: Any) -> bool:

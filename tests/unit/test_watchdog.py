@@ -4,6 +4,7 @@ The NCCL part itself (``abort`` ending the kernels) needs a GPU: ``benchmarks/gp
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -103,3 +104,50 @@ def test_a_main_thread_that_never_returns_to_python_is_ended_with_status_75() ->
     assert done.returncode == EXIT_PEER_FAILURE, done.stderr[-2000:]
     assert time.monotonic() - start < 30
     assert "rank 0 of 2 in the replicas group: all-reduce of 3 elements did not complete" in done.stderr
+
+
+class FailedWork:
+    """A collective that completed with an error (what torch's own watchdog leaves after aborting a
+    timed-out NCCL communicator under TORCH_NCCL_ASYNC_ERROR_HANDLING=2)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException:
+        return RuntimeError("NCCL communicator was aborted")
+
+
+def test_a_collective_that_completed_with_an_error_is_not_taken_for_done() -> None:
+    watchdog = Watchdog(CommError, poll_s=0.05, exit_after=None)
+    watchdog.watch(FailedWork(), "rank 1 of 2: all-reduce of 8 elements", timeout_s=0.3)
+    deadline = time.monotonic() + 5
+    with pytest.raises(CommError, match="rank 1 of 2: all-reduce of 8 elements did not complete"):
+        while time.monotonic() < deadline:
+            sum(range(1000))
+
+
+def test_the_strategies_keep_torchs_nccl_watchdog_from_ending_the_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both strategies set TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (abort, do not end the process) before
+    Lightning creates the process group, unless the user chose a value."""
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_zero import ZeroFabricStrategy, ZeroStrategy
+    from lightning_zero.comm.watchdog import NCCL_ERROR_HANDLING
+
+    seen = []
+    for base in (DDPStrategy, FabricDDP):
+        monkeypatch.setattr(
+            base, "setup_environment", lambda self: seen.append(os.environ.get(NCCL_ERROR_HANDLING))
+        )
+    for cls in (ZeroStrategy, ZeroFabricStrategy):
+        monkeypatch.delenv(NCCL_ERROR_HANDLING, raising=False)
+        cls().setup_environment()
+        monkeypatch.setenv(NCCL_ERROR_HANDLING, "1")  # the user's choice is kept
+        cls().setup_environment()
+    assert seen == ["2", "1", "2", "1"]

@@ -45,6 +45,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from typing_extensions import override
 
+from lightning_zero.comm.watchdog import let_errors_reach_python
 from lightning_zero.config import ZeroConfig
 from lightning_zero.integrations.arguments import check_lightning_arguments, check_sharded_io
 from lightning_zero.integrations.fabric.checkpointing import FabricCheckpointing
@@ -161,6 +162,11 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
     def sharded_optimizer(self) -> ShardedAdamW | None:
         """The sharded optimizer once ``fabric.setup(model, optimizer)`` has run."""
         return self._zero.optimizer
+
+    @override
+    def setup_environment(self) -> None:
+        let_errors_reach_python()  # before Lightning creates the process group (comm/watchdog.py)
+        super().setup_environment()
 
     @override
     def setup_module_and_optimizers(

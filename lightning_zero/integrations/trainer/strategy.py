@@ -53,6 +53,7 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_zero.comm import collective_failures
+from lightning_zero.comm.watchdog import let_errors_reach_python
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import (
@@ -196,6 +197,11 @@ class ZeroStrategy(ShardedCheckpointing):
     def sharded_optimizer(self) -> ShardedAdamW | None:
         """The sharded optimizer once ``fit`` has set it up."""
         return self._zero.optimizer
+
+    @override
+    def setup_environment(self) -> None:
+        let_errors_reach_python()  # before Lightning creates the process group (comm/watchdog.py)
+        super().setup_environment()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
