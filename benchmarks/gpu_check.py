@@ -32,12 +32,13 @@ with its error and the next one runs):
      kernel ending as ``CommError`` (and a main thread blocked behind it ending with status 75) within
      the timeout; stage 3 with ``CUDA_DEVICE_MAX_CONNECTIONS=1``. ~1 minute.
 
-GPU time, estimated for one H200 (no GPU run recorded yet): ~3 minutes in all. ``train`` makes 12
+GPU time, estimated for one H200 (no GPU run recorded yet): ~4 minutes in all. ``train`` makes 12
 fits of 20 steps of 8×1024 tokens; compute is ~25 ms (125M) and ~70 ms (350M) a step, so each fit
 is mostly model construction, Lightning's setup and the best checkpoint written and read back
 (~4 GB at 350M, bf16-mixed): ~6 s at 125M, ~15 s at 350M, ~2.2 minutes together. ``parity``: ~10 s
 (CUDA initialisation included); ``two_processes``: ~20 s, mostly two process starts with CUDA
-initialisation.
+initialisation; ``sync_debug`` ~5 s; ``watchdog`` ~25 s (3 s timeouts, a child process blocked
+behind a kernel for up to two of them); ``max_connections`` ~15 s (a child running ``parity``).
 
 Figures, not assertions; quote ratios.
 """

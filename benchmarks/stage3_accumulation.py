@@ -1,13 +1,13 @@
 """Stage 3 gradient accumulation, the two ways: keep full-size gradient buffers between micro-batches
-(``no_sync`` on all but the last, what the Trainer's ``accumulate_grad_batches`` does) or
-reduce-scatter every micro-batch into the 1/N gradient shard (a backward outside ``no_sync`` each
-time, as a manual loop may do). Printed side by side, 2 gloo ranks on CPU, one thread each:
+(``no_sync`` on all but the last, what the Trainer's ``accumulate_grad_batches`` does; the default) or
+reduce-scatter every micro-batch into the 1/N gradient shard (``ZeroConfig(sharded_accumulation=True)``,
+the same ``no_sync`` loop). Printed side by side, 2 gloo ranks on CPU, one thread each:
 
   * median optimizer-step time (``accum`` micro-batches and the step), and its ratio;
   * elements sent per optimizer step, counted at the collectives, against the schedule: every
     micro-batch gathers every unit but the root in forward and (``reshard_after_forward``) again in
     backward, ``2(Ψ - Ψ_root)(N-1)/N``; the root once per step (it stays gathered until the step);
-    the gradients cost ``Ψ(N-1)/N`` once per step with ``no_sync``, once per micro-batch without;
+    the gradients cost ``Ψ(N-1)/N`` once per step with ``no_sync``, once per micro-batch sharded;
   * the heap peak during the steps (glibc ``mallinfo2``, sampled every millisecond), and what sets
     it apart: ``no_sync`` holds every bucket's fp32 accumulation buffer for the window (``4Ψ`` bytes),
     the other way ``4Ψ/N`` plus the reducer's few in-flight buckets.
@@ -44,7 +44,7 @@ from torch import nn  # noqa: E402
 from benchmarks.step_time import HeapPeak  # noqa: E402
 from lightning_zero import ShardedAdamW, ZeroConfig  # noqa: E402
 
-MODES = ("no_sync", "every_micro_batch")
+MODES = ("no_sync", "sharded_accumulation")
 PREFETCH = (0, 1, 2)
 """``--sweep prefetch``: ``prefetch_units`` K (units gathered ahead of the one computing), accum 1."""
 
@@ -73,10 +73,10 @@ class Net(nn.Module):
 
 
 def _modes(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
-    """(name, prefetch_units, no_sync) of each mode the sweep compares."""
+    """(name, prefetch_units, sharded accumulation) of each mode the sweep compares."""
     if args.sweep == "prefetch":
-        return [(f"prefetch_units={k}", k, True) for k in PREFETCH]
-    return [(mode, 1, mode == "no_sync") for mode in MODES]
+        return [(f"prefetch_units={k}", k, False) for k in PREFETCH]
+    return [(mode, 1, mode == "sharded_accumulation") for mode in MODES]
 
 
 def _rank(rank: int, world_size: int, store: str, args: argparse.Namespace, out: Any) -> None:
@@ -91,10 +91,10 @@ def _rank(rank: int, world_size: int, store: str, args: argparse.Namespace, out:
     accum = args.accum if args.sweep == "accumulation" else 1
     layout: dict[str, int] = {}
     for _round in range(args.rounds):
-        for mode, prefetch, no_sync in modes:
+        for mode, prefetch, sharded in modes:
             torch.manual_seed(0)  # the same model and optimizer for every mode
             model = Net(args.layers, args.dim, args.vocab)
-            config = ZeroConfig(stage=3, prefetch_units=prefetch)
+            config = ZeroConfig(stage=3, prefetch_units=prefetch, sharded_accumulation=sharded)
             opt = ShardedAdamW(model.parameters(), lr=1e-4, config=config, module=model)
             engine = opt.engine
             heap.peak = 0
@@ -104,7 +104,7 @@ def _rank(rank: int, world_size: int, store: str, args: argparse.Namespace, out:
                 for micro in range(accum):
                     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
                     last = micro == accum - 1
-                    with opt.no_sync() if no_sync and not last else nullcontext():
+                    with opt.no_sync() if not last else nullcontext():
                         logits = model(ids[:, :-1])
                         loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
                         (loss / accum).backward()
@@ -154,7 +154,7 @@ def main() -> None:
     accum = args.accum if args.sweep == "accumulation" else 1
     gathers = (root + accum * 2 * (psi - root)) * (n - 1) // n  # the root stays gathered for the window
     modes = _modes(args)
-    schedule = {m: gathers + (1 if no_sync else accum) * psi * (n - 1) // n for m, _, no_sync in modes}
+    schedule = {m: gathers + (accum if sharded else 1) * psi * (n - 1) // n for m, _, sharded in modes}
     print(
         f"stage 3, {n} ranks, {psi / 1e6:.1f}M parameters (padded), {first['units']} units, "
         f"accum {accum}, batch {args.batch}x{args.seq} per micro-batch, {args.rounds} rounds"

@@ -51,6 +51,16 @@ class ZeroConfig:
     every rank, naming the step and the ranks (``K=1``: raise at the first, nothing updated). Costs
     one min/max pass over each bucket and, unless ``find_unused_parameters`` already makes one, one
     small all-reduce and one host synchronisation per step (:mod:`lightning_zero.engine.nonfinite`)."""
+    sharded_accumulation: bool | None = None
+    """Gradient accumulation (the micro-batches inside ``no_sync``, Lightning's
+    ``accumulate_grad_batches``); ``None``: ``True`` at stage 3, ``False`` at stages 1 and 2.
+    ``False`` keeps every bucket's local sum in a full-size buffer for
+    the window and sends it once, at the last micro-batch (DDP's ``no_sync``: fewer elements sent,
+    ``4`` bytes per parameter held across the window); ``True`` reduce-scatters (stage 1:
+    all-reduces) every micro-batch's buckets into this rank's shard, as FSDP2 does by default, so no
+    full-size gradient buffer outlives a bucket's collective (for a model whose gradients do not fit;
+    the step sends each bucket once more per extra micro-batch). Under node-aware sharding the
+    all-reduce across replica groups still runs once per optimizer step, on the accumulated shard."""
 
     reshard_after_forward: bool = True
     """Stage 3: free each unit's full parameters after its forward and gather them again for its
@@ -93,11 +103,27 @@ class ZeroConfig:
                 f"skip_nonfinite_steps must be an integer >= 0 (0: off; K > 0: skip steps with inf/NaN "
                 f"gradients, raise at the K-th in a row), got {skips!r}"
             )
-        flags = ("overlap_comm", "overlap_param_gather", "find_unused_parameters", "reshard_after_forward")
+        flags = (
+            "overlap_comm",
+            "overlap_param_gather",
+            "find_unused_parameters",
+            "reshard_after_forward",
+        )
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.sharded_accumulation is not None and not isinstance(self.sharded_accumulation, bool):
+            raise ValueError(
+                f"sharded_accumulation must be None (stage 3: True, else False), True or False, "
+                f"got {self.sharded_accumulation!r}"
+            )
         self._check_stage3_fields()
+
+    @property
+    def accumulates_sharded(self) -> bool:
+        """Whether micro-batches inside ``no_sync`` are reduced into the shard as they come
+        (``sharded_accumulation``, resolved for the stage)."""
+        return self.stage == 3 if self.sharded_accumulation is None else self.sharded_accumulation
 
     def _check_stage3_fields(self) -> None:
         prefetch, numel, classes = self.prefetch_units, self.min_unit_numel, self.unit_modules

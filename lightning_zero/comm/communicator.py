@@ -74,13 +74,17 @@ class _Named:
 
 
 class _EventDone:
-    """A CUDA event as something the watchdog can poll."""
+    """A CUDA event as something the watchdog can poll (and a stream can wait for)."""
 
     def __init__(self, event: torch.cuda.Event) -> None:
         self.event = event
 
     def is_completed(self) -> bool:
         return bool(self.event.query())
+
+    def wait(self) -> bool:
+        torch.cuda.current_stream().wait_event(self.event)
+        return True
 
 
 _PROCESS_WATCHDOG: list[Watchdog] = []
@@ -211,7 +215,7 @@ class Comm:
     def _watched(self, named: _Named) -> _Named:
         if self._watchdog is not None:
             what = f"{self._where()}: {named.what}"
-            self._watchdog.watch(named, what, self._watch_timeout_s, self.backend.abort)
+            self._watchdog.watch(named, what, self._watch_timeout_s, self.backend.abort, self.device)
         return named
 
     def _watch_stream(self, what: str) -> None:
@@ -220,7 +224,9 @@ class Comm:
             event = torch.cuda.Event()
             event.record()
             where = f"{self._where()}: {what}"
-            self._watchdog.watch(_EventDone(event), where, self._watch_timeout_s, self.backend.abort)
+            self._watchdog.watch(
+                _EventDone(event), where, self._watch_timeout_s, self.backend.abort, self.device
+            )
 
     def _record(self, op: str, numel: int, dtype: torch.dtype | None = None) -> None:
         """Before every collective: raise the watchdog's failure if it found one (every later
@@ -302,10 +308,20 @@ class Comm:
             self._run(what, work.wait, blocking=False)
             end.record()
             self._device_waits.append((start, end))
+            self._drop_work(handle)
             return
         start_s = time.perf_counter()
         self._run(what, work.wait, blocking=False)
         self.stats.wait_s += time.perf_counter() - start_s
+        self._drop_work(handle)
+
+    def _drop_work(self, handle: Any) -> None:
+        """Watched on CUDA: once the stream waits for it, the handle (and the watchdog) keep an event
+        recorded behind the collective instead of its ``Work``, which holds its tensors alive."""
+        if self._watchdog is not None and self.device.type == "cuda" and isinstance(handle, _Named):
+            event = torch.cuda.Event()
+            event.record()
+            handle.handle = _EventDone(event)
 
     @contextmanager
     def after(self, handle: Any) -> Iterator[None]:
@@ -323,6 +339,7 @@ class Comm:
         self._side_stream.wait_stream(torch.cuda.current_stream(self.device))  # its inputs are ready
         with torch.cuda.stream(self._side_stream):
             self._run(what, work.wait, blocking=False)
+            self._drop_work(handle)
             yield
 
     def flush_timings(self) -> None:

@@ -21,7 +21,8 @@ training thread and need not be (it shares no stream with NCCL's), and for colle
 groups issue by design (:meth:`~lightning_zero.comm.Comm.only_some_groups`: under node-aware sharding
 only the first replica group gathers the optimizer state, inside its shard group, while the others,
 which hold the same shards, go on to the next collective every rank issues and wait there). ``<launch>`` is
-``LZ_COLLECTIVE_LAUNCH``, else ``MASTER_ADDR:MASTER_PORT``, so the ranks of one launch meet.
+``LZ_COLLECTIVE_LAUNCH``, else ``MASTER_ADDR:MASTER_PORT`` with SLURM's job id and restart count and
+torchrun's restart count, so the ranks of one launch meet and a requeued job is a launch of its own.
 
 :func:`compare_logs` (what the test suite runs after every test) then checks two rules and names the
 first violation with the ranks, the position and both entries:
@@ -84,8 +85,10 @@ class _Log:
         self._files: dict[str, IO[str]] = {}
 
     def write(self, directory: str, rank: int, entry: Entry) -> None:
-        launch = os.environ.get(ENV_LAUNCH) or (
+        launch = os.environ.get(ENV_LAUNCH) or (  # a requeued or restarted job is a launch of its own
             f"{os.environ.get('MASTER_ADDR', 'local')}:{os.environ.get('MASTER_PORT', 'none')}"
+            f"-{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+            f".{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         )
         faults = FAULTS_SUFFIX if os.environ.get(ENV_FAULTS) else ""
         name = f"{_safe(launch)}{faults}.rank{rank}.jsonl"

@@ -19,15 +19,19 @@ exit status 75, no requeue. The choices (each from torch's documented mechanisms
     event query: no synchronisation) every ``poll_s``. Cost on the step: one list append per
     collective; nothing on the stream, no host synchronisation.
 
-When a registered collective is past its deadline the watchdog (1) records a ``CommError`` naming the
-collective, its group and this rank; (2) calls the group's abort (NCCL: ``abort`` of the process
-group, which ends the spinning kernels so a host blocked in a synchronisation returns); (3) raises the
-``CommError`` in the main thread (``PyThreadState_SetAsyncExc``: it surfaces at the next Python line
-the main thread runs, e.g. in an autograd hook or Lightning's loop, so ``on_exception``, the recipes'
-requeue and exit status 75 follow as on gloo), and every later collective of a watched ``Comm`` raises
-it too; (4) if the process is still alive one more timeout later (the main thread caught the error and went
-on, or never returned from C++), it prints the error and exits with status 75 (``EX_TEMPFAIL``, the
-recipes' status for a peer failure), so a rank never hangs.
+When a registered collective is past its deadline the watchdog (1) records a ``CommError`` naming
+the collective, its group and this rank; (2) raises it in the main thread
+(``PyThreadState_SetAsyncExc``: it surfaces at the next Python line the main thread runs, e.g. in an
+autograd hook or Lightning's loop, so ``on_exception``, the recipes' requeue and exit status 75
+follow as on gloo), and every later collective of a watched ``Comm`` raises it too; (3) calls the
+group's abort (NCCL: ``abort`` of the process group, which ends the spinning kernels, so that a host
+blocked in a synchronisation returns to meet the error); (4) if the process is still alive one more
+timeout later (the main thread caught the error and went on, or never returned from C++), prints
+the error and exits with status 75 (``EX_TEMPFAIL``, the recipes' status for a peer failure), so a
+rank never hangs (a handler of the error that takes longer than one timeout, e.g. an emergency save,
+is cut short then). The thread makes the watched device current before it queries an event. A
+completed collective's ``Work`` (and the tensors it holds) is not kept until the next poll: once
+waited for, the ``Comm`` swaps it for an event recorded behind it.
 
 Unverified here (no GPU, and NCCL refuses two ranks on one GPU): that ``abort`` releases a host blocked
 in a stream synchronisation on every torch version; ``benchmarks/gpu_check.py`` checks the rest of the
@@ -45,6 +49,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 EXIT_PEER_FAILURE = 75
 """Exit status when the main thread did not end after the error was raised in it (EX_TEMPFAIL)."""
@@ -82,13 +88,23 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self.main = threading.main_thread()
         """The thread the error is raised in."""
+        self.device: torch.device | None = None
 
     def watch(
-        self, pending: Any, what: str, timeout_s: float, abort: Callable[[], None] | None = None
+        self,
+        pending: Any,
+        what: str,
+        timeout_s: float,
+        abort: Callable[[], None] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """Register ``pending`` (anything with ``is_completed()``): it must complete within ``timeout_s``;
-        ``abort`` (e.g. the process group's) is called if it does not."""
+        ``abort`` (e.g. the process group's) is called if it does not. ``device``: the CUDA device the
+        completion is queried on (the thread makes it current: a query from device 0 by default would
+        create a CUDA context there on every rank of a node)."""
         self.check()
+        if device is not None and device.type == "cuda":
+            self.device = device
         watched = _Watched(pending, what, timeout_s, time.monotonic() + timeout_s, abort)
         with self._lock:
             self._pending.append(watched)
@@ -114,6 +130,8 @@ class Watchdog:
             return next((w for w in self._pending if w.deadline < now), None)
 
     def _run(self) -> None:
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
         while self.failure is None:
             time.sleep(self.poll_s)
             expired = self._expired()
@@ -127,11 +145,6 @@ class Watchdog:
             "watchdog); a peer has died, hung, or lost its connection"
         )
         self.failure = self.error_type(message)
-        if expired.abort is not None:
-            try:
-                expired.abort()
-            except Exception as err:  # noqa: BLE001 - the error below still ends the rank
-                print(f"lightning-zero watchdog: abort failed: {err!r}", file=sys.stderr, flush=True)
         base = self.error_type
 
         class Raised(base):  # type: ignore[valid-type, misc]
@@ -142,7 +155,14 @@ class Watchdog:
                 super().__init__(*(args or (message,)))
 
         Raised.__name__ = Raised.__qualname__ = base.__name__
+        # raised first, then the abort: the abort may release a main thread blocked behind the stuck
+        # kernel, which must meet the error at once, not inside a handler it enters later
         _raise_in(self.main, Raised)
+        if expired.abort is not None:
+            try:
+                expired.abort()
+            except Exception as err:  # noqa: BLE001 - the error above still ends the rank
+                print(f"lightning-zero watchdog: abort failed: {err!r}", file=sys.stderr, flush=True)
         if self.exit_after is None:
             return
         time.sleep(self.exit_after * expired.timeout_s)

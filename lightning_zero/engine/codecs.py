@@ -55,6 +55,13 @@ class InFlight:
     across: bool = False
     """Hybrid sharding: ``handle`` is now the all-reduce of this rank's part across the replicas
     (:meth:`WireCodec.start_across`), the reduction inside the shard group being done."""
+    local_only: bool = False
+    """Sharded accumulation inside ``no_sync``: no all-reduce across the replicas for this round."""
+    part: Tensor | None = None
+    """This rank's reduced part, kept apart from ``wire`` (:meth:`WireCodec.keep_part`)."""
+    folded: bool = False
+    """The part is already in the shard, and ``handle`` all-reduces the whole shard across the
+    replicas (the step's last round after rounds inside ``no_sync``)."""
 
 
 Inspect = Callable[[Tensor], None]
@@ -123,13 +130,17 @@ class WireCodec:
         the reduction on a narrower wire may have overflowed. ``replicas`` (hybrid sharding): the
         part is first summed across them, in the wire dtype; :meth:`start_across` must have been
         called (collecting issues no collective: the caller decides where each one is issued)."""
-        if replicas is not None and replicas.world_size > 1:
+        if replicas is not None and replicas.world_size > 1 and not sent.local_only:
             if not sent.across:
                 raise RuntimeError(
                     "a bucket was collected before its all-reduce across the replicas was issued; the "
                     "reducer issues it at a fixed point of the program (engine/reducer.py)"
                 )
             replicas.wait(sent.handle)
+            if sent.folded:
+                if inspect is not None and sent.narrower:
+                    inspect(shard)
+                return
         else:
             comm.wait(sent.handle)
         result = self._part(comm, sent)
@@ -137,17 +148,34 @@ class WireCodec:
             inspect(result)
         self.decode(result, shard, accumulate=not first_round)
 
-    def start_across(self, comm: Comm, sent: InFlight, replicas: Comm) -> None:
+    def start_across(self, comm: Comm, sent: InFlight, replicas: Comm, fold: Tensor | None = None) -> None:
         """Hybrid sharding: start the all-reduce of this rank's part across the replicas, after the
         reduction inside the shard group (on CUDA ordered on a side stream, so the compute stream does
-        not wait for it); ``sent.handle`` becomes that one."""
+        not wait for it); ``sent.handle`` becomes that one. ``fold`` (the shard, holding earlier
+        rounds of the step): add the part to it first and all-reduce the whole shard instead, in its
+        dtype."""
         with comm.after(sent.handle):
             part = self._part(comm, sent)
+            if fold is not None:
+                self.decode(part, fold, accumulate=True)
+                part, sent.folded = fold, True
             sent.handle = replicas.all_reduce(part, what="gradient all-reduce across replicas")
         sent.across = True
 
+    def keep_part(self, comm: Comm, sent: InFlight) -> None:
+        """Wait for the reduction inside the group and keep this rank's part apart from the wire
+        buffer (stage 1: a copy of its slice; stage 2: the reduce-scatter's output already is), so the
+        accumulation buffer can go back to its pool before the all-reduce across the replicas is
+        issued. Issues no collective."""
+        comm.wait(sent.handle)
+        part = self._part(comm, sent)
+        sent.part = part.clone() if self.stage == 1 else part
+        sent.uses_accum = False
+
     def _part(self, comm: Comm, sent: InFlight) -> Tensor:
         """This rank's part of the reduced bucket."""
+        if sent.part is not None:
+            return sent.part
         if self.stage == 1:
             start, end = shard_range(sent.wire.numel(), comm.world_size, comm.rank)
             return sent.wire[start:end]

@@ -106,6 +106,8 @@ class ShardEngine(ParameterAccess, EngineFigures):
         self._parked = Parked()
         self._owned: tuple[BucketPlan, torch.Tensor] | None = None  # grad_math.owned_params of a plan
         self.guard = NonFiniteGuard(self.world, config.skip_nonfinite_steps)
+        self.unsharded = False
+        self.module_hooks = []
         self.optimizer_steps = 0
         """Optimizer steps so far: :meth:`step` calls with gradients, skipped ones included (the step an
         error names). The Trainer strategy sets it to ``trainer.global_step`` before each training step."""
@@ -284,7 +286,13 @@ class ShardEngine(ParameterAccess, EngineFigures):
 
         Raises:
             NonFiniteGradientError: the ``skip_nonfinite_steps``-th skipped step in a row (every rank).
+            RuntimeError: after :func:`~lightning_zero.unshard` made the model plain.
         """
+        if self.unsharded:
+            raise RuntimeError(
+                "lightning_zero.unshard(model) ended stage 3 for this model: its sharded optimizer no "
+                "longer steps it (the gradient hooks are gone); build a new optimizer over the plain module"
+            )
         if self.reducer.idle:
             self.reducer.reset()
             return

@@ -32,6 +32,9 @@ class EngineMemory:
     """Gradients that became their bucket's accumulation buffer so far (no copy, no pool slot)."""
     allocations_outside_pool: int
     """Accumulation buffers allocated because every pool slot was busy (e.g. ``no_sync``)."""
+    peak_accumulating_bytes: int = 0
+    """The most bytes of accumulation buffers holding gradients at once so far (full-size, all
+    buckets, across ``no_sync`` micro-batches; a few buckets with ``sharded_accumulation``)."""
 
 
 class EngineFigures:
@@ -117,4 +120,5 @@ class EngineFigures:
             pool_bytes=self.reducer.pool.nbytes(),
             adopted=self.reducer.adopted,
             allocations_outside_pool=self.reducer.allocations_outside_pool,
+            peak_accumulating_bytes=self.reducer.peak_accumulating_bytes,
         )

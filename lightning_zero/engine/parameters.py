@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.config import ZeroConfig
@@ -42,14 +43,21 @@ def sharded_engine(module: torch.nn.Module | None) -> ParameterAccess | None:
     return engine if engine is not None and engine.units is not None else None
 
 
-def unshard(module: torch.nn.Module) -> None:
+def unshard(module: torch.nn.Module) -> torch.nn.Module:
     """Make a model left sharded by stage 3 (after ``fit`` under ``"zero3"``, or with a stage-3
     ``ShardedAdamW``) a plain module again: every parameter full on every rank (the whole model's
-    memory on each), the gathering and state-dict hooks removed. A no-op for any other module. All
-    ranks."""
+    memory on each), and no hook of ours left on it or its parameters (gathers, gradient hooks,
+    state-dict hooks, a strategy's forward hooks), so that any optimizer, e.g. a new
+    ``torch.optim.AdamW``, trains it as a model never sharded. The sharded optimizer no longer
+    steps it (its ``step()`` raises); it can still save. A no-op for any other module. All ranks.
+
+    Returns:
+        ``module`` itself.
+    """
     engine = sharded_engine(module)
     if engine is not None:
         engine.unshard()
+    return module
 
 
 class ParameterAccess:
@@ -66,6 +74,15 @@ class ParameterAccess:
     state: ShardState
     units: UnitGather | None
     module: torch.nn.Module | None
+    unsharded: bool
+    """:meth:`unshard` ended stage 3: the model is plain, this engine no longer steps it."""
+    module_hooks: list[RemovableHandle]
+    """Hooks an integration put on the model, removed by :meth:`unshard`."""
+
+    def remove_at_unshard(self, handles: list[RemovableHandle]) -> None:
+        """Hooks an integration put on the model (stage 3), removed by :meth:`unshard` with the engine's
+        own, so that it leaves a plain module."""
+        self.module_hooks.extend(handles)
 
     def install_forward_waits(self, module: torch.nn.Module) -> None:
         """``module``'s submodules wait in their forward for the buckets holding their parameters."""
@@ -158,15 +175,22 @@ class ParameterAccess:
 
     @torch.no_grad()
     def unshard(self) -> None:
-        """Stage 3, after training: the unit hooks removed and every parameter full again, a view of
-        flat buffers laid out as at stage 2, all-gathered bucket by bucket from the shards straight into
-        them (the full model's memory on every rank, once: no unit is gathered on the way). The engine
-        keeps its shards for saving. All ranks; a no-op below stage 3."""
+        """Stage 3, after training: every hook removed (the units', the gradient hooks, the forward
+        waits, those given to :meth:`remove_at_unshard`) and every parameter full again, a view of flat
+        buffers laid out as at stage 2, all-gathered bucket by bucket from the shards straight into them
+        (the full model's memory on every rank, once: no unit is gathered on the way). The engine keeps
+        its shards for saving; :meth:`step` refuses from now on. All ranks; a no-op below stage 3."""
         if self.units is None:
             return
+        self.gather.remove_hooks()
+        self.reducer.remove_hooks()
+        for handle in self.module_hooks:
+            handle.remove()
+        self.module_hooks.clear()
         flat = self.units.unshard()
         self.units = None
         self._rebind(flat)
+        self.unsharded = True
         if self.module is not None:
             _SHARDED.pop(self.module, None)
 

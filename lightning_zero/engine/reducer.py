@@ -8,7 +8,10 @@ Per optimizer step (one or more backward passes):
      ``param.grad`` is released. A parameter alone in an unpadded bucket of its master dtype (an
      fp32 embedding or output layer, typically larger than the bucket cap) skips the copy: the
      gradient autograd created becomes the buffer (*adopted*; never a ``.grad`` the user
-     assigned). Inside ``no_sync`` nothing more happens: nothing is sent.
+     assigned). Inside ``no_sync`` nothing more happens: nothing is sent (with
+     ``sharded_accumulation`` a backward inside ``no_sync`` is a round as in 2 and 3, whose results
+     are summed into ``grad_shards``; under hybrid sharding its all-reduce across the replicas is
+     left out, and the step's last round all-reduces the accumulated shard instead of its own part).
   2. Outside ``no_sync`` a backward pass is a *round*: when every parameter of a bucket has
      arrived, and every earlier bucket has been launched, the bucket is divided by the world size,
      cast to the wire dtype and its collective starts asynchronously while backward goes on.
@@ -146,7 +149,12 @@ class GradReducer:
         """Accumulation buffers allocated because every pool slot was busy (e.g. ``no_sync``)."""
         self.adopted = 0
         """Gradients that became their bucket's accumulation buffer (no copy, no slot)."""
+        self._accumulating_bytes = 0
+        self.peak_accumulating_bytes = 0
+        """The most bytes of accumulation buffers holding gradients at once."""
         self._sync = True
+        self._sharded_accumulation = config.accumulates_sharded
+        self._awaiting_sync = False  # a round inside no_sync was folded into grad_shards, none after it
         # the same semantics on 1 and N ranks: without find_unused_parameters a parameter that got no
         # gradient counts as a zero gradient (with a one-time warning), also at world size 1
         self._skip_unused = config.find_unused_parameters
@@ -202,7 +210,7 @@ class GradReducer:
         """A parameter's gradient has been accumulated (its hook)."""
         self._used[index] = True
         self._take_grad(index, param)
-        if self._sync:
+        if self._sync or self._sharded_accumulation:
             self._arrive(index)
             if not self._callback_queued:
                 self._callback_queued = True
@@ -233,6 +241,7 @@ class GradReducer:
             return False
         state.accum = grad.detach().view(-1)
         self.adopted += 1
+        self._count_accumulating(state.accum)
         return True
 
     def _take_grad(self, index: int, param: torch.nn.Parameter) -> None:
@@ -278,25 +287,45 @@ class GradReducer:
                 key, index, state.accum = taken
                 state.slot = (key, index)
             state.accum[bucket.numel :].zero_()
+            self._count_accumulating(state.accum)
         return state.accum
 
+    def _count_accumulating(self, accum: Tensor) -> None:
+        self._accumulating_bytes += accum.numel() * accum.element_size()
+        self.peak_accumulating_bytes = max(self.peak_accumulating_bytes, self._accumulating_bytes)
+
     def _collect_oldest(self) -> bool:
-        """Collect the oldest launched bucket (waits for it); False if none is in flight that can be
-        collected without issuing a collective (hybrid: the newest waits for its all-reduce across)."""
+        """Free the pool slot of the oldest launched bucket (waits for it); False if none holds one.
+
+        A bucket whose all-reduce across the replicas is not issued yet (hybrid: the newest) is not
+        collected, which would issue that collective here; its reduction inside the group is waited
+        for and its part kept apart, so its slot is free all the same (no allocation outside the pool)."""
         for b, state in enumerate(self._buckets):
-            if state.sent is not None:
-                if not self._collectable(state):
-                    return False
+            if state.sent is None:
+                continue
+            if self._collectable(state):
                 self._collect(b)
                 return True
+            if state.slot is None or not state.sent.uses_accum:
+                return False
+            state.codec.keep_part(self.comm, state.sent)  # waits inside the group; no collective
+            self._drop_accum(state)
+            return True
         return False
 
     def _release(self, state: _BucketState) -> None:
         """Give the bucket's pool slot back and drop its buffers."""
+        self._drop_accum(state)
+        state.clear()
+
+    def _drop_accum(self, state: _BucketState) -> None:
+        """Give the accumulation buffer (and its pool slot) back; what is in flight stays."""
+        if state.accum is not None:
+            self._accumulating_bytes -= state.accum.numel() * state.accum.element_size()
         if state.slot is not None:
             self.pool.give(*state.slot)
             state.slot = None
-        state.clear()
+        state.accum = None
 
     def _launch_ready(self) -> None:
         if not self.config.overlap_comm:
@@ -308,6 +337,7 @@ class GradReducer:
         state = self._buckets[bucket_index]
         accum, shard = self._accum(bucket_index), self.grad_shards[bucket_index]
         sent = state.codec.launch(self.comm, accum, shard, self._rounds == 0, self._inspect, self._ranks)
+        sent.local_only = not self._sync  # sharded accumulation inside no_sync: across once, at the end
         if not sent.uses_accum:
             self._release(state)  # the wire copy is all that is needed from here on
         state.sent = sent
@@ -319,15 +349,19 @@ class GradReducer:
         """Hybrid sharding: issue the all-reduce across the replicas of every launched bucket before
         ``end`` that has none yet, in bucket order. Called right after a launch and at the end of a
         round only: fixed points of the program (the module docstring's collective order)."""
-        if self.replicas.world_size == 1:
+        if self.replicas.world_size == 1 or not self._sync:
             return
-        for state in self._buckets[:end]:
+        for b, state in enumerate(self._buckets[:end]):
             if state.sent is not None and not state.sent.across:
-                state.codec.start_across(self.comm, state.sent, self.replicas)
+                # after rounds folded inside no_sync: this round's part joins the shard, and the whole
+                # accumulated shard is all-reduced across the replicas, once per step
+                fold = self.grad_shards[b] if self._awaiting_sync else None
+                state.codec.start_across(self.comm, state.sent, self.replicas, fold)
 
     def _collectable(self, state: _BucketState) -> bool:
         """Collecting ``state`` issues no collective (hybrid: its all-reduce across is issued)."""
-        return state.sent is not None and (self.replicas.world_size == 1 or state.sent.across)
+        sent = state.sent
+        return sent is not None and (self.replicas.world_size == 1 or sent.across or sent.local_only)
 
     def _collect_finished(self, newest: int) -> None:
         """Collect launched buckets that have finished; keep at most ``_MAX_IN_FLIGHT`` uncollected
@@ -373,6 +407,13 @@ class GradReducer:
             self._fill_missing(bucket_index)
             self._launch(bucket_index)
         self._start_across(len(self._buckets))
+        if not self._sync:  # sharded accumulation inside no_sync: the step's last round agrees on the rest
+            for bucket_index in range(len(self._buckets)):
+                if self._buckets[bucket_index].sent is not None:
+                    self._collect(bucket_index)
+            self._awaiting_sync = True
+            self._end_round()
+            return
         used, used_handle = None, None  # launched after every bucket: the same collective order everywhere
         if self._skip_unused and self.world.world_size == 1:
             self._used_global = list(self._used)  # local is global: no tensor, no host synchronisation
@@ -389,6 +430,10 @@ class GradReducer:
             self._used_global = [bool(u) for u in values[: len(self.params)]]
             if self._guard is not None:
                 self._guard.agreed(values[len(self.params) :])
+        self._awaiting_sync = False
+        self._end_round()
+
+    def _end_round(self) -> None:
         self._rounds += 1
         self._round_open = False
         self._next_launch = 0
@@ -426,7 +471,34 @@ class GradReducer:
                 shard.zero_()
         elif self._round_open:
             self._finish_round()
+        if self._awaiting_sync:  # the step's last backward ran inside no_sync: close the window here
+            self._close_window()
         return self._used_global
+
+    def _close_window(self) -> None:
+        """Sharded accumulation whose last round ran inside ``no_sync``: all-reduce the accumulated
+        shards across the replicas and agree on the used parameters, as a syncing round would."""
+        handles = (
+            [
+                self.replicas.all_reduce(shard, what="gradient all-reduce across replicas")
+                for shard in self.grad_shards
+            ]
+            if self.replicas.world_size > 1
+            else []
+        )
+        for handle in handles:
+            self.replicas.wait(handle)
+        if self._skip_unused and self.world.world_size == 1:
+            self._used_global = list(self._used)
+        elif self._skip_unused or self._guard is not None:
+            used, handle = self._launch_used_mask()
+            self.world.wait(handle)
+            values = used.tolist()  # a host sync, once per step
+            if self._skip_unused:
+                self._used_global = [bool(u) for u in values[: len(self.params)]]
+            if self._guard is not None:
+                self._guard.agreed(values[len(self.params) :])
+        self._awaiting_sync = False
 
     def _collect(self, bucket_index: int) -> None:
         state = self._buckets[bucket_index]
@@ -458,6 +530,7 @@ class GradReducer:
         self._rounds = 0
         self._round_open = False
         self._callback_queued = False
+        self._awaiting_sync = False
         if self._guard is not None:
             self._guard.reset()
 

@@ -30,17 +30,28 @@ So at most ``1 + prefetch_units`` units (plus the root) hold full parameters at 
 every unit in forward, another of every unit but the root in backward (with
 ``reshard_after_forward``), one reduce-scatter of the gradients: ``(3Ψ - Ψ_root)(N-1)/N``.
 
+The backward hook is registered on the tensors requiring grad in the unit's output: the leaves of its
+pytree (tensors, tuples, lists, dicts, named tuples, registered types), and inside them the fields of
+dataclasses and the items of other mappings, lists and tuples. Any other object in the output of a
+forward with gradients is refused there with a ``TypeError`` naming the unit and the type: its
+tensors could not be hooked, and the unit's backward would run on freed parameters.
+
 Limits: every rank must run the same units in the same order (the gathers are collectives);
 parameters are readable outside their unit's forward and backward only through
-:meth:`UnitGather.gather_all` or the model's ``state_dict()`` (elsewhere they read NaN, and writes
-raise); a parameter used
+:meth:`UnitGather.gather_all` or the model's ``state_dict()``, writable only with a write-back after
+:meth:`UnitGather.gather_all` or through ``load_state_dict()`` (elsewhere they read NaN, and every
+write raises, naming the parameter: :mod:`lightning_zero.layout.placeholders`); a parameter used
 outside its unit's forward gets a gradient from those NaN values, which raises here.
+:meth:`UnitGather.unshard` removes every hook it installed.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import numbers
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -196,8 +207,12 @@ class UnitGather:
                 return
             if unit == 0:
                 self._order = list(self._running)
-            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if not (torch.is_grad_enabled() and outputs):
+            try:
+                outputs = _grad_outputs(output, self.units[unit].name) if torch.is_grad_enabled() else []
+            except TypeError:
+                self.free(unit)
+                raise
+            if not outputs:
                 self.free(unit)  # no backward will come through this forward
                 return
             torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward(unit), mode="any")
@@ -272,6 +287,45 @@ class UnitGather:
             handle.remove()
         self._hooks.clear()
         self.requests.remove_hooks()
+
+
+_PLAIN = (type(None), bool, numbers.Number, str, bytes, enum.Enum, torch.dtype, torch.device, torch.layout)
+"""Output values that hold no tensor."""
+
+
+def _grad_outputs(output: object, unit: str) -> list[torch.Tensor]:
+    """The tensors requiring grad in a unit's forward output: the leaves of its pytree, and within them
+    the fields of dataclasses and the items of mappings, lists and tuples that pytree does not know.
+
+    Raises:
+        TypeError: the output holds another object: tensors inside it could not be hooked, and the
+            unit's backward would run on freed parameters.
+    """
+    found: list[torch.Tensor] = []
+    pending: list[object] = [output]
+    seen: set[int] = set()
+    while pending:
+        for leaf in tree_flatten(pending.pop())[0]:
+            if isinstance(leaf, torch.Tensor):
+                if leaf.requires_grad:
+                    found.append(leaf)
+            elif isinstance(leaf, _PLAIN) or id(leaf) in seen:
+                continue
+            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+                seen.add(id(leaf))
+                pending.append([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+            elif isinstance(leaf, (Mapping, list, tuple)):
+                seen.add(id(leaf))
+                pending.append(list(leaf.values()) if isinstance(leaf, Mapping) else list(leaf))
+            else:
+                kind = type(leaf)
+                raise TypeError(
+                    f"stage 3: unit {unit!r} returned a {kind.__module__}.{kind.__qualname__} from its "
+                    "forward (with gradients on), whose tensors its backward hook cannot find, so its "
+                    "backward would run on freed parameters. Return tensors, or tuples, lists, dicts, "
+                    "named tuples or dataclasses of them (or register the type with torch.utils._pytree)"
+                )
+    return found
 
 
 def _in_backward() -> bool:

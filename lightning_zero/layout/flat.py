@@ -9,12 +9,13 @@ elements are zero and belong to no parameter.
 Stage 3 (``sharded=True``): each bucket has a buffer of its own, and this rank keeps its shard of
 it in a separate, persistent ``(shard_numel,)`` tensor. The full buffer exists only while its unit
 is gathered: :meth:`FlatParams.free` shrinks the buffer's storage to nothing (every view of it,
-including those autograd saved for backward, loses the memory) and points the parameters at a
-*placeholder*: the right shape, one NaN element broadcast, so a read outside the unit's forward
-gives NaN and an in-place write raises, instead of reading freed memory.
-:meth:`FlatParams.materialize` gives the storage back (contents undefined until an all-gather
-fills it) and points the parameters at their views again, the same storage object as before, so a
-tensor saved in forward sees the gathered values in backward.
+including those autograd saved for backward, loses the memory) and points the parameters at
+*placeholders* (:mod:`lightning_zero.layout.placeholders`): the right shape, one NaN element of each
+parameter's own broadcast, so a read outside the unit's forward gives NaN instead of freed memory,
+and any write into the parameter raises, naming it. :meth:`FlatParams.materialize` gives the storage
+back (contents undefined until an all-gather fills it) and points the parameters at their views
+again, the same storage object as before, so a tensor saved in forward sees the gathered values in
+backward.
 
 Anything that replaces a parameter's storage afterwards (``module.to(other_device)``,
 ``module.half()``) unbinds it; bind after the model has its final device and dtype.
@@ -29,6 +30,7 @@ from torch import Tensor
 
 from lightning_zero.layout.buckets import Bucket, BucketPlan
 from lightning_zero.layout.partition import shard_range
+from lightning_zero.layout.placeholders import allow_writes, name_parameter, refuse_writes
 
 
 class FlatParams:
@@ -59,15 +61,26 @@ class FlatParams:
                 for dtype, numel in plan.buffer_numel.items()
             }
         self._views: list[Tensor] = [torch.empty(0)] * len(self.params)
-        self._placeholders: dict[torch.dtype, Tensor] = {}
+        self._nan: list[Tensor] = []
+        """Stage 3: ``(len(slots),)`` per bucket, one NaN element for each of its parameters."""
+        self._placeholders: list[Tensor] = [torch.empty(0)] * len(self.params)
+        """Stage 3: each parameter's NaN element broadcast to its shape (while its bucket is freed)."""
         self._gathered = [True] * len(plan.buckets)
         with torch.no_grad():
             for bucket in plan.buckets:
                 if sharded:
                     self.full.append(torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=self.device))
+                    nan = torch.full(
+                        (len(bucket.slots),), float("nan"), dtype=bucket.dtype, device=self.device
+                    )
+                    self._nan.append(nan)
+                    for j, slot in enumerate(bucket.slots):
+                        self._placeholders[slot.param_index] = nan[j].expand(params[slot.param_index].shape)
+                        name_parameter(params[slot.param_index], plan.params[slot.param_index].name)
                 flat = self.bucket(bucket)
                 for slot in bucket.slots:
                     param = params[slot.param_index]
+                    allow_writes(param)  # a parameter another (stage 3) FlatParams left freed
                     view = flat[slot.bucket_offset : slot.bucket_offset + slot.numel].view_as(param)
                     view.copy_(param.detach())
                     param.data = view  # the parameter's own storage is released here
@@ -81,10 +94,12 @@ class FlatParams:
         """Whether ``params`` (in plan order) still are the views (or placeholders) this object bound."""
         if len(params) != len(self.params):
             return False
-        for param, view, ours in zip(params, self._views, self.params, strict=True):
+        for param, view, placeholder, ours in zip(
+            params, self._views, self._placeholders, self.params, strict=True
+        ):
             if param is not ours:
                 return False
-            if param.data_ptr() != view.data_ptr() and not self._is_placeholder(param):
+            if param.data_ptr() != view.data_ptr() and not self._is_placeholder(param, placeholder):
                 return False
         return True
 
@@ -107,13 +122,16 @@ class FlatParams:
 
     @torch.no_grad()
     def free(self, bucket: Bucket) -> None:
-        """Stage 3: release the bucket's full buffer; its parameters become placeholders."""
+        """Stage 3: release the bucket's full buffer; its parameters become placeholders that refuse
+        writes."""
         if not self._gathered[bucket.index]:
             return
         self.full[bucket.index].untyped_storage().resize_(0)
+        self._nan[bucket.index].fill_(float("nan"))  # undoes a write that got past the refusal
         for slot in bucket.slots:
             param = self.params[slot.param_index]
-            param.data = self._placeholder(param.dtype).view(()).expand(param.shape)
+            param.data = self._placeholders[slot.param_index]
+            refuse_writes(param)
         self._gathered[bucket.index] = False
 
     def materialize(self, bucket: Bucket) -> None:
@@ -124,7 +142,9 @@ class FlatParams:
         full = self.full[bucket.index]
         full.untyped_storage().resize_(full.numel() * full.element_size())
         for slot in bucket.slots:
-            self.params[slot.param_index].data = self._views[slot.param_index]
+            param = self.params[slot.param_index]
+            allow_writes(param)
+            param.data = self._views[slot.param_index]
         self._gathered[bucket.index] = True
 
     @torch.no_grad()
@@ -135,11 +155,7 @@ class FlatParams:
             start, end = shard_range(bucket.padded_numel, self.plan.world_size, self.rank)
             self.shards[bucket.index].copy_(self.full[bucket.index][start:end])
 
-    def _placeholder(self, dtype: torch.dtype) -> Tensor:
-        if dtype not in self._placeholders:
-            self._placeholders[dtype] = torch.full((1,), float("nan"), dtype=dtype, device=self.device)
-        return self._placeholders[dtype]
-
-    def _is_placeholder(self, param: Tensor) -> bool:
-        placeholder = self._placeholders.get(param.dtype)
-        return placeholder is not None and param.data_ptr() == placeholder.data_ptr()
+    def _is_placeholder(self, param: Tensor, placeholder: Tensor) -> bool:
+        return (
+            self.sharded and param.data_ptr() == placeholder.data_ptr() and param.dtype == placeholder.dtype
+        )

@@ -70,7 +70,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         module: the model. Required at stage 3 (``config.stage=3``), whose parameters are sharded
             too and gathered around each unit's forward and backward by hooks on ``module``; then
             ``param_order`` and ``param_names`` default to ``module``'s. Parameters outside a
-            forward are readable only inside ``opt.full_parameters()``.
+            forward are readable only inside ``opt.full_parameters()`` and writable only inside
+            ``opt.full_parameters(writeback=True)`` (elsewhere they read NaN and a write raises,
+            naming the parameter).
 
     Raises:
         ValueError: on an unsupported option, value or parameter; on a plan mismatch between ranks.
@@ -243,6 +245,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
         Raises:
             NonFiniteGradientError: the ``skip_nonfinite_steps``-th skipped step in a row (every rank).
+            RuntimeError: after ``lightning_zero.unshard(model)`` ended stage 3 for the model.
         """
         loss = None
         if closure is not None:

@@ -224,6 +224,7 @@ def assert_each_sample_trained_once_in_order(run_dir: Path, steps: int, world_si
             assert row[1:] == order[rank * batch : (rank + 1) * batch].tolist(), (rank, step)
 
 
+@pytest.mark.collective_faults  # SIGUSR1 stops the first attempt wherever each rank is
 def test_requeue_resumes_from_its_checkpoint_and_finishes(slurm: None, tmp_path: Path) -> None:
     """SIGUSR1 part-way (what --signal=SIGUSR1@90 sends every task before a time limit): the ranks
     agree at a step boundary, save that step in the run's checkpoint series, the job requeues itself,
@@ -305,6 +306,7 @@ def _job_pids(job_id: str, task: int | None = None) -> list[int]:
     return pids
 
 
+@pytest.mark.collective_faults  # rank 1 is killed mid-step on purpose
 def test_a_killed_rank_requeues_the_job_which_resumes_and_finishes(slurm: None, tmp_path: Path) -> None:
     """The generated sbatch script runs the recipe on two SLURM tasks (one job, world size 2), and
     rank 1 is SIGKILLed part-way (what the out-of-memory killer or a crashed node does to one task):

@@ -25,7 +25,7 @@ from lightning.fabric.plugins.precision import MixedPrecision
 from torch import nn
 
 import lightning_zero
-from tests.distributed.models import TinyNet, param_groups
+from tests.distributed.models import TinyNet, hooks_left, param_groups
 from tests.distributed.workers import _defer_gathers
 
 GLOBAL_BATCH = 12
@@ -210,6 +210,8 @@ def train(case: dict[str, Any], devices: int) -> dict[str, Any]:
         result["placeholders"] = all(
             torch.isnan(p).all() for p in model.module.net.parameters() if p.requires_grad
         )
+        lightning_zero.unshard(model.module)  # a plain module: none of the strategy's hooks left
+        result["hooks_after_unshard"] = hooks_left(model.module)
     if case.get("batchnorm"):  # every rank's buffers: DDP makes them rank 0's before each synced forward
         for name, buffer in model.module.named_buffers():
             result[f"buffer:{name}"] = fabric.all_gather(buffer).detach().clone()

@@ -95,3 +95,30 @@ class RootedBlockNet(BlockNet):
         for i, block in enumerate(self.blocks):
             h = block(h, use_extra and i == 1)
         return self.out(h)
+
+
+HOOK_KINDS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def hooks_left(model: nn.Module) -> list[str]:
+    """Where ``model`` holds hooks: ``"<module name>.<kind>"`` per module, a parameter's name for its
+    gradient hooks (a plain module holds none)."""
+    found = [
+        f"{name or '<root>'}.{kind}"
+        for name, module in model.named_modules()
+        for kind in HOOK_KINDS
+        if getattr(module, kind)
+    ]
+    for name, param in model.named_parameters():
+        if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):
+            found.append(name)
+    return found

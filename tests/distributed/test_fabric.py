@@ -161,11 +161,12 @@ def test_save_reloads_on_one_two_three_ranks_and_other_stage(runs: dict[str, Any
 def test_stage3_keeps_shards_and_its_checkpoints_move_across_stages_and_world_sizes(
     runs: dict[str, Any],
 ) -> None:
-    """``"zero3"`` under Fabric: placeholders between steps (the model is sharded), a save at step 4
-    that resumes at stage 2 on 2 ranks and at stage 3 on 1 rank, and a stage-2 save resumed at stage 3
-    on 3 ranks, each equal to the uninterrupted run."""
+    """``"zero3"`` under Fabric: placeholders between steps (the model is sharded), no hook left after
+    ``unshard``, a save at step 4 that resumes at stage 2 on 2 ranks and at stage 3 on 1 rank, and a
+    stage-2 save resumed at stage 3 on 3 ranks, each equal to the uninterrupted run."""
     two = runs["two"]
     assert two["zero3"]["placeholders"], "stage 3 must hold only shards between steps"
+    assert two["zero3"]["hooks_after_unshard"] == [], "unshard leaves a plain module"
     assert sorted(p.name for p in Path(runs["paths"]["loop3.ckpt"]).glob("shard-*")) == [
         "shard-00000-of-00002.pt",
         "shard-00001-of-00002.pt",

@@ -29,6 +29,12 @@ def _cases(group: int) -> list[dict[str, Any]]:
         # a slow peer: its shard group's reductions finish late, the others' early; every rank must
         # still issue the same collective sequence (checked after the test by tests/conftest.py)
         {**TINY, "stage": 2, "accum": 1, "shard_group_size": group, "slow_rank": WORLD - 1},
+        # sharded accumulation: every micro-batch reduced inside the group, across groups once per step
+        {**TINY, "stage": 2, "accum": 3, "shard_group_size": group, "sharded_accumulation": True},
+        # stage 3 accumulates sharded by default (the blocks case above): here the full-size window
+        {**BLOCKS, "accum": 3, "clip": 0.05, "shard_group_size": group, "sharded_accumulation": False},
+        {**TINY, "stage": 1, "accum": 2, "shard_group_size": group, "sharded_accumulation": True},
+        {**TINY, "stage": 3, "accum": 4, "shard_group_size": group},  # sharded by default at stage 3
     ]
 
 
@@ -62,9 +68,37 @@ def test_elements_across_groups_are_an_all_reduce_of_the_gradient_shard(layout: 
             assert result["replica_elements"] == [rounds * per_round] * case["steps"], case
             assert result["min_replica_elements"] == per_round
             assert (per_round > 0) == (replicas > 1)
-            if case["stage"] == 2 and rounds == 1:
+            if case["stage"] == 2 and case.get("sharded_accumulation"):  # a reduce-scatter per micro-batch
+                ring = result["padded"] * (group - 1) // group
+                assert result["elements"] == [(case["accum"] + 1) * ring] * case["steps"], case
+            elif case["stage"] == 2 and rounds == 1:
                 intra = 2 * result["padded"] * (group - 1) // group
                 # param_overlap: the worker defers each gather until the next forward waits for it,
                 # where it is counted, so the first step shows only its reduce-scatter
                 first = 1 if case.get("param_overlap") else 0
                 assert result["elements"][first:] == [intra] * (case["steps"] - first), case
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sharded_accumulation_holds_no_full_size_gradient_buffer(layout: str, runs: dict) -> None:
+    """With ``sharded_accumulation`` no rank ever holds the whole model's gradients in accumulation
+    buffers across the micro-batches; under ``no_sync`` (the default) every bucket does (float64).
+    (Not the blocks model: two of its gates are unused in every step, and a bucket waiting for an unused
+    parameter holds every later bucket until the end of backward, with or without the option.)"""
+    for rank_results in ranks(runs, layout):
+        for case, result in zip(_cases(LAYOUTS[layout]), rank_results, strict=True):
+            full = result["padded"] * 8
+            if case["net"] != "tiny":
+                continue
+            if case.get("sharded_accumulation", case["stage"] == 3):
+                assert 0 < result["peak_accumulating_bytes"] < full, (
+                    case,
+                    result["peak_accumulating_bytes"],
+                    full,
+                )
+            elif case["accum"] > 1 and case.get("no_sync", True):
+                assert result["peak_accumulating_bytes"] == full, (
+                    case,
+                    result["peak_accumulating_bytes"],
+                    full,
+                )

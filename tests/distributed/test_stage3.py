@@ -70,7 +70,8 @@ def test_stage3_gathers_the_root_once_per_step(world_size: int, runs: dict) -> N
     """A model whose root module holds a parameter itself: the root unit is gathered once per step (its
     first forward; it stays for the backward and the micro-batches after, until the step), every other
     unit in each micro-batch's forward and again in its backward (once with ``reshard_after_forward=False``).
-    Per step ``(Ψ_root + 2A(Ψ - Ψ_root) + Ψ)(N-1)/N`` elements for A micro-batches: ``(3Ψ - Ψ_root)(N-1)/N``
+    Per step ``(Ψ_root + 2A(Ψ - Ψ_root) + AΨ)(N-1)/N`` elements for A micro-batches (the gradients
+    reduce-scattered every micro-batch: stage 3 accumulates sharded by default): ``(3Ψ - Ψ_root)(N-1)/N``
     at A = 1."""
     for rank_results in ranks(runs, f"rooted_{world_size}"):
         for case, result in zip(ROOTED_CASES, rank_results, strict=True):
@@ -83,7 +84,8 @@ def test_stage3_gathers_the_root_once_per_step(world_size: int, runs: dict) -> N
             total, accum = sum(padded), case["accum"]
             per_unit = 2 * accum if case.get("reshard", True) else accum
             assert result["gathers"] == [{0: 1, **dict.fromkeys(range(1, 6), per_unit)}] * case["steps"], case
-            expected = (root + per_unit * (total - root) + total) * (world_size - 1) // world_size
+            # stage 3 accumulates sharded by default: a reduce-scatter of the gradients per micro-batch
+            expected = (root + per_unit * (total - root) + accum * total) * (world_size - 1) // world_size
             assert result["elements"] == [expected] * case["steps"], case
             if accum == 1:  # the docstring's formula, and the engine's own figure
                 assert expected == (3 * total - root) * (world_size - 1) // world_size

@@ -44,6 +44,7 @@ def _parity_case(
     bucket_cap_mb: float = 0.0004,
     shard_group_size: int | None = None,
     slow_rank: int | None = None,
+    sharded_accumulation: bool | None = None,
 ) -> dict[str, Any]:
     """``slow_rank``: that rank issues each collective inside its shard group 20 ms late (a slow
     peer), so its group's reductions finish later than the other groups' (the collective-order check
@@ -67,6 +68,7 @@ def _parity_case(
         reduce_dtype=reduce_dtype,
         overlap_param_gather=param_overlap,
         align_numel=align_numel,
+        sharded_accumulation=sharded_accumulation,
         **(_stage3_settings(reshard, prefetch) if stage == 3 else {}),
     )
     names = {p: n for n, p in model.named_parameters()}
@@ -143,6 +145,7 @@ def _parity_case(
         "replica_elements": replica_elements,
         "min_replica_elements": opt.engine.min_replica_elements_per_step(),
         "layout": opt.engine.groups.layout,
+        "peak_accumulating_bytes": opt.engine.memory().peak_accumulating_bytes,
     }
 
 

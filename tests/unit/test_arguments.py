@@ -23,6 +23,7 @@ BAD = {
     "find_unused_parameters": "no",
     "align_numel": 0,
     "skip_nonfinite_steps": -1,
+    "sharded_accumulation": "yes",
     "reshard_after_forward": "yes",
     "prefetch_units": -1,
     "unit_modules": ["no.such.Block"],

@@ -106,8 +106,11 @@ def test_a_freed_bucket_holds_no_storage_and_its_parameters_read_nan_and_refuse_
     assert flat.bucket(bucket).untyped_storage().nbytes() == 0
     assert all(p.shape == v.shape for p, v in zip(params, values, strict=True))
     assert torch.isnan(block.fc.weight.sum())
-    with pytest.raises(RuntimeError, match="single memory location"):
+    with pytest.raises(RuntimeError, match="add_ would write into parameter '3'"):  # fc.weight
         block.fc.weight.data.add_(1)
+    with pytest.raises(RuntimeError, match="zero_ would write into parameter '4'"):  # no overlap check
+        block.fc.bias.zero_()
+    assert torch.isnan(block.fc.bias).all()
     assert flat.is_bound(params)
     flat.materialize(bucket)
     start = plan.shard_numel(bucket)

@@ -97,6 +97,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         find_unused_parameters: bool = False,
         align_numel: int = 1,
         skip_nonfinite_steps: int = 0,
+        sharded_accumulation: bool | None = None,
         reshard_after_forward: bool = True,
         prefetch_units: int = 1,
         unit_modules: Any = None,
@@ -195,6 +196,8 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
             sharded.install_forward_waits(module)
             # model.state_dict() (what checkpoints, EMA copies, exports read) waits for the gathers
             self._hooks.append(module.register_state_dict_pre_hook(lambda *_: sharded.wait_for_params()))
+        if self._zero.engine is not None:  # lightning_zero.unshard(module) leaves a plain module
+            self._zero.engine.remove_at_unshard(self._hooks)
         self.precision.__class__ = fabric_shard_aware(type(self.precision))
         return module, [sharded], scheduler
 

@@ -135,6 +135,7 @@ class ZeroStrategy(ShardedCheckpointing):
         find_unused_parameters: bool = False,
         align_numel: int = 1,
         skip_nonfinite_steps: int = 0,
+        sharded_accumulation: bool | None = None,
         reshard_after_forward: bool = True,
         prefetch_units: int = 1,
         unit_modules: Any = None,
