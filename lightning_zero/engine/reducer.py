@@ -155,6 +155,7 @@ class GradReducer:
         self._sync = True
         self._sharded_accumulation = config.accumulates_sharded
         self._awaiting_sync = False  # a round inside no_sync was folded into grad_shards, none after it
+        self._synced_in_step = False  # a round outside no_sync finished in this step
         # the same semantics on 1 and N ranks: without find_unused_parameters a parameter that got no
         # gradient counts as a zero gradient (with a one-time warning), also at world size 1
         self._skip_unused = config.find_unused_parameters
@@ -431,6 +432,7 @@ class GradReducer:
             if self._guard is not None:
                 self._guard.agreed(values[len(self.params) :])
         self._awaiting_sync = False
+        self._synced_in_step = True
         self._end_round()
 
     def _end_round(self) -> None:
@@ -477,7 +479,19 @@ class GradReducer:
 
     def _close_window(self) -> None:
         """Sharded accumulation whose last round ran inside ``no_sync``: all-reduce the accumulated
-        shards across the replicas and agree on the used parameters, as a syncing round would."""
+        shards across the replicas and agree on the used parameters, as a syncing round would.
+
+        Raises:
+            RuntimeError: under node-aware sharding, when an earlier backward of the step ran outside
+                ``no_sync`` (its part is already summed across the replicas: summing the shard again
+                would count it once per replica group).
+        """
+        if self.replicas.world_size > 1 and self._synced_in_step:
+            raise RuntimeError(
+                "sharded_accumulation under node-aware sharding: the step's last backward ran inside "
+                "no_sync after one outside it; run the step's last backward outside no_sync (as "
+                "Lightning's accumulate_grad_batches does), or every backward outside it"
+            )
         handles = (
             [
                 self.replicas.all_reduce(shard, what="gradient all-reduce across replicas")
@@ -531,6 +545,7 @@ class GradReducer:
         self._round_open = False
         self._callback_queued = False
         self._awaiting_sync = False
+        self._synced_in_step = False
         if self._guard is not None:
             self._guard.reset()
 
