@@ -73,6 +73,15 @@ class _Named:
         return bool(self.handle.wait())
 
 
+class _InCall:
+    """A blocking call as something the watchdog can poll: completed once it has returned."""
+
+    returned = False
+
+    def is_completed(self) -> bool:
+        return self.returned
+
+
 class _EventDone:
     """A CUDA event as something the watchdog can poll (and a stream can wait for)."""
 
@@ -239,13 +248,24 @@ class Comm:
 
     def _run(self, what: str, fn: Any, *args: Any, blocking: bool = True) -> Any:
         """``fn(*args)``, a collective (``blocking``: one that returns no handle, on CUDA watched
-        through an event behind it), with a failure named."""
+        while the call lasts, since torch's object collectives synchronise inside it, and through an
+        event behind it afterwards), with a failure named."""
+        in_call = (
+            _InCall() if blocking and self._watchdog is not None and self.device.type == "cuda" else None
+        )
+        if in_call is not None:
+            assert self._watchdog is not None
+            where = f"{self._where()}: {what}"
+            self._watchdog.watch(in_call, where, self._watch_timeout_s, self.backend.abort, self.device)
         try:
             out = fn(*args)
         except CommError:
             raise
         except Exception as err:  # noqa: BLE001 - named and re-raised
             raise self._fail(what, err) from err
+        finally:
+            if in_call is not None:
+                in_call.returned = True
         if blocking:
             self._watch_stream(what)
         return out

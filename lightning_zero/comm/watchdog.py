@@ -14,7 +14,8 @@ exit status 75, no requeue. The choices (each from torch's documented mechanisms
     overlap the engine is built for is lost.
   * ``Work.wait(timeout)``: the same host block, per call.
   * **a watchdog of our own (this module)**: every asynchronous collective issued through a watched
-    ``Comm`` (and, on CUDA, an event recorded behind every blocking one) is registered with its
+    ``Comm`` (and, on CUDA, every blocking one while the call lasts, then an event recorded behind
+    it: torch's object collectives synchronise inside the call) is registered with its
     deadline, the issuing group's timeout. One thread per process polls ``is_completed()`` (a CUDA
     event query: no synchronisation) every ``poll_s``. Cost on the step: one list append per
     collective; nothing on the stream, no host synchronisation.
@@ -130,7 +131,7 @@ class Watchdog:
             return next((w for w in self._pending if w.deadline < now), None)
 
     def _run(self) -> None:
-        if self.device is not None:
+        if self.device is not None and torch.cuda.is_available():
             torch.cuda.set_device(self.device)
         while self.failure is None:
             time.sleep(self.poll_s)

@@ -151,3 +151,32 @@ def test_the_strategies_keep_torchs_nccl_watchdog_from_ending_the_process(
         monkeypatch.setenv(NCCL_ERROR_HANDLING, "1")  # the user's choice is kept
         cls().setup_environment()
     assert seen == ["2", "1", "2", "1"]
+
+
+class HangingObjectCollective(SingleProcess):
+    """A CUDA-like backend (what the watchdog watches) whose object all-gather never returns: torch's
+    object collectives synchronise inside the call, so no handle or event exists to watch."""
+
+    def __init__(self) -> None:
+        super().__init__(None, 0, 2, torch.device("cuda"))
+        self.aborts = 0
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        end = time.monotonic() + 5.0  # a peer that never sends (bounded: a broken watchdog fails the test)
+        while time.monotonic() < end:
+            time.sleep(0.01)
+        return [obj, obj]
+
+    def abort(self) -> None:
+        self.aborts += 1
+
+
+def test_a_blocking_collective_that_never_returns_is_watched_while_it_lasts() -> None:
+    backend = HangingObjectCollective()
+    comm = Comm(None, backend)
+    comm.watch(Watchdog(CommError, poll_s=0.05, exit_after=None), 0.5)
+    start = time.monotonic()
+    with pytest.raises(CommError, match="rank 0 of 2: all-gather of a Python object did not complete"):
+        comm.all_gather_object({"files": ["shard-0.pt"]})
+    assert time.monotonic() - start <= 0.5 + 1.0
+    assert backend.aborts == 1
