@@ -88,6 +88,10 @@ class Backend(ABC):
         """The default group's ranks of this group, in group-rank order."""
         return list(range(self.world_size))
 
+    def group_name(self) -> str:
+        """The process group's name, the same on every rank ("" without one)."""
+        return ""
+
     @abstractmethod
     def reduce_scatter(self, output: Tensor, input_: Tensor) -> Any:
         """Implemented by each backend."""
@@ -186,6 +190,10 @@ class Native(Backend):
 
     def global_ranks(self) -> list[int]:
         return [self._global(r) for r in range(self.world_size)]
+
+    def group_name(self) -> str:
+        group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        return str(getattr(group, "group_name", ""))
 
     def reduce_scatter(self, output: Tensor, input_: Tensor) -> Any:
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -165,7 +165,13 @@ class Comm:
         self._recorder: Recorder | None = (
             None
             if isinstance(self.backend, SingleProcess)
-            else recorder_for(self.backend.global_rank(), self.backend.global_ranks(), self.role, ordered)
+            else recorder_for(
+                self.backend.global_rank(),
+                self.backend.global_ranks(),
+                self.role,
+                ordered,
+                self.backend.group_name(),
+            )
         )
         self._some_groups = 0  # depth of only_some_groups()
         self._watchdog: Watchdog | None = None

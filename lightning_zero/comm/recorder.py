@@ -71,6 +71,8 @@ class Entry:
     dtype: str
     ordered: bool = True
     """Issued on the training thread (see the module docstring)."""
+    name: str = ""
+    """The process group's name (the same on every rank): two groups over the same ranks differ."""
 
     def describe(self) -> str:
         size = "an object" if self.numel < 0 else f"{self.numel} x {self.dtype}"
@@ -92,7 +94,9 @@ class _Log:
         )
         faults = FAULTS_SUFFIX if os.environ.get(ENV_FAULTS) else ""
         name = f"{_safe(launch)}{faults}.rank{rank}.jsonl"
-        line = json.dumps([entry.role, list(entry.group), entry.op, entry.numel, entry.dtype, entry.ordered])
+        line = json.dumps(
+            [entry.role, list(entry.group), entry.op, entry.numel, entry.dtype, entry.ordered, entry.name]
+        )
         with self._lock:
             key = f"{directory}/{name}/{os.getpid()}"
             out = self._files.get(key)
@@ -112,22 +116,26 @@ def _safe(text: str) -> str:
 class Recorder:
     """Records the collectives of one group (one per :class:`~lightning_zero.comm.Comm`, when on)."""
 
-    def __init__(self, directory: str, rank: int, group: Sequence[int], role: str, ordered: bool) -> None:
-        self.directory, self.rank = directory, rank
+    def __init__(
+        self, directory: str, rank: int, group: Sequence[int], role: str, ordered: bool, name: str = ""
+    ) -> None:
+        self.directory, self.rank, self.name = directory, rank, name
         self.group, self.role, self.ordered = tuple(group), role, ordered
 
     def record(self, op: str, numel: int, dtype: object, ordered: bool = True) -> None:
         """Log one collective; ``ordered=False``: issued by some ranks only, by design (compared inside
         its group, left out of the order across groups)."""
         dtype_name = str(dtype).removeprefix("torch.")
-        entry = Entry(self.role, self.group, op, numel, dtype_name, self.ordered and ordered)
+        entry = Entry(self.role, self.group, op, numel, dtype_name, self.ordered and ordered, self.name)
         _LOG.write(self.directory, self.rank, entry)
 
 
-def recorder_for(rank: int, group: Sequence[int], role: str, ordered: bool = True) -> Recorder | None:
+def recorder_for(
+    rank: int, group: Sequence[int], role: str, ordered: bool = True, name: str = ""
+) -> Recorder | None:
     """A :class:`Recorder` when test mode is on (``LZ_COLLECTIVE_LOG`` set), else ``None``."""
     directory = os.environ.get(ENV_DIR)
-    return Recorder(directory, rank, group, role, ordered) if directory else None
+    return Recorder(directory, rank, group, role, ordered, name) if directory else None
 
 
 def read_logs(directory: str | Path) -> dict[str, dict[int, list[Entry]]]:
@@ -138,8 +146,8 @@ def read_logs(directory: str | Path) -> dict[str, dict[int, list[Entry]]]:
         entries = []
         for line in path.read_text().splitlines():
             if line.strip():
-                role, group, op, numel, dtype, ordered = json.loads(line)
-                entries.append(Entry(role, tuple(group), op, numel, dtype, ordered))
+                role, group, op, numel, dtype, ordered, *name = json.loads(line)
+                entries.append(Entry(role, tuple(group), op, numel, dtype, ordered, *name))
         launches.setdefault(launch, {})[int(rank)] = entries
     return launches
 
@@ -167,9 +175,10 @@ def _first_difference(
 def compare_ranks(launch: str, ranks: Mapping[int, list[Entry]], prefix_only: bool = False) -> list[str]:
     """The violations of the two rules (module docstring) in one launch's logs, each named."""
     problems: list[str] = []
-    groups = {(e.role, e.group) for entries in ranks.values() for e in entries}  # one communicator each
-    for role, group in sorted(groups, key=lambda g: (g[1], g[0])):
-        members = {r: [e for e in ranks.get(r, []) if (e.role, e.group) == (role, group)] for r in group}
+    groups = {(e.role, e.group, e.name) for entries in ranks.values() for e in entries}  # a communicator each
+    for role, group, name in sorted(groups, key=lambda g: (g[1], g[0], g[2])):
+        key = (role, group, name)
+        members = {r: [e for e in ranks.get(r, []) if (e.role, e.group, e.name) == key] for r in group}
         per_group = {r: [(e.op, e.numel, e.dtype) for e in seq] for r, seq in members.items()}
 
         def say_op(item: tuple[str, int, str], role: str = role, group: tuple[int, ...] = group) -> str:

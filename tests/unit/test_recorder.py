@@ -90,3 +90,15 @@ def test_logs_written_by_recorders_are_read_back_per_launch(
     )
     monkeypatch.delenv(recorder.ENV_DIR)
     assert recorder.recorder_for(0, [0, 1], "world") is None
+
+
+def test_two_groups_over_the_same_ranks_are_compared_apart() -> None:
+    """Two process groups over ranks (0, 1) with the same role (e.g. two flat ShardedAdamW over their
+    own groups): a rank that swaps which group carries which collective is caught by the groups' names."""
+    a = Entry("group", (0, 1), "all_reduce_sum", 4, "float32", True, "1")
+    b = Entry("group", (0, 1), "all_reduce_sum", 4, "float32", True, "2")
+    c = Entry("group", (0, 1), "all_reduce_sum", 6, "float32", True, "1")
+    d = Entry("group", (0, 1), "all_reduce_sum", 6, "float32", True, "2")
+    assert compare_ranks("L", {0: [a, d], 1: [a, d]}) == []
+    problems = compare_ranks("L", {0: [a, d], 1: [b, c]})
+    assert any("process group [0, 1] (group)" in p for p in problems), problems
