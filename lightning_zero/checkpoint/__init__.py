@@ -4,6 +4,8 @@ loading onto any world size (resharding), and consolidation into one standard fi
 The names below are the public API (``lightning_zero.checkpoint``); the modules are internal.
 """
 
+from lightning_zero.checkpoint.consolidate import load_full_state_dict
+from lightning_zero.checkpoint.export import save_safetensors
 from lightning_zero.checkpoint.format import (
     EXTRA,
     FORMAT_VERSION,
@@ -22,7 +24,9 @@ __all__ = [
     "META",
     "CheckpointError",
     "is_sharded_checkpoint",
+    "load_full_state_dict",
     "read_meta",
+    "save_safetensors",
     "save_sharded",
     "shard_name",
     "verify_files",

@@ -33,6 +33,7 @@ import torch
 from lightning_zero.checkpoint.format import (
     EXTRA,
     FABRIC_KEYS,
+    META,
     WEIGHTS_ONLY,
     CheckpointError,
     moment_names,
@@ -148,6 +149,33 @@ def consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], weight
         raise
 
 
+def load_full_state_dict(
+    src: str | os.PathLike[str], *, map_location: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The full model ``state_dict`` of the sharded checkpoint directory ``src`` (any stage, layout
+    and world size), assembled in memory with no process group: every trainable parameter from the
+    shard files (a 16-bit one in its saved dtype, rounded from its fp32 master), buffers and frozen
+    parameters from ``model_extra.pt``, and a tied weight as one tensor under all its names.
+
+    Args:
+        src: a checkpoint directory (``meta.pt`` and ``shard-*-of-*.pt`` files).
+        map_location: the device to put the tensors on.
+
+    Returns:
+        ``{name: tensor}``, as the model's own ``state_dict()`` holds it (no optimizer state).
+
+    Raises:
+        CheckpointError: if ``src`` is not a sharded checkpoint directory, or is incomplete or corrupt.
+    """
+    src = Path(src)
+    if not src.is_dir():
+        raise CheckpointError(
+            f"{src} is not a sharded checkpoint directory: pass a directory holding {META} and "
+            "shard-*-of-*.pt files (a single-file checkpoint loads with torch.load(path)['state_dict'])"
+        )
+    return _full_state_dict(src, _checked_meta(src), torch.device(map_location))
+
+
 def load_module_checkpoint(
     src: str | os.PathLike[str], map_location: str | torch.device | None = None
 ) -> dict[str, Any]:
@@ -160,21 +188,33 @@ def load_module_checkpoint(
         CheckpointError: if ``src`` is incomplete or corrupt.
     """
     src = Path(src)
+    meta = _checked_meta(src)
+    device = torch.device(map_location if isinstance(map_location, str | torch.device) else "cpu")
+    state_dict = _full_state_dict(src, meta, device)
+    lightning = {k: v for k, v in meta["lightning"].items() if k not in (WEIGHTS_ONLY, FABRIC_KEYS)}
+    return {**lightning, "state_dict": state_dict}
+
+
+def _checked_meta(src: Path) -> dict[str, Any]:
     meta = read_meta(src)
     problems = verify_files(src, meta)
     if problems:
         raise CheckpointError(f"{src} cannot be loaded:\n  " + "\n  ".join(problems))
-    state_dict: dict[str, torch.Tensor] = dict(torch.load(src / EXTRA, map_location="cpu", weights_only=True))
+    return meta
+
+
+def _full_state_dict(src: Path, meta: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    extras = torch.load(src / EXTRA, map_location="cpu", weights_only=True)
+    state_dict: dict[str, torch.Tensor] = {k: v.to(device) for k, v in extras.items()}
     files = ShardFiles(src, meta["world_size"])
     for spec in meta["plan"]["params"]:
-        state_dict[spec["name"]] = read_full_param(src, meta, spec["name"], files=files)  # type: ignore[assignment]
+        tensor = read_full_param(src, meta, spec["name"], files=files)
+        assert tensor is not None, spec["name"]
+        state_dict[spec["name"]] = tensor.to(device=device, dtype=_dtype(spec["dtype"]))
     files.release()
     for alias, name in meta.get("aliases", {}).items():  # a tied weight: one tensor under both keys
         state_dict[alias] = state_dict[name]
-    if isinstance(map_location, str | torch.device):
-        state_dict = {k: v.to(map_location) for k, v in state_dict.items()}
-    lightning = {k: v for k, v in meta["lightning"].items() if k not in (WEIGHTS_ONLY, FABRIC_KEYS)}
-    return {**lightning, "state_dict": state_dict}
+    return state_dict
 
 
 def _structure(
