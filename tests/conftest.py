@@ -19,6 +19,7 @@ one of them when the other is almost done.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +51,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # environment, and must not compare or remove the other's logs), so that the launches of module-
     # and session-scoped fixtures log too
     os.environ[recorder.ENV_DIR] = tempfile.mkdtemp(prefix="lz-collectives-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ.get(recorder.ENV_DIR, ""), ignore_errors=True)  # this process's logs
 
 
 @pytest.fixture(autouse=True)
