@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from lightning_zero.comm.communicator import Comm, CommError
+from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.handles import CommError
 from lightning_zero.engine.engine import ShardEngine
 
 FORMAT_VERSION = 1

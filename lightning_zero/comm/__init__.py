@@ -5,8 +5,9 @@ timing); how a collective runs on the process group's backend is chosen in one p
 (:mod:`lightning_zero.comm.backends`).
 """
 
-from lightning_zero.comm.communicator import Comm, CommError, CommStats, collective_failures
+from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups, check_shard_group_size, hybrid_mesh
+from lightning_zero.comm.handles import CommError, CommStats, collective_failures
 
 __all__ = [
     "Comm",

@@ -21,7 +21,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -29,113 +28,9 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm.backends import Backend, SingleProcess, backend_for
+from lightning_zero.comm.handles import CommError, CommStats, EventDone, InCall, Named, process_watchdog
 from lightning_zero.comm.recorder import Recorder, recorder_for
 from lightning_zero.comm.watchdog import Watchdog
-
-
-class CommError(RuntimeError):
-    """A collective failed: a peer died, hung past the process group's timeout, or the backend broke."""
-
-
-@contextmanager
-def collective_failures(what: str) -> Iterator[None]:
-    """Run a collective made by other code (Lightning's own barrier, reduce, broadcast) with a backend
-    failure re-raised as a :class:`CommError` naming it, as every collective of ours is, so that code
-    that acts on a peer failure (the recipes' requeue) sees one whichever collective met it."""
-    try:
-        yield
-    except CommError:
-        raise
-    except (RuntimeError, TimeoutError, ConnectionError) as err:  # torch's DistError is a RuntimeError
-        raise CommError(
-            f"{what} failed ({type(err).__name__}: {err}); a peer has died, hung past the process "
-            "group's timeout, or lost its connection"
-        ) from err
-
-
-class _Named:
-    """A pending collective and what it is, for the error if it fails."""
-
-    def __init__(self, handle: Any, what: str) -> None:
-        self.handle, self.what = handle, what
-
-    def is_completed(self) -> bool:
-        done = getattr(self.handle, "is_completed", None)
-        return bool(done()) if done is not None else True
-
-    def exception(self) -> BaseException | None:
-        """The error the collective completed with, where the handle tells (torch's ``Work``)."""
-        failed = getattr(self.handle, "exception", None)
-        return failed() if failed is not None else None
-
-    def wait(self) -> bool:
-        """Wait without the accounting of :meth:`Comm.wait` (use that one)."""
-        return bool(self.handle.wait())
-
-
-class _InCall:
-    """A blocking call as something the watchdog can poll: completed once it has returned."""
-
-    returned = False
-
-    def is_completed(self) -> bool:
-        return self.returned
-
-
-class _EventDone:
-    """A CUDA event as something the watchdog can poll (and a stream can wait for)."""
-
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self.event = event
-
-    def is_completed(self) -> bool:
-        return bool(self.event.query())
-
-    def wait(self) -> bool:
-        torch.cuda.current_stream().wait_event(self.event)
-        return True
-
-
-_PROCESS_WATCHDOG: list[Watchdog] = []
-
-
-def process_watchdog() -> Watchdog:
-    """The watchdog every watched :class:`Comm` of this process shares (one thread)."""
-    if not _PROCESS_WATCHDOG:
-        _PROCESS_WATCHDOG.append(Watchdog(CommError))
-    return _PROCESS_WATCHDOG[0]
-
-
-@dataclass
-class CommStats:
-    """Counters since the last :meth:`reset`."""
-
-    elements_sent: int = 0
-    """Elements this rank sent (ring cost model) in parameter and gradient collectives."""
-    bytes_sent: int = 0
-    """The same, in bytes of the dtype on the wire."""
-    control_elements_sent: int = 0
-    """Elements sent in small control collectives (used-parameter masks, norms, plan checks)."""
-    control_bytes_sent: int = 0
-    """The same, in bytes."""
-    wait_s: float = 0.0
-    """Seconds spent blocked waiting for collectives."""
-    collectives: int = 0
-
-    def reset(self) -> None:
-        self.elements_sent = self.bytes_sent = self.collectives = 0
-        self.control_elements_sent = self.control_bytes_sent = 0
-        self.wait_s = 0.0
-
-    def count(self, numel: int, dtype: torch.dtype, control: bool = False) -> None:
-        """Add ``numel`` elements of ``dtype`` sent by this rank."""
-        nbytes = numel * dtype.itemsize
-        if control:
-            self.control_elements_sent += numel
-            self.control_bytes_sent += nbytes
-        else:
-            self.elements_sent += numel
-            self.bytes_sent += nbytes
 
 
 class Comm:
@@ -227,7 +122,7 @@ class Comm:
         group = {"world": "", "group": " of its process group"}.get(self.role, f" in the {self.role} group")
         return f"rank {self.rank} of {self.world_size}{group}"
 
-    def _watched(self, named: _Named) -> _Named:
+    def _watched(self, named: Named) -> Named:
         if self._watchdog is not None:
             what = f"{self._where()}: {named.what}"
             self._watchdog.watch(named, what, self._watch_timeout_s, self.backend.abort, self.device)
@@ -240,7 +135,7 @@ class Comm:
             event.record()
             where = f"{self._where()}: {what}"
             self._watchdog.watch(
-                _EventDone(event), where, self._watch_timeout_s, self.backend.abort, self.device
+                EventDone(event), where, self._watch_timeout_s, self.backend.abort, self.device
             )
 
     def _record(self, op: str, numel: int, dtype: torch.dtype | None = None) -> None:
@@ -256,9 +151,7 @@ class Comm:
         """``fn(*args)``, a collective (``blocking``: one that returns no handle, on CUDA watched
         while the call lasts, since torch's object collectives synchronise inside it, and through an
         event behind it afterwards), with a failure named."""
-        in_call = (
-            _InCall() if blocking and self._watchdog is not None and self.device.type == "cuda" else None
-        )
+        in_call = InCall() if blocking and self._watchdog is not None and self.device.type == "cuda" else None
         if in_call is not None:
             assert self._watchdog is not None
             where = f"{self._where()}: {what}"
@@ -285,7 +178,7 @@ class Comm:
         self.stats.collectives += 1
         self._record("reduce_scatter", input_.numel(), input_.dtype)
         return self._watched(
-            _Named(
+            Named(
                 self._run(what, self.backend.reduce_scatter, output, input_, blocking=False),
                 f"{what} of {input_.numel()} elements",
             )
@@ -300,7 +193,7 @@ class Comm:
         self.stats.collectives += 1
         self._record(f"all_reduce_{op}", tensor.numel(), tensor.dtype)
         return self._watched(
-            _Named(
+            Named(
                 self._run(what, self.backend.all_reduce, tensor, op, blocking=False),
                 f"{what} of {tensor.numel()} elements",
             )
@@ -312,7 +205,7 @@ class Comm:
         self.stats.collectives += 1
         self._record("all_gather", output.numel(), output.dtype)
         return self._watched(
-            _Named(
+            Named(
                 self._run(what, self.backend.all_gather, output, input_, blocking=False),
                 f"{what} of {output.numel()} elements",
             )
@@ -327,7 +220,7 @@ class Comm:
         """
         if self._watchdog is not None:
             self._watchdog.check()
-        work, what = (handle.handle, handle.what) if isinstance(handle, _Named) else (handle, "a collective")
+        work, what = (handle.handle, handle.what) if isinstance(handle, Named) else (handle, "a collective")
         if self.device.type == "cuda" and self.time_device_waits:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -344,10 +237,10 @@ class Comm:
     def _drop_work(self, handle: Any) -> None:
         """Watched on CUDA: once the stream waits for it, the handle (and the watchdog) keep an event
         recorded behind the collective instead of its ``Work``, which holds its tensors alive."""
-        if self._watchdog is not None and self.device.type == "cuda" and isinstance(handle, _Named):
+        if self._watchdog is not None and self.device.type == "cuda" and isinstance(handle, Named):
             event = torch.cuda.Event()
             event.record()
-            handle.handle = _EventDone(event)
+            handle.handle = EventDone(event)
 
     @contextmanager
     def after(self, handle: Any) -> Iterator[None]:
@@ -359,7 +252,7 @@ class Comm:
             self.wait(handle)
             yield
             return
-        work, what = (handle.handle, handle.what) if isinstance(handle, _Named) else (handle, "a collective")
+        work, what = (handle.handle, handle.what) if isinstance(handle, Named) else (handle, "a collective")
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device=self.device)
         self._side_stream.wait_stream(torch.cuda.current_stream(self.device))  # its inputs are ready

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_zero.comm.communicator import Comm, CommStats
+from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups
+from lightning_zero.comm.handles import CommStats
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.nonfinite import NonFiniteGuard
 from lightning_zero.engine.reducer import GradReducer

@@ -70,9 +70,10 @@ from torch import Tensor
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups
 from lightning_zero.config import ZeroConfig, master_dtype
+from lightning_zero.engine.accum_buffers import AccumBuffers
 from lightning_zero.engine.codecs import InFlight, WireCodec, codec_for
 from lightning_zero.engine.nonfinite import NonFiniteGuard
-from lightning_zero.engine.wire_pool import WirePool, adoptable_params
+from lightning_zero.engine.used_params import UsedParams
 from lightning_zero.layout.buckets import Bucket, BucketPlan
 from lightning_zero.layout.flat import FlatParams
 
@@ -140,18 +141,8 @@ class GradReducer:
         self._buckets = [
             _BucketState(b, codec_for(config, b.dtype), waiting=len(b.slots)) for b in plan.buckets
         ]
-        self._adoptable = adoptable_params(plan)
-        cap_bytes = max(config.bucket_cap_mb, config.first_bucket_cap_mb) * 2**20
-        adopted_buckets = {self._where[i][0] for i in self._adoptable}
-        keep = config.stage < 3  # stage 3 frees each buffer when its bucket is collected (wire_pool.py)
-        self.pool = WirePool(plan, POOL_SLOTS, cap_bytes, flat.device, adopted_buckets, keep)
-        self.allocations_outside_pool = 0
-        """Accumulation buffers allocated because every pool slot was busy (e.g. ``no_sync``)."""
-        self.adopted = 0
-        """Gradients that became their bucket's accumulation buffer (no copy, no slot)."""
-        self._accumulating_bytes = 0
-        self.peak_accumulating_bytes = 0
-        """The most bytes of accumulation buffers holding gradients at once."""
+        self.buffers = AccumBuffers(self.params, plan, config, flat.device, POOL_SLOTS)
+        self.pool = self.buffers.pool
         self._sync = True
         self._sharded_accumulation = config.accumulates_sharded
         self._awaiting_sync = False  # a round inside no_sync was folded into grad_shards, none after it
@@ -159,12 +150,11 @@ class GradReducer:
         # the same semantics on 1 and N ranks: without find_unused_parameters a parameter that got no
         # gradient counts as a zero gradient (with a one-time warning), also at world size 1
         self._skip_unused = config.find_unused_parameters
-        self._used = [False] * len(self.params)  # got a gradient on this rank in this step
-        self._used_global: list[bool] | None = None
-        self._used_host: Tensor | None = None  # pinned on CUDA: the mask's way to the device
+        self._used = UsedParams(len(self.params), self.world, self._skip_unused, self._guard)
         self._has_data = [False] * len(self.params)  # accumulated in this round's buffers
         self._arrived = [False] * len(self.params)  # arrived in this round's backward
         self._next_launch = 0
+        self._next_across = 0
         self._rounds = 0  # rounds whose result is in grad_shards
         self._round_open = False
         self._callback_queued = False
@@ -172,9 +162,22 @@ class GradReducer:
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
         ]
-        self._fresh: dict[int, bool] = {}  # adoptable parameter -> its .grad was None as a gradient arrived
-        for index in self._adoptable:
-            self._hooks.append(self.params[index].register_hook(self._make_fresh_check(index)))
+        self._hooks.extend(self.buffers.hooks)
+
+    @property
+    def adopted(self) -> int:
+        """Gradients that became their bucket's accumulation buffer so far."""
+        return self.buffers.adopted
+
+    @property
+    def allocations_outside_pool(self) -> int:
+        """Accumulation buffers allocated because every pool slot was busy (e.g. ``no_sync``)."""
+        return self.buffers.allocations_outside_pool
+
+    @property
+    def peak_accumulating_bytes(self) -> int:
+        """The most bytes of accumulation buffers holding gradients at once."""
+        return self.buffers.peak_accumulating_bytes
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -209,7 +212,7 @@ class GradReducer:
 
     def _on_gradient(self, index: int, param: torch.nn.Parameter) -> None:
         """A parameter's gradient has been accumulated (its hook)."""
-        self._used[index] = True
+        self._used.local[index] = True
         self._take_grad(index, param)
         if self._sync or self._sharded_accumulation:
             self._arrive(index)
@@ -218,40 +221,13 @@ class GradReducer:
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._launch_ready()
 
-    def _make_fresh_check(self, index: int):  # noqa: ANN202 - a closure over the parameter index
-        owner = weakref.ref(self)  # weakly, as in _make_hook
-
-        def check(grad: Tensor) -> None:
-            reducer = owner()
-            if reducer is not None:
-                reducer._fresh[index] = reducer.params[index].grad is None
-
-        return check
-
-    def _adopt(self, index: int, bucket_index: int, grad: Tensor) -> bool:
-        """Make ``grad`` the bucket's accumulation buffer instead of copying it into a pool slot.
-
-        Safe only for a gradient autograd created into an empty ``.grad``: torch then stores the
-        incoming gradient only if nothing else references it, else a clone, so the tensor is ours. A
-        ``.grad`` the user assigned (and may still hold) is copied as usual.
-        """
-        state = self._buckets[bucket_index]
-        if index not in self._adoptable or not self._fresh.pop(index, False) or state.accum is not None:
-            return False
-        if not grad.is_contiguous() or grad.device != self.flat.device:
-            return False
-        state.accum = grad.detach().view(-1)
-        self.adopted += 1
-        self._count_accumulating(state.accum)
-        return True
-
     def _take_grad(self, index: int, param: torch.nn.Parameter) -> None:
         """Add ``param.grad`` into its bucket's accumulation buffer and release it."""
         bucket_index, slot = self._where[index]
         if bucket_index < self._next_launch:  # already on the wire: this gradient opens a new round
             self._finish_round()
         assert param.grad is not None  # callers check
-        if not self._has_data[index] and self._adopt(index, bucket_index, param.grad):
+        if not self._has_data[index] and self.buffers.adopt(self._buckets[bucket_index], index, param.grad):
             self._has_data[index] = True
             self._round_open = True
             param.grad = None
@@ -272,28 +248,7 @@ class GradReducer:
             self._buckets[self._where[index][0]].waiting -= 1
 
     def _accum(self, bucket_index: int) -> Tensor:
-        state = self._buckets[bucket_index]
-        if state.accum is None:
-            bucket = state.bucket
-            dtype = master_dtype(bucket.dtype)
-            taken = self.pool.take(dtype, bucket.padded_numel)
-            while (
-                taken is None and self.pool.serves(dtype, bucket.padded_numel) and self._collect_oldest()
-            ):  # a collected bucket frees its slot
-                taken = self.pool.take(dtype, bucket.padded_numel)
-            if taken is None:  # every slot holds a bucket being filled, or no slot is this long
-                state.accum = torch.empty(bucket.padded_numel, dtype=dtype, device=self.flat.device)
-                self.allocations_outside_pool += 1
-            else:
-                key, index, state.accum = taken
-                state.slot = (key, index)
-            state.accum[bucket.numel :].zero_()
-            self._count_accumulating(state.accum)
-        return state.accum
-
-    def _count_accumulating(self, accum: Tensor) -> None:
-        self._accumulating_bytes += accum.numel() * accum.element_size()
-        self.peak_accumulating_bytes = max(self.peak_accumulating_bytes, self._accumulating_bytes)
+        return self.buffers.take(self._buckets[bucket_index], self._collect_oldest)
 
     def _collect_oldest(self) -> bool:
         """Free the pool slot of the oldest launched bucket (waits for it); False if none holds one.
@@ -310,23 +265,14 @@ class GradReducer:
             if state.slot is None or not state.sent.uses_accum:
                 return False
             state.codec.keep_part(self.comm, state.sent)  # waits inside the group; no collective
-            self._drop_accum(state)
+            self.buffers.drop(state)
             return True
         return False
 
     def _release(self, state: _BucketState) -> None:
         """Give the bucket's pool slot back and drop its buffers."""
-        self._drop_accum(state)
+        self.buffers.drop(state)
         state.clear()
-
-    def _drop_accum(self, state: _BucketState) -> None:
-        """Give the accumulation buffer (and its pool slot) back; what is in flight stays."""
-        if state.accum is not None:
-            self._accumulating_bytes -= state.accum.numel() * state.accum.element_size()
-        if state.slot is not None:
-            self.pool.give(*state.slot)
-            state.slot = None
-        state.accum = None
 
     def _launch_ready(self) -> None:
         if not self.config.overlap_comm:
@@ -352,12 +298,14 @@ class GradReducer:
         round only: fixed points of the program (the module docstring's collective order)."""
         if self.replicas.world_size == 1 or not self._sync:
             return
-        for b, state in enumerate(self._buckets[:end]):
+        for b in range(self._next_across, end):  # every bucket before it has its across issued
+            state = self._buckets[b]
             if state.sent is not None and not state.sent.across:
                 # after rounds folded inside no_sync: this round's part joins the shard, and the whole
                 # accumulated shard is all-reduced across the replicas, once per step
                 fold = self.grad_shards[b] if self._awaiting_sync else None
                 state.codec.start_across(self.comm, state.sent, self.replicas, fold)
+        self._next_across = max(self._next_across, end)
 
     def _collectable(self, state: _BucketState) -> bool:
         """Collecting ``state`` issues no collective (hybrid: its all-reduce across is issued)."""
@@ -388,7 +336,7 @@ class GradReducer:
                 continue
             accum[slot.bucket_offset : slot.bucket_offset + slot.numel].zero_()
             self._has_data[slot.param_index] = True
-            if not self._skip_unused and not self._warned_unused and not self._used[slot.param_index]:
+            if not self._skip_unused and not self._warned_unused and not self._used.local[slot.param_index]:
                 self._warned_unused = True
                 warnings.warn(
                     f"parameter {self.plan.params[slot.param_index].name!r} got no gradient on rank "
@@ -409,56 +357,30 @@ class GradReducer:
             self._launch(bucket_index)
         self._start_across(len(self._buckets))
         if not self._sync:  # sharded accumulation inside no_sync: the step's last round agrees on the rest
-            for bucket_index in range(len(self._buckets)):
-                if self._buckets[bucket_index].sent is not None:
-                    self._collect(bucket_index)
+            self._collect_all()
             self._awaiting_sync = True
             self._end_round()
             return
-        used, used_handle = None, None  # launched after every bucket: the same collective order everywhere
-        if self._skip_unused and self.world.world_size == 1:
-            self._used_global = list(self._used)  # local is global: no tensor, no host synchronisation
-        elif self._skip_unused and self._guard is None:  # the user asked for one small all-reduce
-            used, used_handle = self._launch_used_mask()
-        for bucket_index in range(len(self._buckets)):
-            if self._buckets[bucket_index].sent is not None:
-                self._collect(bucket_index)
-        if used is None and self._skip_unused and self.world.world_size > 1:  # with the guard's flags
-            used, used_handle = self._launch_used_mask()
-        if used is not None and used_handle is not None:
-            self.world.wait(used_handle)
-            values = used.tolist()  # a host sync, once per round
-            self._used_global = [bool(u) for u in values[: len(self.params)]]
-            if self._guard is not None:
-                self._guard.agreed(values[len(self.params) :])
+        # the mask after every bucket's launch: the same collective order everywhere
+        self._used.agree(self._collect_all, with_guard=False)
         self._awaiting_sync = False
         self._synced_in_step = True
         self._end_round()
+
+    def _collect_all(self) -> None:
+        for bucket_index, state in enumerate(self._buckets):
+            if state.sent is not None:
+                self._collect(bucket_index)
 
     def _end_round(self) -> None:
         self._rounds += 1
         self._round_open = False
         self._next_launch = 0
+        self._next_across = 0
         self._has_data = [False] * len(self.params)
         self._arrived = [False] * len(self.params)
         for state in self._buckets:
             state.waiting = len(state.bucket.slots)
-
-    def _launch_used_mask(self) -> tuple[Tensor, object]:
-        """Start the max all-reduce of this rank's used-parameter mask (``(num_params,)`` int32),
-        followed by the non-finite guard's ``(2 * world_size,)`` flags when the guard is on."""
-        # Python data to the device without a host synchronisation: into a pinned host buffer (the last
-        # round's copy out of it has finished: its mask was read back), then an asynchronous copy
-        host = self._used_host
-        if host is None or host.numel() != len(self._used):
-            pin = self.world.device.type == "cuda"
-            host = self._used_host = torch.empty(len(self._used), dtype=torch.int32, pin_memory=pin)
-        host.copy_(torch.tensor(self._used, dtype=torch.int32))
-        used = torch.empty(len(self._used), dtype=torch.int32, device=self.world.device)
-        used.copy_(host, non_blocking=True)
-        if self._guard is not None:
-            used = torch.cat([used, self._guard.local_flags()])  # (num_params + 2 * world_size,)
-        return used, self.world.all_reduce(used, op="max", control=True)
 
     def finalize(self) -> list[bool] | None:
         """Finish this step's communication; ``grad_shards`` are then valid. Idempotent.
@@ -475,7 +397,7 @@ class GradReducer:
             self._finish_round()
         if self._awaiting_sync:  # the step's last backward ran inside no_sync: close the window here
             self._close_window()
-        return self._used_global
+        return self._used.agreed
 
     def _close_window(self) -> None:
         """Sharded accumulation whose last round ran inside ``no_sync``: all-reduce the accumulated
@@ -502,16 +424,7 @@ class GradReducer:
         )
         for handle in handles:
             self.replicas.wait(handle)
-        if self._skip_unused and self.world.world_size == 1:
-            self._used_global = list(self._used)
-        elif self._skip_unused or self._guard is not None:
-            used, handle = self._launch_used_mask()
-            self.world.wait(handle)
-            values = used.tolist()  # a host sync, once per step
-            if self._skip_unused:
-                self._used_global = [bool(u) for u in values[: len(self.params)]]
-            if self._guard is not None:
-                self._guard.agreed(values[len(self.params) :])
+        self._used.agree(lambda: None, with_guard=True)
         self._awaiting_sync = False
 
     def _collect(self, bucket_index: int) -> None:
@@ -536,11 +449,11 @@ class GradReducer:
             state.waiting = len(state.bucket.slots)
         for param in self.params:
             param.grad = None
-        self._used = [False] * len(self.params)
-        self._used_global = None
+        self._used.reset()
         self._has_data = [False] * len(self.params)
         self._arrived = [False] * len(self.params)
         self._next_launch = 0
+        self._next_across = 0
         self._rounds = 0
         self._round_open = False
         self._callback_queued = False

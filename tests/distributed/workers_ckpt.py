@@ -148,19 +148,30 @@ def _private_view(directory: Path, redirect: bool) -> tuple[str, Path]:
     return "redirected writes", private
 
 
+def _saved_at_step_2(rank: int, world_size: int, root: Path) -> tuple[Any, Any]:
+    """A 2-rank model trained 2 steps and saved to ``root/ckpt``."""
+    model, opt = build(2)
+    train(model, opt, range(2), rank, world_size)
+    save_sharded(opt.engine, root / "ckpt", {"global_step": 2}, {}, 2)
+    return model, opt
+
+
+def _save_at_step_4(model: Any, opt: Any, rank: int, world_size: int, root: Path) -> str | None:
+    """Train 2 more steps and save over ``root/ckpt``: the save's error, or ``None``."""
+    train(model, opt, range(2, 4), rank, world_size)
+    try:
+        save_sharded(opt.engine, root / "ckpt", {"global_step": 4}, {}, 2)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
 def node_local_save(rank: int, world_size: int, root: str, redirect: bool) -> dict[str, Any]:
     """A save into a directory every rank sees, then (rank 1 on "its own disk") a save over it."""
     root_path = Path(root)
-    model, opt = build(2)
-    train(model, opt, range(2), rank, world_size)
-    save_sharded(opt.engine, root_path / "ckpt", {"global_step": 2}, {}, 2)
+    model, opt = _saved_at_step_2(rank, world_size, root_path)
     how, view = _private_view(root_path, redirect) if rank == 1 else (None, root_path)
-    train(model, opt, range(2, 4), rank, world_size)
-    try:
-        save_sharded(opt.engine, root_path / "ckpt", {"global_step": 4}, {}, 2)
-        error = None
-    except CheckpointError as err:
-        error = str(err)
+    error = _save_at_step_4(model, opt, rank, world_size, root_path)
     return {
         "how": how,
         "error": error,
@@ -176,9 +187,7 @@ def stale_size_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import lightning_zero.checkpoint.format as checkpoint_format
 
     root_path = Path(root)
-    model, opt = build(2)
-    train(model, opt, range(2), rank, world_size)
-    save_sharded(opt.engine, root_path / "ckpt", {"global_step": 2}, {}, 2)
+    model, opt = _saved_at_step_2(rank, world_size, root_path)
     written: list[tuple[str, int]] = []
     if rank == 1:
         original = checkpoint_format._write  # noqa: SLF001
@@ -192,12 +201,7 @@ def stale_size_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
             return name, size, digest
 
         checkpoint_format._write = write  # type: ignore[attr-defined]  # noqa: SLF001
-    train(model, opt, range(2, 4), rank, world_size)
-    try:
-        save_sharded(opt.engine, root_path / "ckpt", {"global_step": 4}, {}, 2)
-        error = None
-    except CheckpointError as err:
-        error = str(err)
+    error = _save_at_step_4(model, opt, rank, world_size, root_path)
     return {
         "error": error,
         "written": written,

@@ -1,0 +1,124 @@
+"""What :class:`~lightning_zero.comm.Comm` hands out and counts: its error, its handles of pending
+collectives (what the collective watchdog polls), and its counters.
+
+  * :class:`CommError`, and :func:`collective_failures` for collectives made by other code;
+  * ``Named``: a pending collective and what it is (the error names it); ``InCall`` and ``EventDone``:
+    a blocking call, and a CUDA event behind a collective, as something with ``is_completed()``;
+  * :class:`CommStats`: elements and bytes sent, control traffic apart, time waited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_zero.comm.watchdog import Watchdog
+
+
+class CommError(RuntimeError):
+    """A collective failed: a peer died, hung past the process group's timeout, or the backend broke."""
+
+
+@contextmanager
+def collective_failures(what: str) -> Iterator[None]:
+    """Run a collective made by other code (Lightning's own barrier, reduce, broadcast) with a backend
+    failure re-raised as a :class:`CommError` naming it, as every collective of ours is, so that code
+    that acts on a peer failure (the recipes' requeue) sees one whichever collective met it."""
+    try:
+        yield
+    except CommError:
+        raise
+    except (RuntimeError, TimeoutError, ConnectionError) as err:  # torch's DistError is a RuntimeError
+        raise CommError(
+            f"{what} failed ({type(err).__name__}: {err}); a peer has died, hung past the process "
+            "group's timeout, or lost its connection"
+        ) from err
+
+
+class Named:
+    """A pending collective and what it is, for the error if it fails."""
+
+    def __init__(self, handle: Any, what: str) -> None:
+        self.handle, self.what = handle, what
+
+    def is_completed(self) -> bool:
+        done = getattr(self.handle, "is_completed", None)
+        return bool(done()) if done is not None else True
+
+    def exception(self) -> BaseException | None:
+        """The error the collective completed with, where the handle tells (torch's ``Work``)."""
+        failed = getattr(self.handle, "exception", None)
+        return failed() if failed is not None else None
+
+    def wait(self) -> bool:
+        """Wait without the accounting of :meth:`Comm.wait` (use that one)."""
+        return bool(self.handle.wait())
+
+
+class InCall:
+    """A blocking call as something the watchdog can poll: completed once it has returned."""
+
+    returned = False
+
+    def is_completed(self) -> bool:
+        return self.returned
+
+
+class EventDone:
+    """A CUDA event as something the watchdog can poll (and a stream can wait for)."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def is_completed(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> bool:
+        torch.cuda.current_stream().wait_event(self.event)
+        return True
+
+
+_PROCESS_WATCHDOG: list[Watchdog] = []
+
+
+def process_watchdog() -> Watchdog:
+    """The watchdog every watched :class:`Comm` of this process shares (one thread)."""
+    if not _PROCESS_WATCHDOG:
+        _PROCESS_WATCHDOG.append(Watchdog(CommError))
+    return _PROCESS_WATCHDOG[0]
+
+
+@dataclass
+class CommStats:
+    """Counters since the last :meth:`reset`."""
+
+    elements_sent: int = 0
+    """Elements this rank sent (ring cost model) in parameter and gradient collectives."""
+    bytes_sent: int = 0
+    """The same, in bytes of the dtype on the wire."""
+    control_elements_sent: int = 0
+    """Elements sent in small control collectives (used-parameter masks, norms, plan checks)."""
+    control_bytes_sent: int = 0
+    """The same, in bytes."""
+    wait_s: float = 0.0
+    """Seconds spent blocked waiting for collectives."""
+    collectives: int = 0
+
+    def reset(self) -> None:
+        self.elements_sent = self.bytes_sent = self.collectives = 0
+        self.control_elements_sent = self.control_bytes_sent = 0
+        self.wait_s = 0.0
+
+    def count(self, numel: int, dtype: torch.dtype, control: bool = False) -> None:
+        """Add ``numel`` elements of ``dtype`` sent by this rank."""
+        nbytes = numel * dtype.itemsize
+        if control:
+            self.control_elements_sent += numel
+            self.control_bytes_sent += nbytes
+        else:
+            self.elements_sent += numel
+            self.bytes_sent += nbytes
