@@ -43,6 +43,7 @@ import lightning_zero.engine.grad_math as grad_math
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.deferred_init import DeferredInit, materialize, stand_ins
 from lightning_zero.engine.figures import EngineFigures
 from lightning_zero.engine.nonfinite import NonFiniteGuard
 from lightning_zero.engine.param_gather import ParamGather
@@ -86,6 +87,7 @@ class ShardEngine(ParameterAccess, EngineFigures):
         param_order: Iterable[torch.nn.Parameter] | None = None,
         param_names: dict[torch.nn.Parameter, str] | None = None,
         module: torch.nn.Module | None = None,
+        deferred_init: DeferredInit | None = None,
     ) -> None:
         if config.stage == 3 and module is None:
             raise ValueError(
@@ -108,6 +110,10 @@ class ShardEngine(ParameterAccess, EngineFigures):
         self.guard = NonFiniteGuard(self.world, config.skip_nonfinite_steps)
         self.unsharded = False
         self.module_hooks = []
+        self._deferred_init = deferred_init
+        self.init_peak_elements = 0
+        """Stage 3, deferred initialization: the most full-bucket elements held at once while the units
+        were initialized one at a time (:mod:`lightning_zero.engine.deferred_init`)."""
         self.optimizer_steps = 0
         """Optimizer steps so far: :meth:`step` calls with gradients, skipped ones included (the step an
         error names). The Trainer strategy sets it to ``trainer.global_step`` before each training step."""
@@ -121,6 +127,8 @@ class ShardEngine(ParameterAccess, EngineFigures):
         order += [p for p in in_groups if p not in set(order)]
         if not order:
             raise ValueError("the optimizer has no parameter with requires_grad=True")
+        deferred, self._deferred_init = self._deferred_init, None  # the first build only
+        self._check_not_meta(order, deferred)
         specs = [
             ParamSpec(self._names.get(p, f"param{i}"), tuple(p.shape), p.dtype) for i, p in enumerate(order)
         ]
@@ -139,6 +147,8 @@ class ShardEngine(ParameterAccess, EngineFigures):
         )
         check_same_plan(self.plan, self.world)
         self.params_in_order = order
+        if deferred is not None:
+            stand_ins(order, deferred.device)
         self.flat = FlatParams(order, self.plan, self.comm.rank, sharded=layout is not None)
         self.gather = ParamGather(self.plan, self.flat, self.comm, config.overlap_param_gather)
         self.units = None
@@ -153,6 +163,8 @@ class ShardEngine(ParameterAccess, EngineFigures):
                 after_write=lambda: self.state.refresh_master(),  # a load through the model's state dict
             )
             assert self.module is not None
+            if deferred is not None:
+                self.init_peak_elements = materialize(self.module, deferred, self.flat, layout)
             register_sharded(self.module, self)
         self.reducer = GradReducer(order, self.plan, self.flat, self.groups, config, self.guard)
         self.state = ShardState(
@@ -164,6 +176,16 @@ class ShardEngine(ParameterAccess, EngineFigures):
             self.param_groups,
         )
         self._trainable = self._trainable_signature()
+
+    def _check_not_meta(self, order: list[torch.nn.Parameter], deferred: DeferredInit | None) -> None:
+        meta = [self._names.get(p, f"param{i}") for i, p in enumerate(order) if p.is_meta]
+        if meta and (deferred is None or self.config.stage != 3):
+            raise ValueError(
+                f"parameters on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}) "
+                "have no values to shard: at stage 3 pass deferred_init (the strategies do, for a model "
+                "built under init_module(empty_init=True) or in configure_model()); at stages 1 and 2 "
+                "initialize the model first (lightning_zero.engine.deferred_init.materialize)"
+            )
 
     # ---- the trainable set ------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import importlib
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +37,15 @@ from lightning_zero.comm import Comm, hybrid_mesh
 from lightning_zero.comm.groups import is_device_mesh
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ShardEngine
+from lightning_zero.engine.deferred_init import (
+    DeferredInit,
+    DeferredInitError,
+    RngState,
+    capture_rng,
+    check_deferred,
+    is_deferred,
+    materialize,
+)
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.optim import ShardedAdamW
 from lightning_zero.optim.twin import make_twin, repoint_scheduler
@@ -170,6 +180,7 @@ class ZeroFrontEnd:
         self._mesh: Any = options.device_mesh
         self._mesh_built = options.device_mesh is not None or options.shard_group_size is None
         self._buffers_need_sync = True  # a fresh DDP wrapper's state
+        self._construction_rng: RngState | None = None
 
     @property
     def engine(self) -> ShardEngine | None:
@@ -197,10 +208,12 @@ class ZeroFrontEnd:
         module: torch.nn.Module,
         schedulers: Iterable[Any] = (),
         device_mesh: Any = None,
+        deferred_init: DeferredInit | None = None,
     ) -> ShardedAdamW:
         """The sharded twin of ``optimizer`` over ``module``'s parameters; every scheduler (and its
         children) now drives it. Call on all ranks: the bucket plans are compared first.
-        ``device_mesh``: hybrid sharding (:meth:`device_mesh`).
+        ``device_mesh``: hybrid sharding (:meth:`device_mesh`); ``deferred_init``: a stage-3 model on
+        the meta device, initialized unit by unit (:meth:`deferred_init`).
 
         Raises:
             TypeError: ``optimizer`` is not a ``torch.optim.Adam``/``AdamW``.
@@ -208,7 +221,12 @@ class ZeroFrontEnd:
         """
         stage3 = self.config.stage == 3
         sharded = make_twin(
-            optimizer, self.config, module.named_parameters(), module if stage3 else None, device_mesh
+            optimizer,
+            self.config,
+            module.named_parameters(),
+            module if stage3 else None,
+            device_mesh,
+            deferred_init if stage3 else None,
         )
         for scheduler in schedulers:
             repoint_scheduler(scheduler, sharded)
@@ -216,14 +234,56 @@ class ZeroFrontEnd:
         self._buffers_need_sync = True
         return sharded
 
+    # ---- deferred initialization ------------------------------------------------------------
+
+    @contextmanager
+    def on_meta_device(self, device: torch.device) -> Iterator[None]:
+        """Build a model inside on the meta device (``init_module(empty_init=True)``, stage 3's
+        ``configure_model()``); the generators' state at the entry is what its deferred
+        initialization starts from (:mod:`lightning_zero.engine.deferred_init`)."""
+        self._construction_rng = capture_rng(device)
+        with torch.device("meta"):
+            yield
+
+    def deferred_init(self, module: torch.nn.Module, device: torch.device) -> DeferredInit | None:
+        """``None`` for a model with values; for one on the meta device, where and from which
+        generator state to initialize it: the state at the entry of :meth:`on_meta_device` (or now,
+        for a model built on the meta device elsewhere), rank 0's on every rank. All ranks.
+
+        Raises:
+            DeferredInitError: a model the rule cannot initialize (named modules), or ranks that built
+                it differently; before any work, on every rank.
+        """
+        comm = Comm()
+        flags = [f for (f,) in comm.all_gather_ints([int(is_deferred(module))])]
+        if not any(flags):
+            return None
+        if not all(flags):
+            raise DeferredInitError(
+                f"ranks {[r for r, f in enumerate(flags) if f]} built the model on the meta device and ranks "
+                f"{[r for r, f in enumerate(flags) if not f]} did not: every rank must build it the same way"
+            )
+        check_deferred(module)
+        rng = self._construction_rng if self._construction_rng is not None else capture_rng(device)
+        self._construction_rng = None  # a later model starts from its own construction
+        return DeferredInit(device, comm.broadcast_object(rng, src=0))
+
     @staticmethod
-    def sync_module_states(module: torch.nn.Module, check_same: bool = False) -> None:
+    def initialize_whole(module: torch.nn.Module, init: DeferredInit) -> None:
+        """Every tensor of a meta ``module`` given its values on ``init.device`` (stages 1 and 2, or a
+        model evaluated without ``fit``): the whole model on every rank, as eager construction."""
+        materialize(module, init)
+
+    @staticmethod
+    def sync_module_states(module: torch.nn.Module, check_same: bool = False, broadcast: bool = True) -> None:
         """Rank 0's parameters and buffers on every rank (in place), as DDP does at construction;
         names in ``module._ddp_params_and_buffers_to_ignore`` are left alone. Call on all ranks.
 
         Args:
             check_same: first agree that every rank holds the same tensors (names, shapes, dtypes),
                 so that different models are an error on every rank, not a broadcast that hangs.
+
+            broadcast: ``False``: only the check (a model still on the meta device).
 
         Raises:
             ValueError: with ``check_same``, on every rank, naming a tensor that differs.
@@ -245,7 +305,8 @@ class ZeroFrontEnd:
                         f"rank {rank} holds another model than rank 0: {differ[0]} where rank 0 has "
                         f"{differ[1]} (name, shape, dtype); every rank must build the same model"
                     )
-        comm.broadcast_tensors([t.detach() for _, t in named], src=0)
+        if broadcast:
+            comm.broadcast_tensors([t.detach() for _, t in named], src=0)
 
     # ---- forwards ---------------------------------------------------------------------------
 

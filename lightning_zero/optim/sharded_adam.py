@@ -32,6 +32,7 @@ from torch import Tensor
 
 from lightning_zero.comm.groups import CommGroups
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.deferred_init import DeferredInit
 from lightning_zero.engine.engine import ShardEngine
 from lightning_zero.optim.adam import AdamRule
 from lightning_zero.optim.full_state import gather_full_state, scatter_full_state
@@ -73,6 +74,9 @@ class ShardedAdamW(torch.optim.Optimizer):
             forward are readable only inside ``opt.full_parameters()`` and writable only inside
             ``opt.full_parameters(writeback=True)`` (elsewhere they read NaN and a write raises,
             naming the parameter).
+        deferred_init: stage 3, ``module`` built on the meta device: initialize it unit by unit on
+            this device from this generator state (:mod:`lightning_zero.engine.deferred_init`; call
+            its ``check_deferred(module)`` first; every rank must pass the same state).
 
     Raises:
         ValueError: on an unsupported option, value or parameter; on a plan mismatch between ranks.
@@ -97,6 +101,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         param_order: Iterable[torch.nn.Parameter] | None = None,
         param_names: dict[torch.nn.Parameter, str] | None = None,
         module: torch.nn.Module | None = None,
+        deferred_init: DeferredInit | None = None,
     ) -> None:
         _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults = dict(
@@ -124,7 +129,14 @@ class ShardedAdamW(torch.optim.Optimizer):
             param_order = module.parameters() if param_order is None else param_order
             param_names = {p: n for n, p in module.named_parameters()} if param_names is None else param_names
         self.engine = ShardEngine(
-            self.param_groups, self.config, groups, AdamRule(), param_order, param_names, module
+            self.param_groups,
+            self.config,
+            groups,
+            AdamRule(),
+            param_order,
+            param_names,
+            module,
+            deferred_init,
         )
         """The buffers, hooks, collectives and shard state (:class:`~lightning_zero.engine.ShardEngine`)."""
 

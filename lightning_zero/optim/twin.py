@@ -34,9 +34,11 @@ def make_twin(
     named_parameters: Iterable[tuple[str, Any]],
     module: torch.nn.Module | None = None,
     device_mesh: Any = None,
+    deferred_init: Any = None,
 ) -> ShardedAdamW:
     """The sharded twin of ``optimizer`` for a module with ``named_parameters`` (registration order);
-    ``module``: the model, needed at stage 3; ``device_mesh``: hybrid sharding (see ShardedAdamW).
+    ``module``: the model, needed at stage 3; ``device_mesh``: hybrid sharding; ``deferred_init``: a
+    stage-3 model on the meta device, initialized unit by unit (see ShardedAdamW).
 
     Must be called on all ranks (the bucket plans are compared).
 
@@ -52,6 +54,7 @@ def make_twin(
         param_names={p: n for n, p in named},
         module=module,
         device_mesh=device_mesh,
+        deferred_init=deferred_init,
     )
 
 

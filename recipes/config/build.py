@@ -22,6 +22,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lightning_zero import ZeroStrategy
 from recipes.config.validation import RecipeConfigs
 from recipes.data.module import PretrainDataModule
 from recipes.training import PretrainModule, SlurmRequeue, TokenizerCopy, requeued_resume_path
@@ -77,6 +78,18 @@ def quiet_other_ranks() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 
 
+def build_module(trainer: pl.Trainer, configs: RecipeConfigs) -> PretrainModule:
+    """The LightningModule; under `"zero3"` on the meta device (`trainer.init_module(empty_init=True)`),
+    so that no rank ever holds the whole model: the strategy initializes it unit by unit at setup, to
+    the values eager construction gives (`lightning_zero.engine.deferred_init`; the model follows its
+    rule), and a resume then overwrites the shards."""
+    strategy = trainer.strategy
+    if isinstance(strategy, ZeroStrategy) and strategy.zero_config.stage == 3:
+        with trainer.init_module(empty_init=True):
+            return PretrainModule(configs.model, configs.optim)
+    return PretrainModule(configs.model, configs.optim)
+
+
 def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
     """Instantiate data, module, strategy, loggers, callbacks and the Trainer for `cfg`.
 
@@ -85,7 +98,6 @@ def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
     quiet_other_ranks()
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = PretrainDataModule(configs.data, source=configs.source)
-    module = PretrainModule(configs.model, configs.optim)
     loggers = build_loggers(cfg)
     callbacks, plugins = [*build_callbacks(cfg), TokenizerCopy(cfg.run_dir)], build_plugins(cfg)
     ckpt_path = cfg.ckpt_path
@@ -99,6 +111,7 @@ def build_run(cfg: DictConfig, configs: RecipeConfigs) -> Run:
         callbacks=callbacks,
         plugins=plugins or None,
     )
+    module = build_module(trainer, configs)
     run_dir = Path(cfg.run_dir)
     if rank_zero_only.rank == 0:  # the trainer's own ranks are only set once fit() launches
         resolved: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]

@@ -8,7 +8,11 @@ flash / memory-efficient kernel where one exists. Grouped-query attention is ava
 
 Initialisation follows GPT-2 / Llama: every weight ~ N(0, init_std), except the two projections that
 write into the residual stream (attention output, MLP down), whose std is divided by sqrt(2 * n_layer)
-so the residual variance does not grow with depth.
+so the residual variance does not grow with depth. Each module initializes the tensors it owns (or
+its own layers') in its `reset_parameters()`, called at the end of its `__init__`; the model holds no
+init pass over the whole: built on the meta device (`Trainer.init_module(empty_init=True)`) the
+strategy replays those calls module by module, children first, and gets the very values eager
+construction gives (`lightning_zero.engine.deferred_init`), one block at a time under `"zero3"`.
 
 The model never imports `torch.distributed`: data parallelism (DDP, ZeRO) is applied by the Lightning
 strategy. It can be built on the meta device (`with torch.device("meta"): GPT(config)`) to count the
@@ -101,6 +105,11 @@ class GPTConfig:
             )
 
     @property
+    def residual_std(self) -> float:
+        """Std of the projections that write into the residual stream (GPT-2)."""
+        return self.init_std / math.sqrt(2 * self.n_layer)
+
+    @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
@@ -121,7 +130,11 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()
@@ -186,6 +199,12 @@ class Attention(nn.Module):
         qkv_dim = (config.n_head + 2 * config.kv_heads) * config.head_dim
         self.qkv = nn.Linear(config.d_model, qkv_dim, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.init_std, self.residual_std = config.init_std, config.residual_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.qkv.weight, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.proj.weight, mean=0.0, std=self.residual_std)  # writes into the residual
 
     def forward(
         self,
@@ -236,9 +255,38 @@ class SwiGLU(nn.Module):
         self.gate = nn.Linear(config.d_model, config.hidden_dim, bias=False)
         self.up = nn.Linear(config.d_model, config.hidden_dim, bias=False)
         self.down = nn.Linear(config.hidden_dim, config.d_model, bias=False)
+        self.init_std, self.residual_std = config.init_std, config.residual_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.gate.weight, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.up.weight, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.down.weight, mean=0.0, std=self.residual_std)  # writes into the residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class TokenEmbedding(nn.Embedding):
+    """The token embedding, initialized ~ N(0, init_std) (GPT-2) in `reset_parameters()`."""
+
+    def __init__(self, vocab_size: int, d_model: int, init_std: float) -> None:
+        self.init_std = init_std  # read by reset_parameters(), which nn.Embedding.__init__ calls
+        super().__init__(vocab_size, d_model)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
+class OutputHead(nn.Linear):
+    """The output layer (no bias), initialized ~ N(0, init_std) (GPT-2) in `reset_parameters()`."""
+
+    def __init__(self, d_model: int, vocab_size: int, init_std: float) -> None:
+        self.init_std = init_std  # read by reset_parameters(), which nn.Linear.__init__ calls
+        super().__init__(d_model, vocab_size, bias=False)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
 
 class Block(nn.Module):
@@ -293,29 +341,22 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed = TokenEmbedding(config.vocab_size, config.d_model, config.init_std)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_embeddings:
+        self.head = OutputHead(config.d_model, config.vocab_size, config.init_std)
+        if config.tie_embeddings:  # the head's own weight (drawn above) is dropped, as before
             self.head.weight = self.embed.weight
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, head_dim // 2)
-        self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, head_dim // 2)
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # (max_seq_len, head_dim // 2)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)  # (max_seq_len, head_dim // 2)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, std) everywhere, std / sqrt(2 * n_layer) on residual projections."""
-        std = self.config.init_std
-        residual_std = std / math.sqrt(2 * self.config.n_layer)
-        for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-        for block in self.blocks:
-            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.down.weight, mean=0.0, std=residual_std)
+        """The RoPE tables (the model's own tensors; its layers initialize theirs)."""
+        config = self.config
+        like = {"device": self.rope_cos.device, "dtype": self.rope_cos.dtype}  # e.g. bf16 under "bf16-true"
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.rope_cos, self.rope_sin = cos.to(**like), sin.to(**like)
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits (B, T, vocab_size) of `idx` (B, T); with `cache`, `idx` follows the cached tokens.

@@ -115,7 +115,8 @@ class PretrainModule(pl.LightningModule):
         self.model_config = model_config
         self.optim_config = optim
         self.model = GPT(model_config)
-        self.val_perplexity = Perplexity()
+        with torch.device("cpu"):  # never on the meta device (`trainer.init_module(empty_init=True)`):
+            self.val_perplexity = Perplexity()  # its state is no parameter; it follows the module's moves
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

@@ -34,7 +34,7 @@ Refused with a clear error: more than one optimizer, or one set up apart from it
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -47,6 +47,7 @@ from typing_extensions import override
 
 from lightning_zero.comm.watchdog import let_errors_reach_python
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.deferred_init import is_deferred
 from lightning_zero.integrations.arguments import check_lightning_arguments, check_sharded_io
 from lightning_zero.integrations.fabric.checkpointing import FabricCheckpointing
 from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions, sharded_of
@@ -183,10 +184,20 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
                 "already called with an optimizer"
             )
         check_sharded_io(self.checkpoint_io, self._zero.options.sharded_checkpoint, "ZeroFabricStrategy")
+        stage3 = self.zero_config.stage == 3
+        deferred = self._zero.deferred_init(
+            module, self.root_device
+        )  # built under init_module(empty_init=True)
+        if deferred is not None and not stage3:
+            ZeroFrontEnd.initialize_whole(module, deferred)
+            deferred = None
         # stage 3: every rank must hold the same model before it keeps only its shard of rank 0's
-        ZeroFrontEnd.sync_module_states(module, check_same=self.zero_config.stage == 3)
+        ZeroFrontEnd.sync_module_states(module, check_same=stage3, broadcast=deferred is None)
         mesh = self._zero.device_mesh(self.num_processes, self.root_device.type, self._timeout)
-        sharded = self._zero.shard(optimizers[0], module, [] if scheduler is None else [scheduler], mesh)
+        schedulers = [] if scheduler is None else [scheduler]
+        sharded = self._zero.shard(optimizers[0], module, schedulers, mesh, deferred)
+        if deferred is not None:  # initialized unit by unit: the buffers and frozen parameters, rank 0's
+            ZeroFrontEnd.sync_module_states(module)
         self._module = module
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward),
@@ -205,9 +216,30 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:  # type: ignore[override]  # no DDP wrapper
         """The module itself (no wrapper), with rank 0's parameters and buffers on every rank. Set up
         without the optimizer (an evaluation or teacher model) it stays a replica: its gradients, if
-        any, are not synchronized (only the model set up with the optimizer is sharded)."""
+        any, are not synchronized (only the model set up with the optimizer is sharded). One built on
+        the meta device is initialized whole (:mod:`lightning_zero.engine.deferred_init`)."""
+        deferred = self._zero.deferred_init(module, self.root_device)
+        if deferred is not None:
+            ZeroFrontEnd.initialize_whole(module, deferred)
         ZeroFrontEnd.sync_module_states(module)
         return module
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``fabric.init_module(empty_init=True)`` builds the model on the meta device, at every stage;
+        ``fabric.setup`` initializes it (stage 3: one unit at a time, each rank keeping its shards;
+        :mod:`lightning_zero.engine.deferred_init`). Otherwise as ``DDPStrategy`` (on the device)."""
+        if not empty_init:
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        stack.enter_context(self._zero.on_meta_device(self.root_device))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def module_to_device(self, module: torch.nn.Module) -> None:
+        if not is_deferred(module):  # a model on the meta device gets its values in setup, on the device
+            super().module_to_device(module)
 
     @override
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

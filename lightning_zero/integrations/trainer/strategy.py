@@ -55,6 +55,7 @@ from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_zero.comm import collective_failures
 from lightning_zero.comm.watchdog import let_errors_reach_python
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.deferred_init import DeferredInit
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import (
     check_lightning_arguments,
@@ -215,8 +216,14 @@ class ZeroStrategy(ShardedCheckpointing):
             left_sharded.unshard()
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True, as DDPStrategy does
+        stage3 = self.zero_config.stage == 3
+        deferred = self._zero.deferred_init(self.model, self.root_device)  # a model on the meta device
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        if deferred is not None and not (fitting and stage3):
+            ZeroFrontEnd.initialize_whole(self.model, deferred)
+            deferred = None
+        if deferred is None:
+            self.model_to_device()
         if fitting and self.root_device.type == "cpu":
             if any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.model.modules()):
                 raise ValueError("SyncBatchNorm layers only work with GPU modules")  # torch DDP's own refusal
@@ -225,11 +232,12 @@ class ZeroStrategy(ShardedCheckpointing):
         if fitting:
             self._refuse_parameter_readers(trainer)
             self.setup_optimizers(trainer)
-            stage3 = self.zero_config.stage == 3
             if stage3:  # rank 0's full parameters, before each rank keeps only its shard of them
-                ZeroFrontEnd.sync_module_states(self.model, check_same=True)
-            self._shard_optimizer()  # compares bucket plans first: a mismatch is an error, not a hang
-            if not stage3:
+                ZeroFrontEnd.sync_module_states(self.model, check_same=True, broadcast=deferred is None)
+            self._shard_optimizer(deferred)  # compares bucket plans first: a mismatch is an error, not a hang
+            if deferred is not None:  # the rest of the module (e.g. a metric's state) to the device
+                self.model_to_device()  # the parameters and buffers are there: they stay as they are
+            if not stage3 or deferred is not None:  # deferred: the buffers and frozen parameters
                 ZeroFrontEnd.sync_module_states(self.model)  # identical start on every rank, as DDP does
             engine = self._zero.engine
             assert engine is not None and self.lightning_module is not None
@@ -279,7 +287,7 @@ class ZeroStrategy(ShardedCheckpointing):
                 if dirpath is not None:
                     check_sharded_path(dirpath)
 
-    def _shard_optimizer(self) -> None:
+    def _shard_optimizer(self, deferred: DeferredInit | None = None) -> None:
         if len(self.optimizers) != 1:
             raise ValueError(
                 f"strategy 'zero' supports exactly one optimizer, configure_optimizers returned "
@@ -290,7 +298,32 @@ class ZeroStrategy(ShardedCheckpointing):
         inner = getattr(inner, "_optimizer", inner)  # a LightningOptimizer's torch optimizer
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         mesh = self._zero.device_mesh(self.num_processes, self.root_device.type, self._timeout)
-        self.optimizers = [self._zero.shard(inner, self.lightning_module, schedulers, mesh)]
+        self.optimizers = [self._zero.shard(inner, self.lightning_module, schedulers, mesh, deferred)]
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``Trainer.init_module(empty_init=True)`` builds the model on the meta device, at every stage;
+        ``fit`` initializes it (stage 3: one unit at a time, each rank keeping its shards;
+        :mod:`lightning_zero.engine.deferred_init`). Otherwise as ``DDPStrategy`` (on the device)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with self._zero.on_meta_device(self.root_device), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3: what ``configure_model()`` builds lands on the meta device, initialized unit by unit
+        at setup; below stage 3 it is built as under ``"ddp"``."""
+        if self.zero_config.stage != 3:
+            with super().model_sharded_context():
+                yield
+            return
+        with self._zero.on_meta_device(self.root_device):
+            yield
 
     @contextmanager
     @override

@@ -1,0 +1,192 @@
+"""Deferred initialization (``lightning_zero.engine.deferred_init``) in one process: models of standard
+layers, the recipe's GPT and Lightning's demo Transformer built on the meta device get bit for bit the
+values eager construction gives them from the same seed, whole and (stage 3, world size 1) unit by
+unit; what the rule cannot reproduce is refused, naming the module or the tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from lightning.pytorch.demos import Transformer
+from torch import nn
+
+from lightning_zero import ShardedAdamW, ZeroConfig
+from lightning_zero.engine.deferred_init import (
+    DeferredInit,
+    DeferredInitError,
+    capture_rng,
+    check_deferred,
+    materialize,
+)
+from recipes.training.model import GPT, GPTConfig
+
+CPU = torch.device("cpu")
+
+
+def _layers() -> nn.Module:
+    return nn.Sequential(
+        nn.Embedding(40, 12),
+        nn.Conv1d(12, 12, 3, padding=1),
+        nn.Sequential(
+            *[nn.Sequential(nn.Linear(12, 24), nn.LayerNorm(24), nn.Linear(24, 12)) for _ in range(3)]
+        ),
+        nn.BatchNorm1d(12),
+        nn.RMSNorm(12),
+        nn.Linear(12, 40),
+    )
+
+
+def _gpt(tie: bool) -> Callable[[], nn.Module]:
+    config = GPTConfig(vocab_size=48, max_seq_len=8, n_layer=3, n_head=2, d_model=16, tie_embeddings=tie)
+    return lambda: GPT(config)
+
+
+BUILDERS = {
+    "standard layers": _layers,
+    "recipe GPT": _gpt(False),
+    "recipe GPT, tied head": _gpt(True),
+    "Lightning demo Transformer, one layer": lambda: Transformer(
+        vocab_size=33, ninp=16, nhead=2, nhid=16, nlayers=1
+    ),
+}
+
+
+def _eager_and_meta(build: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module, DeferredInit]:
+    torch.manual_seed(7)
+    eager = build()
+    torch.manual_seed(7)
+    init = DeferredInit(CPU, capture_rng(CPU))
+    with torch.device("meta"):
+        meta = build()
+    torch.rand(5)  # draws between construction and setup (data, dropout masks) do not change the values
+    return eager, meta, init
+
+
+def _assert_same(eager: nn.Module, other: dict[str, torch.Tensor]) -> None:
+    expected = eager.state_dict()
+    assert expected.keys() == other.keys()
+    for name, value in expected.items():
+        assert torch.equal(value, other[name]), name
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_whole_model_initialization_is_bit_identical_to_eager_construction(name: str) -> None:
+    eager, meta, init = _eager_and_meta(BUILDERS[name])
+    state_before = torch.random.get_rng_state()
+    check_deferred(meta)
+    materialize(meta, init)
+    _assert_same(eager, meta.state_dict())
+    assert not any(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
+    assert torch.equal(torch.random.get_rng_state(), state_before), (
+        "the replay must not advance the generators"
+    )
+
+
+@pytest.mark.parametrize("name", ["standard layers", "recipe GPT", "recipe GPT, tied head"])
+def test_stage3_initializes_unit_by_unit_to_the_same_values(name: str) -> None:
+    eager, meta, init = _eager_and_meta(BUILDERS[name])
+    params = list(meta.parameters())
+    check_deferred(meta)
+    config = ZeroConfig(stage=3, min_unit_numel=400, bucket_cap_mb=0.001)
+    opt = ShardedAdamW(params, lr=1e-3, config=config, module=meta, deferred_init=init)
+    assert [p for p in meta.parameters()] == params, "the optimizer's parameters stay the model's"
+    _assert_same(eager, meta.state_dict())  # gathers one unit at a time
+    engine = opt.engine
+    assert engine.units is not None
+    units = [sum(b.padded_numel for b in unit.buckets) for unit in engine.units.units]
+    assert len(units) >= 4, units
+    assert engine.init_peak_elements <= units[0] + max(units[1:]) < sum(units)
+
+
+def test_a_module_without_reset_parameters_is_refused_naming_it() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.randn(3))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), Scaled())
+    with pytest.raises(DeferredInitError, match=r"1 \(Scaled: scale\).*reset_parameters"):
+        check_deferred(model)
+
+
+def test_stacks_of_copied_layers_are_refused_naming_them() -> None:
+    """Lightning's demo Transformer at its default 2 layers: nn.TransformerEncoder/Decoder deep-copy one
+    layer, which a replay of each layer's reset cannot reproduce (the values would silently differ)."""
+    with torch.device("meta"):
+        model = Transformer(vocab_size=33, ninp=16, nhead=2, nhid=16, nlayers=2)
+    with pytest.raises(
+        DeferredInitError,
+        match=r"transformer\.encoder \(TransformerEncoder of 2 layers\); transformer\.decoder",
+    ):
+        check_deferred(model)
+
+
+def test_a_model_partly_on_the_meta_device_is_refused() -> None:
+    with torch.device("meta"):
+        head = nn.Linear(3, 3)
+    model = nn.Sequential(nn.Linear(3, 3), head)
+    with pytest.raises(
+        DeferredInitError, match=r"partly on the meta device \(1.weight.*partly not \(0.weight"
+    ):
+        check_deferred(model)
+
+
+def test_a_tensor_no_reset_writes_is_named() -> None:
+    class Forgetful(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.zeros(2))
+            self.b = nn.Parameter(torch.zeros(2))
+
+        def reset_parameters(self) -> None:
+            nn.init.ones_(self.a)
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2), Forgetful())
+    with pytest.raises(DeferredInitError, match=r"1\.b still hold\(s\) NaN"):
+        materialize(model, DeferredInit(CPU, capture_rng(CPU)))
+
+
+class _WholeModelInit(nn.Module):
+    """A root whose reset re-initializes every block (nanoGPT's pattern): fine whole, not per unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(20, 20) for _ in range(3))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for block in self.blocks:
+            nn.init.normal_(block.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_stage3_refuses_a_reset_that_writes_into_units_already_sharded() -> None:
+    eager, meta, init = _eager_and_meta(_WholeModelInit)
+    materialize(meta, init)  # whole (stages 1 and 2): the model-level reset replays as it ran
+    _assert_same(eager, meta.state_dict())
+    with torch.device("meta"):
+        meta = _WholeModelInit()
+    config = ZeroConfig(stage=3, min_unit_numel=100)
+    with pytest.raises(
+        DeferredInitError, match=r"_WholeModelInit.reset_parameters\(\) of module '<root>'.*blocks\.0\.weight"
+    ):
+        ShardedAdamW(meta.parameters(), config=config, module=meta, deferred_init=init)
+
+
+def test_meta_parameters_without_deferred_init_are_refused() -> None:
+    with torch.device("meta"):
+        model = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match=r"meta device \(weight, bias\).*deferred_init"):
+        ShardedAdamW(
+            model.parameters(),
+            config=ZeroConfig(stage=2),
+            param_names={model.weight: "weight", model.bias: "bias"},
+        )
