@@ -5,7 +5,8 @@
 ``LightningModule.load_from_checkpoint`` read sharded checkpoint directories — as soon as Lightning
 is imported (:mod:`lightning_zero.integrations.autoregister`), so that :class:`ShardedAdamW` on its
 own, in a plain ``torch.distributed`` loop, does not import Lightning. ``ZeroStrategy``,
-``ZeroFabricStrategy`` and ``grad_norm`` are imported on first access. :func:`unshard` makes a model
+``ZeroFabricStrategy`` and ``grad_norm`` are imported on first access. :func:`gathered` gives a
+stage-3 model (or a submodule) its full parameters for a block of code; :func:`unshard` makes a model
 left sharded by stage 3 a plain module again.
 """
 
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import NonFiniteGradientError, PlanMismatchError
-from lightning_zero.engine.parameters import unshard
+from lightning_zero.engine.parameters import gathered, unshard
 from lightning_zero.integrations import autoregister as _autoregister
 from lightning_zero.optim import ShardedAdamW
 
@@ -33,6 +34,7 @@ __all__ = [
     "ZeroFabricStrategy",
     "ZeroStrategy",
     "grad_norm",
+    "gathered",
     "unshard",
 ]
 __version__ = "0.1.0"

@@ -60,6 +60,42 @@ def unshard(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+@contextmanager
+def gathered(module: torch.nn.Module, writeback: bool = False) -> Iterator[torch.nn.Module]:
+    """Inside, ``module``'s parameters hold their full values, though a stage-3 model keeps them sharded
+    (after ``fit`` under ``"zero3"``, during it in a callback or hook, or with a stage-3
+    ``ShardedAdamW``): the units holding ``module``'s parameters are gathered (``module`` is the model
+    or any submodule of it: a block gathers its own unit only), then freed at the exit. Writes inside
+    are lost at the exit unless ``writeback``: then each rank keeps its slice of what the parameters
+    hold at the exit (write the same values on every rank, e.g. a broadcast) and the optimizer's fp32
+    masters follow. Below stage 3 the parameter gathers in flight complete; for a module no engine
+    shards, nothing happens. A collective: call it on every rank, with the same ``module``.
+
+    Yields:
+        ``module`` itself.
+    """
+    params = {id(p) for p in module.parameters()}
+    engine = next(
+        (e for e in _engines() if any(id(p) in params for p in e.params_in_order)),
+        None,
+    )
+    if engine is None:
+        yield module
+        return
+    with engine.gathered_parameters(params, writeback):
+        yield module
+
+
+def _engines() -> list[ParameterAccess]:
+    """The engines whose stage 3 holds a model sharded now."""
+    found = []
+    for ref in list(_SHARDED.values()):
+        engine = ref()
+        if engine is not None and engine.units is not None:
+            found.append(engine)
+    return found
+
+
 class ParameterAccess:
     """Reads, waits and rebinds of the parameters (the attributes :class:`ShardEngine` sets)."""
 
@@ -107,18 +143,28 @@ class ParameterAccess:
         inside are lost at the exit, unless ``writeback``: then each rank keeps its slice of what the
         parameters hold at the exit (identical writes on every rank, e.g. a broadcast, stay
         consistent) and the fp32 masters are re-read. All ranks."""
+        with self.gathered_parameters({id(p) for p in self.params_in_order}, writeback):
+            yield
+
+    @contextmanager
+    def gathered_parameters(self, params: set[int], writeback: bool = False) -> Iterator[None]:
+        """:meth:`full_parameters` for the units holding the planned parameters whose ids are in
+        ``params`` (stage 3; below it every gather in flight completes). All ranks, the same ``params``."""
         if self.units is None:
             self.wait_for_params()
             yield
             return
-        self.units.gather_all()
+        layout = self.units.layout
+        units = sorted({layout.of_param[i] for i, p in enumerate(self.params_in_order) if id(p) in params})
+        self.units.gather_units(units)
         try:
             yield
             if writeback:
-                self.flat.keep_own_slices()
+                self.flat.keep_own_slices([b for u in units for b in self.units.units[u].buckets])
                 self.state.refresh_master()
         finally:
-            self.units.free_all()
+            for unit in units:
+                self.units.free(unit)
 
     def publish_shards(self) -> None:
         """After this rank's parameter shards were written (a checkpoint load): the full parameters

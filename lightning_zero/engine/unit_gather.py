@@ -158,9 +158,13 @@ class UnitGather:
 
     def gather_all(self) -> None:
         """Every unit gathered (to read or save full parameters); :meth:`free_all` releases them."""
-        for unit in range(len(self.units)):
+        self.gather_units(range(len(self.units)))
+
+    def gather_units(self, units: Sequence[int]) -> None:
+        """``units`` gathered (their all-gathers launched together, then waited for)."""
+        for unit in units:
             self.gather(unit, wait=False)
-        for unit in range(len(self.units)):
+        for unit in units:
             self.gather(unit)
 
     def gather_root(self) -> None:

@@ -38,9 +38,11 @@ def _add(name: str, **case: Any) -> None:
     CASES[name] = case
 
 
-_BETWEEN_STEPS = "stage 3 holds no full parameters between an optimizer step and the next forward"
-"""Stage 3's refusal of callbacks that may read or write parameters between steps (the trainable set
-changing during fit, EMA, SWA, in-place writes): they would meet placeholders there."""
+_SHARDED = "which is sharded: outside its unit's forward and backward it is a placeholder"
+"""Stage 3's refusal, at the op, of a read or a write of a parameter outside its unit's use (EMA, SWA,
+in-place writes, a probe of the weights): it names the parameter and ``lightning_zero.gathered``."""
+_REPLAN = "stage 3 cannot re-plan yet"
+"""Stage 3's refusal of a trainable set that changes during fit (freezing, unfreezing, new groups)."""
 _LR_MONITOR = ["LearningRateMonitor", {"logging_interval": "step", "log_momentum": True}]
 
 # every torch LR scheduler a Lightning user returns, at step interval, with LearningRateMonitor. Under
@@ -121,7 +123,7 @@ _add(
     callbacks=[["FreezeAt", {"step": 3}]],
     trainer={"max_steps": 8},
     reference="ddp_find_unused_parameters_true",
-    zero3_refused=_BETWEEN_STEPS,
+    zero3_refused=_REPLAN,
 )
 _add(
     "add_param_group_mid_fit",
@@ -129,7 +131,7 @@ _add(
     callbacks=[["AddGroupAt", {"step": 3}]],
     trainer={"max_steps": 8, "use_distributed_sampler": False},
     reference="single",
-    zero3_refused=_BETWEEN_STEPS,
+    zero3_refused=_REPLAN,
 )
 _add(
     "base_finetuning",
@@ -137,7 +139,7 @@ _add(
     callbacks=[["Finetune", {}]],
     trainer={"max_epochs": 3, "limit_train_batches": 3, "use_distributed_sampler": False},
     reference="single",
-    zero3_refused=_BETWEEN_STEPS,
+    zero3_refused=_SHARDED,
 )
 
 # buffers, parameter readers and writers, gradient norms
@@ -178,18 +180,29 @@ _add(
     module={"batchnorm": True},
     trainer={"max_epochs": 3, "limit_train_batches": 4},
     callbacks=[["StochasticWeightAveraging", {"swa_lrs": 0.005, "swa_epoch_start": 1}]],
-    zero3_refused=_BETWEEN_STEPS,
+    zero3_refused=_SHARDED,
 )
 _add(
     "ema_callback",
     callbacks=[["EMA", {}]],
     trainer={"max_steps": 6, "val_check_interval": 3, "limit_val_batches": 2},
-    zero3_refused=_BETWEEN_STEPS,
+    zero3_refused=_SHARDED,
 )
 _add(
     "param_reads_at_phase_changes",
     callbacks=[["ParamProbe", {}]],
     trainer={"max_steps": 6, "val_check_interval": 4, "limit_val_batches": 2},  # no validation at the end
+    zero3_refused=_SHARDED,  # the read itself, where "ddp" reads the weights; gathered(...) gives them
+)
+_add(  # hooks between an optimizer step and the next forward that touch no parameter run as under "ddp"
+    "hooks_between_steps",
+    module={"between_step_hooks": True},
+    callbacks=[
+        ["HookCounter", {}],
+        ["GradientAccumulationScheduler", {"scheduling": {0: 1, 1: 2}}],
+        ["Timer", {}],
+    ],
+    trainer={"max_epochs": 2, "limit_train_batches": 4, "val_check_interval": 2, "limit_val_batches": 2},
 )
 # a parameter of the LightningModule itself, used in training_step without calling self(...)
 _add(  # after fit: validate/test read the root parameter before any forward (stage 3: still sharded)
@@ -271,7 +284,7 @@ _add(
     "write_weights_in_place_bf16",
     trainer={"max_steps": 4, "precision": "bf16-true"},
     callbacks=[["WriteWeightsAt", {"step": 2}]],
-    zero3_refused=_BETWEEN_STEPS,
+    zero3_refused=_SHARDED,
 )
 
 # fp32: the sharded update runs the kernel family of the user's AdamW (torch's fused kernel and its

@@ -116,6 +116,7 @@ class ConformanceModule(L.LightningModule):
         root_scale: bool = False,
         adam_kernel: str | None = None,
         tied: bool = False,
+        between_step_hooks: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -132,6 +133,17 @@ class ConformanceModule(L.LightningModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+    # hooks that run between an optimizer step and the next forward, touching no parameter (a counter
+    # logged, as a user's module does): overridden always, active with ``between_step_hooks``
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.hparams.between_step_hooks:
+            self.batches_seen = getattr(self, "batches_seen", 0) + 1
+            self.log("batches_seen", float(self.batches_seen), on_step=True, on_epoch=False)
+
+    def on_train_epoch_end(self) -> None:
+        if self.hparams.between_step_hooks:
+            self.log("epochs_ended", float(self.current_epoch + 1), on_step=False, on_epoch=True)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
@@ -377,6 +389,34 @@ class ParamProbe(Callback):
         self._read(pl_module)
 
 
+class HookCounter(Callback):
+    """Counts the hooks around steps and phases (touching no parameter), in ``recorded``."""
+
+    def __init__(self) -> None:
+        self.recorded: list[float] = []
+
+    def _count(self, trainer: L.Trainer, hook: int) -> None:
+        self.recorded += [float(hook), float(trainer.global_step), float(trainer.current_epoch)]
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._count(trainer, 1)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._count(trainer, 2)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._count(trainer, 3)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._count(trainer, 4)
+
+    def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._count(trainer, 5)
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._count(trainer, 6)
+
+
 class DeferGathers(Callback):
     """Parameter all-gathers run only when waited for (``overlap_param_gather``): any read of the
     parameters that the strategy did not make wait for them sees stale values, deterministically."""
@@ -393,7 +433,10 @@ class DetachAfterFit(Callback):
     """What Lightning's teardown does on a GPU (``module.cpu()``): every parameter gets new storage."""
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit":
+        from lightning_zero.engine.parameters import sharded_engine
+
+        # "zero3" leaves the model sharded where it is, as FSDP's teardown does: nothing is moved
+        if stage == "fit" and sharded_engine(pl_module) is None:
             for p in pl_module.parameters():
                 p.data = p.data.clone()
 

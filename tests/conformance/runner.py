@@ -18,7 +18,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+    Timer,
+)
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero.engine.parameters import sharded_engine
@@ -43,6 +49,9 @@ CALLBACKS: dict[str, Any] = {
     "DetachAfterFit": M.DetachAfterFit,
     "WriteWeightsAt": M.WriteWeightsAt,
     "ParamProbe": M.ParamProbe,
+    "HookCounter": M.HookCounter,
+    "GradientAccumulationScheduler": GradientAccumulationScheduler,
+    "Timer": Timer,
 }
 _SMALL_BUCKETS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005}  # several buckets on this model
 

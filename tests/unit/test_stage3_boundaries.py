@@ -13,6 +13,7 @@ from torch import nn
 
 import lightning_zero
 from lightning_zero import ShardedAdamW, ZeroConfig
+from lightning_zero.layout.placeholders import FreedParameterError
 from tests.distributed.models import Block, BlockNet, batch, hooks_left
 
 
@@ -70,11 +71,15 @@ def test_a_write_into_a_freed_parameter_raises_naming_it_and_no_other_parameter_
     with opt.full_parameters():
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     name, fn = WRITES[write]
-    with torch.no_grad(), pytest.raises(RuntimeError, match=rf"'{name}'.*full_parameters"):
+    with (
+        torch.no_grad(),
+        pytest.raises(FreedParameterError, match=rf"'{name}'.*gathered\(module, writeback=True\)"),
+    ):
         fn(model)
     for other, param in model.named_parameters():
         if param.requires_grad:
-            assert torch.isnan(param).all(), f"{other} reads {param.flatten()[:3]} instead of NaN"
+            with pytest.raises(FreedParameterError, match=rf"isnan reads parameter '{other}'"):
+                torch.isnan(param)
     with opt.full_parameters():
         for other, param in model.named_parameters():
             if param.requires_grad:
@@ -82,21 +87,63 @@ def test_a_write_into_a_freed_parameter_raises_naming_it_and_no_other_parameter_
     _train(model, opt, range(2, 3))  # the parameters are still the engine's: training goes on
 
 
-def test_a_write_past_the_refusal_reaches_no_other_parameter_and_ends_at_the_next_free() -> None:
-    """``param.detach()`` shares the placeholder's memory and is an ordinary tensor: a write through it
-    is not refused, but each parameter has a NaN element of its own, written again at every free."""
+READS: dict[str, tuple[str, Callable[[Any], object]]] = {
+    "sum": ("blocks.0.fc.weight", lambda m: m.blocks[0].fc.weight.sum()),
+    "clone": ("out.bias", lambda m: m.out.bias.clone()),
+    "detach().clone()": ("inp.weight", lambda m: m.inp.weight.detach().clone()),
+    ".data arithmetic": ("blocks.1.gate", lambda m: m.blocks[1].gate.data * 2),
+    "torch.norm": ("out.weight", lambda m: torch.norm(m.out.weight)),
+    "float() of one element": ("temperature", lambda m: float(m.temperature)),
+    "indexing": ("blocks.2.norm.bias", lambda m: m.blocks[2].norm.bias[0]),
+    "copy from": ("out.weight", lambda m: torch.zeros(5, 13, dtype=torch.float64).copy_(m.out.weight)),
+    "to another dtype": ("temperature", lambda m: m.temperature.float()),
+}
+
+
+@pytest.mark.parametrize("read", list(READS))
+def test_a_read_of_a_freed_parameter_raises_naming_it(read: str) -> None:
+    """Reading a value of a freed parameter (not NaN silently) fails at the op, naming the parameter and
+    ``lightning_zero.gathered``; reading its metadata does not."""
     torch.manual_seed(0)
     model = _Tempered().double()
+    ShardedAdamW(_trainable(model), lr=1e-2, config=ZeroConfig(stage=3, min_unit_numel=0), module=model)
+    name, fn = READS[read]
+    with pytest.raises(
+        FreedParameterError, match=rf"reads parameter '{name}'.*lightning_zero\.gathered\(module\)"
+    ):
+        fn(model)
+    param = model.get_parameter(name)
+    assert (param.shape, param.dtype, param.numel(), param.requires_grad, param.grad) == (
+        param.shape,
+        torch.float64,
+        param.numel(),
+        True,
+        None,
+    )
+    model.to(param.device)  # where it already is: nothing read, nothing moved
+
+
+def test_gathered_gives_one_submodule_its_full_parameters_and_writes_back_on_request() -> None:
+    """``lightning_zero.gathered(block)`` gathers that block's unit only; with ``writeback=True`` the
+    values written inside are the shards' (and the optimizer's masters') after it."""
+    torch.manual_seed(0)
+    model = _Tempered().double()
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = ShardedAdamW(_trainable(model), lr=1e-2, config=ZeroConfig(stage=3, min_unit_numel=0), module=model)
-    with torch.no_grad():
-        model.blocks[1].gate.detach().zero_()
-        model.temperature.detach().fill_(3.0)
-    assert not model.blocks[1].gate.isnan().any() and model.temperature.item() == 3.0
-    for other, param in model.named_parameters():
-        if param.requires_grad and other not in ("blocks.1.gate", "temperature"):
-            assert torch.isnan(param).all(), f"{other} reads {param.flatten()[:3]} instead of NaN"
+    with lightning_zero.gathered(model.blocks[1]) as block:
+        assert block is model.blocks[1]
+        assert torch.equal(block.gate, expected["blocks.1.gate"])
+        with pytest.raises(FreedParameterError):
+            model.blocks[0].fc.weight.sum()  # another unit stays sharded
+    with pytest.raises(FreedParameterError):
+        model.blocks[1].gate.sum()  # freed again at the exit
+    with lightning_zero.gathered(model.blocks[1], writeback=True), torch.no_grad():
+        model.blocks[1].gate.fill_(0.25)
+    with lightning_zero.gathered(model):
+        for name, param in model.named_parameters():
+            want = torch.full_like(param, 0.25) if name == "blocks.1.gate" else expected[name]
+            assert torch.equal(param, want), name
     _train(model, opt, range(1))
-    assert all(torch.isnan(p).all() for p in _trainable(model))
 
 
 # ---- a unit's output of another type -------------------------------------------------------------

@@ -12,6 +12,7 @@ from torch import nn
 from lightning_zero import ShardedAdamW, ZeroConfig
 from lightning_zero.layout.buckets import ParamSpec, plan_buckets
 from lightning_zero.layout.flat import FlatParams
+from lightning_zero.layout.placeholders import FreedParameterError
 from lightning_zero.layout.units import find_units
 from tests.distributed.models import Block, BlockNet
 
@@ -94,7 +95,7 @@ def test_a_bucket_never_holds_two_units() -> None:
         plan_buckets(specs[:2], 1, units=[0])
 
 
-def test_a_freed_bucket_holds_no_storage_and_its_parameters_read_nan_and_refuse_writes() -> None:
+def test_a_freed_bucket_holds_no_storage_and_its_parameters_refuse_reads_and_writes() -> None:
     block = Block(6).double()
     params = list(block.parameters())
     values = [p.detach().clone() for p in params]
@@ -105,12 +106,14 @@ def test_a_freed_bucket_holds_no_storage_and_its_parameters_read_nan_and_refuse_
     flat.free(bucket)
     assert flat.bucket(bucket).untyped_storage().nbytes() == 0
     assert all(p.shape == v.shape for p, v in zip(params, values, strict=True))
-    assert torch.isnan(block.fc.weight.sum())
+    with pytest.raises(FreedParameterError, match="sum reads parameter '3'"):  # fc.weight
+        block.fc.weight.sum()
     with pytest.raises(RuntimeError, match="add_ would write into parameter '3'"):  # fc.weight
         block.fc.weight.data.add_(1)
     with pytest.raises(RuntimeError, match="zero_ would write into parameter '4'"):  # no overlap check
         block.fc.bias.zero_()
-    assert torch.isnan(block.fc.bias).all()
+    with pytest.raises(FreedParameterError, match="isnan reads parameter '4'"):
+        torch.isnan(block.fc.bias)
     assert flat.is_bound(params)
     flat.materialize(bucket)
     start = plan.shard_numel(bucket)
@@ -144,7 +147,8 @@ def test_stage3_at_world_size_one_equals_adamw_and_frees_every_unit_between_step
             optimizer.zero_grad()
         flat = opt.engine.flat
         assert all(flat.bucket(b).untyped_storage().nbytes() == 0 for b in opt.engine.plan.buckets)
-        assert torch.isnan(model.out.weight).all(), "outside a forward parameters are placeholders"
+        with pytest.raises(FreedParameterError, match="'out.weight'"):  # outside a forward: placeholders
+            model.out.weight.sum()
         with opt.engine.full_parameters():
             for a, b in zip(model.parameters(), reference.parameters(), strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
@@ -162,13 +166,12 @@ class _CallsNoOutputForward(BlockNet):
 
 
 def test_a_unit_whose_parameters_are_used_without_its_forward_is_an_error_naming_it() -> None:
+    """The read itself fails (not NaN carried into the loss), naming the parameter."""
     model = _CallsNoOutputForward().double()
     config = ZeroConfig(stage=3, unit_modules=(nn.Linear,))
     ShardedAdamW(_trainable(model), config=config, module=model)
-    loss = model(torch.randn(2, 7, dtype=torch.float64)).sum()
-    assert torch.isnan(loss), "the output layer's parameters were read as placeholders"
-    with pytest.raises(RuntimeError, match=r"'out.bias' got a gradient while its unit 'out' was not"):
-        loss.backward()
+    with pytest.raises(FreedParameterError, match=r"linear reads parameter 'out.weight'"):
+        model(torch.randn(2, 7, dtype=torch.float64))
 
 
 class _Checkpointed(BlockNet):

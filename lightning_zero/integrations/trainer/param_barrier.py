@@ -63,20 +63,6 @@ def _hooks_that_read(trainer: pl.Trainer, this: Callback, hooks: tuple[str, ...]
     return readers
 
 
-def parameter_readers(trainer: pl.Trainer) -> list[str]:
-    """The callbacks (by class name) and the LightningModule (``"LightningModule"``) whose hooks between
-    an optimizer step and the next forward may read parameters (stage 3 holds none there)."""
-    readers = [
-        type(cb).__name__
-        for cb in trainer.callbacks  # type: ignore[attr-defined]
-        if any(_may_read(cb, hook, Callback) for hook in HOOKS)
-    ]
-    module = trainer.lightning_module
-    if any(_may_read(module, hook, pl.LightningModule) for hook in HOOKS):
-        readers.append("LightningModule")
-    return readers
-
-
 class ParamReadBarrier(Callback):
     """Waits for the parameter gathers before the between-step hooks that may read parameters.
 
@@ -137,37 +123,3 @@ class ParamReadBarrier(Callback):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
         self._wait()
-
-
-PHASE_HOOKS = ("on_validation_start", "on_train_end")
-"""Where a fit changes phase and callbacks read the weights (a probe, a final evaluation): stage 3
-gathers every unit before them."""
-
-
-class PhaseGather(Callback):
-    """Stage 3: every unit gathered before ``on_validation_start``/``on_train_end`` when another callback
-    or the LightningModule overrides that hook (and does not declare
-    ``reads_parameters_between_steps = False``), so it reads full parameters. The validation forward
-    frees the units again one by one; after ``on_train_end`` the strategy's teardown keeps them.
-
-    Args:
-        gather_all: gathers every unit (all ranks).
-        trainer: whose callbacks and LightningModule are inspected, once, here.
-    """
-
-    reads_parameters_between_steps = False
-
-    def __init__(self, gather_all: Callable[[], None], trainer: pl.Trainer) -> None:
-        self._gather_all = gather_all
-        self.gathers_before = _hooks_that_read(trainer, self, PHASE_HOOKS)
-        """For each hook, whether every unit is gathered before it."""
-
-    @override
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.gathers_before["on_validation_start"]:
-            self._gather_all()
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.gathers_before["on_train_end"]:
-            self._gather_all()

@@ -67,11 +67,7 @@ from lightning_zero.integrations.names import register_names
 from lightning_zero.integrations.trainer.checkpointing import ShardedCheckpointing
 from lightning_zero.integrations.trainer.load import install as install_loader
 from lightning_zero.integrations.trainer.monitor import CommStatsMonitor, SkippedStepsMonitor
-from lightning_zero.integrations.trainer.param_barrier import (
-    ParamReadBarrier,
-    PhaseGather,
-    parameter_readers,
-)
+from lightning_zero.integrations.trainer.param_barrier import ParamReadBarrier
 from lightning_zero.integrations.trainer.precision import shard_aware
 from lightning_zero.optim import ShardedAdamW
 
@@ -88,11 +84,15 @@ class ZeroStrategy(ShardedCheckpointing):
             skipped step in a row raises :class:`~lightning_zero.NonFiniteGradientError` naming
             ``trainer.global_step`` and the ranks. ``unit_modules`` also takes import paths
             (``["recipes.training.model.Block"]``). At stage 3 (``"zero3"``) every rank holds only its shard
-            of the parameters during ``fit``; callbacks and LightningModule hooks that run between an
-            optimizer step and the next forward (``on_train_batch_end``, ...) are refused unless they
-            declare ``reads_parameters_between_steps = False``; after ``fit`` the model stays sharded:
+            of the parameters during ``fit``; callbacks and LightningModule hooks run as under
+            ``"ddp"``, and one that reads or writes a parameter outside its unit's forward and
+            backward fails at that op, naming the parameter and ``lightning_zero.gathered(module)``,
+            which gives full parameters for a block of code; after ``fit`` the model stays sharded:
             its forward, ``state_dict()`` and ``load_state_dict()`` gather one unit at a time on every
-            rank, and ``lightning_zero.unshard(model)`` makes it a plain module.
+            rank, and ``lightning_zero.unshard(model)`` makes it a plain module. A model built under
+            ``trainer.init_module(empty_init=True)`` (any stage) or in ``configure_model()`` (stage 3)
+            is built on the meta device and initialized at setup, at stage 3 one unit at a time
+            (:mod:`lightning_zero.engine.deferred_init`).
         log_comm_stats: log per step the seconds spent waiting on communication, their share of the
             step, and the elements and bytes sent (``zero/*`` metrics).
         sharded_checkpoint: ``save_checkpoint`` writes a directory, one shard file per rank
@@ -230,7 +230,6 @@ class ZeroStrategy(ShardedCheckpointing):
         self._fit_running, self._unwinding = fitting, False
         self._check_checkpoint_targets(trainer)
         if fitting:
-            self._refuse_parameter_readers(trainer)
             self.setup_optimizers(trainer)
             if stage3:  # rank 0's full parameters, before each rank keeps only its shard of them
                 ZeroFrontEnd.sync_module_states(self.model, check_same=True, broadcast=deferred is None)
@@ -256,26 +255,9 @@ class ZeroStrategy(ShardedCheckpointing):
                 engine.install_forward_waits(self.lightning_module)
                 callbacks[:] = [cb for cb in callbacks if not isinstance(cb, ParamReadBarrier)]
                 callbacks.insert(0, ParamReadBarrier(engine.wait_for_params, trainer))
-            if self.zero_config.stage == 3:
-                callbacks[:] = [cb for cb in callbacks if not isinstance(cb, PhaseGather)]
-                callbacks.insert(0, PhaseGather(engine.gather_all_units, trainer))
         else:
             ZeroFrontEnd.sync_module_states(self.model)
         self.setup_precision_plugin()
-
-    def _refuse_parameter_readers(self, trainer: pl.Trainer) -> None:
-        """Stage 3: code that may read parameters between steps would read placeholders (NaN)."""
-        if self.zero_config.stage != 3:
-            return
-        readers = parameter_readers(trainer)
-        if readers:
-            raise ValueError(
-                f"stage 3 holds no full parameters between an optimizer step and the next forward, where "
-                f"{', '.join(readers)} override(s) hooks (on_train_batch_end, on_train_batch_start, "
-                "on_train_epoch_end/start) that may read them, e.g. an EMA or SWA of the weights. Use "
-                "stage 1 or 2 for them, or set `reads_parameters_between_steps = False` on a callback or "
-                "LightningModule whose hooks do not read parameters"
-            )
 
     def _check_checkpoint_targets(self, trainer: pl.Trainer) -> None:
         """Before any work: a checkpoint IO plugin or a URL that sharded saves could not honour."""
