@@ -27,6 +27,7 @@ threshold and RSS shows less of stage 3's saving; docs/performance.md). Figures,
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -135,9 +136,12 @@ def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
     trainer = fit("", 1, None)
     figures["params"] = trainer.lightning_module.model.num_params()
     _reset_peak()
-    ckpt = str(out.parent / f"ckpt_{mode}")
+    ckpt = str(out / f"ckpt_{mode}")
     trainer.save_checkpoint(ckpt)
     phase("save")
+    del trainer  # the first run's model and shards go before the resume's are built
+    gc.collect()
+    _reset_peak()
     fit("resume: ", 2, ckpt)
     figures["seconds"] = time.perf_counter() - started
     rank = int(os.environ["LOCAL_RANK"])

@@ -121,6 +121,30 @@ def llama_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
+def llama_sources(config: GPTConfig, prefix: str = "") -> dict[str, list[str]]:
+    """Our parameter names (under `prefix`, e.g. "model." in `PretrainModule`) -> the
+    `LlamaForCausalLM` tensors each is, in order (the fused `attn.qkv` is q, k, v stacked; a tied head
+    is the embedding): what `lightning_zero.checkpoint.SafetensorsReader` reads an import from,
+    the inverse of `llama_state_dict`."""
+    sources = {
+        f"{prefix}embed.weight": ["model.embed_tokens.weight"],
+        f"{prefix}norm.weight": ["model.norm.weight"],
+        f"{prefix}head.weight": ["model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"],
+    }
+    for i in range(config.n_layer):
+        ours, theirs = f"{prefix}blocks.{i}.", f"model.layers.{i}."
+        sources |= {
+            ours + "attn_norm.weight": [theirs + "input_layernorm.weight"],
+            ours + "attn.qkv.weight": [theirs + f"self_attn.{p}_proj.weight" for p in "qkv"],
+            ours + "attn.proj.weight": [theirs + "self_attn.o_proj.weight"],
+            ours + "mlp_norm.weight": [theirs + "post_attention_layernorm.weight"],
+            ours + "mlp.gate.weight": [theirs + "mlp.gate_proj.weight"],
+            ours + "mlp.up.weight": [theirs + "mlp.up_proj.weight"],
+            ours + "mlp.down.weight": [theirs + "mlp.down_proj.weight"],
+        }
+    return sources
+
+
 def shard_plan(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
     """Consecutive groups of tensor names, each under `max_shard_bytes` (a larger tensor goes alone)."""
     shards: list[list[str]] = [[]]
