@@ -11,10 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from tests.distributed.harness import ranks, run_ranks_each
-
-transformers = pytest.importorskip("transformers")
 
 CONFIG = {
     "vocab_size": 96,
