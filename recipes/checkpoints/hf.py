@@ -50,7 +50,13 @@ LLAMA_FIELDS = {
 }
 """`GPTConfig` field -> the `LlamaConfig` field it becomes."""
 
-TRAINING_ONLY_FIELDS = {"init_std", "activation_checkpointing", "compile_blocks", "compile_backend"}
+TRAINING_ONLY_FIELDS = {
+    "init_std",
+    "activation_checkpointing",
+    "compile_blocks",
+    "compile_backend",
+    "init_from",
+}
 """`GPTConfig` fields that do not change what a trained model computes."""
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -143,6 +149,37 @@ def llama_sources(config: GPTConfig, prefix: str = "") -> dict[str, list[str]]:
             ours + "mlp.down.weight": [theirs + "mlp.down_proj.weight"],
         }
     return sources
+
+
+def check_llama_directory(config: GPTConfig, directory: str | Path) -> None:
+    """Refuse, before any work, a Llama directory whose shapes are not `config`'s.
+
+    Raises:
+        ExportError: no `config.json` there, or fields that differ (each named, with both values and the
+            override that would match).
+    """
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ExportError(
+            f"model.init_from={directory!s}: no config.json there (a Hugging Face model directory)"
+        )
+    theirs = json.loads(path.read_text())
+    ours = llama_config(config, None, None, torch.float32).to_dict()
+    differ = []
+    for field, name in LLAMA_FIELDS.items():
+        key = name.split(".")
+        want, got = ours, theirs
+        for part in key:
+            want = want.get(part) if isinstance(want, dict) else None
+            got = got.get(part) if isinstance(got, dict) else None
+        if name == "rope_parameters.rope_theta" and got is None:
+            got = theirs.get("rope_theta")  # older configs
+        if want != got:
+            differ.append(f"model.{field}: {want} here, {name}={got} in {path}")
+    if differ:
+        raise ExportError(
+            "model.init_from: the model's shape differs from the directory's: " + "; ".join(differ)
+        )
 
 
 def shard_plan(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:

@@ -84,6 +84,7 @@ class ModelSchema:
     tie_embeddings: bool = True
     init_std: float = 0.02
     activation_checkpointing: bool = False
+    init_from: str | None = None  # a Hugging Face Llama directory to start from (docs/recipes.md)
     compile_blocks: bool = False
     compile_backend: str = "inductor"  # inductor | aot_eager | eager (checked by GPTConfig)
 

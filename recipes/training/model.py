@@ -78,6 +78,11 @@ class GPTConfig:
     """Std of the normal initialisation; residual projections use init_std / sqrt(2 * n_layer)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass (less memory, ~1/3 more compute)."""
+    init_from: str | None = None
+    """A Hugging Face Llama directory (safetensors, as `recipes.export` writes it) whose weights a fresh
+    run starts from (continued pretraining); its config must match these shapes (checked when the
+    module is built). Each rank reads only its shards' bytes under a ZeRO strategy. Ignored on a
+    resume, which continues from the checkpoint's weights."""
     compile_blocks: bool = False
     """`torch.compile` each block's forward (one graph per block, shared by blocks of one shape): faster
     steps after a first step that compiles. Hooks on the block (a sharding strategy's) stay outside the

@@ -112,6 +112,10 @@ class PretrainModule(pl.LightningModule):
             },
             logger=False,
         )
+        if model_config.init_from is not None:  # before any work: a directory of another shape is refused
+            from recipes.checkpoints.hf import check_llama_directory
+
+            check_llama_directory(model_config, model_config.init_from)
         self.model_config = model_config
         self.optim_config = optim
         self.model = GPT(model_config)
@@ -120,6 +124,21 @@ class PretrainModule(pl.LightningModule):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
+
+    def on_fit_start(self) -> None:
+        """A fresh run with `model.init_from=DIR` starts from that Llama's weights, read straight into
+        the shards (each rank reads only its own bytes under a ZeRO strategy)."""
+        directory = self.model_config.init_from
+        if directory is None or self.trainer.ckpt_path is not None:
+            return
+        from lightning_zero.checkpoint import SafetensorsReader, load_parameters
+        from recipes.checkpoints.hf import llama_sources
+
+        reader = SafetensorsReader(directory, sources=llama_sources(self.model_config, prefix="model."))
+        optimizer = getattr(self.trainer.strategy, "sharded_optimizer", None)
+        loaded = load_parameters(self, reader, engine=None if optimizer is None else optimizer.engine)
+        if self.trainer.is_global_zero:
+            print(f"initialized {len(loaded)} tensors from {directory}")
 
     def on_train_start(self) -> None:
         scheduler = self.lr_schedulers()

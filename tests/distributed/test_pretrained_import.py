@@ -6,6 +6,8 @@ an index), gives ``transformers``' logits within 1e-4, and each rank reads exact
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 import transformers
 
 from tests.distributed.harness import ranks, run_ranks_each
+from tests.launch import ROOT, launch_env, run_script
 
 CONFIG = {
     "vocab_size": 96,
@@ -99,7 +102,24 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         (import_and_compare, (str(one), 2)),
     ]
     out = run_ranks_each(calls, 2)
-    return {"stage3_one_file": out[0], "stage3_sharded": out[1], "stage2": out[2]}
+    result = tmp / "recipe.pt"
+    proc = run_script(
+        [sys.executable, "-m", "tests.distributed.pretrained_fit", "--hf", str(sharded)]
+        + ["--config", json.dumps(CONFIG), "--out", str(result)],
+        2,
+        cwd=ROOT,
+        env=launch_env(),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    recipe = torch.load(result, weights_only=True)
+    return {
+        "stage3_one_file": out[0],
+        "stage3_sharded": out[1],
+        "stage2": out[2],
+        "recipe": recipe,
+        "dir": one,
+    }
 
 
 @pytest.mark.parametrize("case", ["stage3_one_file", "stage3_sharded", "stage2"])
@@ -112,3 +132,20 @@ def test_imported_llama_gives_transformers_logits_and_each_rank_reads_only_its_s
         assert result["scale"] > 0.1, "logits near zero would make the comparison vacuous"
         assert result["read"] == result["shard_elements"], result
     assert sum(r["read"] for r in results) == results[0]["total"], "the ranks together read the model once"
+
+
+def test_the_recipe_module_starts_from_the_llama_with_init_from(runs: dict[str, Any]) -> None:
+    """`PretrainModule` with `model.init_from=DIR`, built on the meta device under "zero3" (2 ranks)."""
+    recipe = runs["recipe"]
+    assert recipe["max_diff"] <= 1e-4 and recipe["scale"] > 0.1, recipe
+
+
+def test_init_from_a_directory_of_another_shape_is_refused_naming_the_fields(runs: dict[str, Any]) -> None:
+    from recipes.checkpoints.hf import ExportError
+    from recipes.training import GPTConfig, OptimConfig, PretrainModule
+
+    config = GPTConfig(**{**CONFIG, "d_model": 32, "n_layer": 3}, init_from=str(runs["dir"]))
+    with pytest.raises(
+        ExportError, match=r"model.n_layer: 3 here, num_hidden_layers=2 .*model.d_model: 32 here"
+    ):
+        PretrainModule(config, OptimConfig())
