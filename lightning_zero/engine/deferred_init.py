@@ -45,9 +45,9 @@ as in eager construction.
   * Stage 3 initializes one unit at a time (:mod:`lightning_zero.layout.units`): a unit's buckets
     get memory when the first module holding one of its parameters is visited, and are cut to
     this rank's shard and freed when the unit's module has been visited. A ``reset_parameters()``
-    that writes into a unit already initialized (a model-level reset re-initializing every block)
-    would need the whole model at once: it is refused at that write, naming the module and the
-    parameter.
+    that writes into (or reads) a unit already initialized (a model-level reset re-initializing
+    every block) would need the whole model at once: it is refused at that op, naming the module
+    and the parameter.
 
 Local: no communication (the strategy agrees on the RNG state first).
 """
@@ -271,8 +271,8 @@ class _Materializer:
         except FreedParameterError as err:
             raise DeferredInitError(
                 f"deferred initialization at stage 3: {type(module).__name__}.reset_parameters() of "
-                f"module {name or '<root>'!r} writes into a parameter of a unit initialized and sharded "
-                f"before it ({err}). Stage 3 initializes one unit at a time, children first: initialize "
+                f"module {name or '<root>'!r} reads or writes a parameter of a unit initialized and "
+                f"sharded before it ({err}). Stage 3 initializes one unit at a time, children first: initialize "
                 "a block's parameters in the reset_parameters() of modules inside the block, not in a "
                 "parent's (or use stage 1 or 2, which initialize the whole model at once)"
             ) from err
