@@ -272,9 +272,9 @@ class _Materializer:
             raise DeferredInitError(
                 f"deferred initialization at stage 3: {type(module).__name__}.reset_parameters() of "
                 f"module {name or '<root>'!r} reads or writes a parameter of a unit initialized and "
-                f"sharded before it ({err}). Stage 3 initializes one unit at a time, children first: initialize "
-                "a block's parameters in the reset_parameters() of modules inside the block, not in a "
-                "parent's (or use stage 1 or 2, which initialize the whole model at once)"
+                f"sharded before it ({err}). Stage 3 initializes one unit at a time, children first: "
+                "initialize a block's parameters in the reset_parameters() of modules inside the block, "
+                "not in a parent's (or use stage 1 or 2, which initialize the whole model at once)"
             ) from err
         finally:
             module._parameters.update(scratch)
