@@ -190,6 +190,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         )  # built under init_module(empty_init=True)
         if deferred is not None and not stage3:
             ZeroFrontEnd.initialize_whole(module, deferred)
+            super().module_to_device(module)  # Fabric skipped moving the meta model
             deferred = None
         # stage 3: every rank must hold the same model before it keeps only its shard of rank 0's
         ZeroFrontEnd.sync_module_states(module, check_same=stage3, broadcast=deferred is None)
@@ -197,6 +198,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         schedulers = [] if scheduler is None else [scheduler]
         sharded = self._zero.shard(optimizers[0], module, schedulers, mesh, deferred)
         if deferred is not None:  # initialized unit by unit: the buffers and frozen parameters, rank 0's
+            super().module_to_device(module)  # the rest (a metric): Fabric skipped moving the meta model
             ZeroFrontEnd.sync_module_states(module)
         self._module = module
         self._hooks = [
@@ -221,6 +223,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         deferred = self._zero.deferred_init(module, self.root_device)
         if deferred is not None:
             ZeroFrontEnd.initialize_whole(module, deferred)
+            super().module_to_device(module)  # Fabric skipped moving the meta model
         ZeroFrontEnd.sync_module_states(module)
         return module
 
