@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_zero.comm import recorder
 
@@ -51,6 +52,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # environment, and must not compare or remove the other's logs), so that the launches of module-
     # and session-scoped fixtures log too
     os.environ[recorder.ENV_DIR] = tempfile.mkdtemp(prefix="lz-collectives-")
+    # one intra-op thread per pytest process, as every launched rank has (OMP_NUM_THREADS=1): two xdist
+    # workers of two threads each beside the launched ranks oversubscribe the 2-core machine (an
+    # in-process training test took 63 s in the suite against 3 s alone)
+    torch.set_num_threads(1)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
