@@ -35,20 +35,9 @@ import torch
 from recipes.checkpoints.load import check_vocabulary, find_tokenizer, load_module, require_checkpoint
 from recipes.data import END_OF_TEXT, BPETokenizer, ByteTokenizer, Tokenizer
 from recipes.training import GPTConfig
+from recipes.training.llama import LLAMA_FIELDS, llama_sources
 
-LLAMA_FIELDS = {
-    "vocab_size": "vocab_size",
-    "max_seq_len": "max_position_embeddings",
-    "n_layer": "num_hidden_layers",
-    "n_head": "num_attention_heads",
-    "d_model": "hidden_size",
-    "n_kv_head": "num_key_value_heads",
-    "mlp_hidden": "intermediate_size",
-    "rope_theta": "rope_parameters.rope_theta",
-    "norm_eps": "rms_norm_eps",
-    "tie_embeddings": "tie_word_embeddings",
-}
-"""`GPTConfig` field -> the `LlamaConfig` field it becomes."""
+__all__ = ["LLAMA_FIELDS", "ExportError", "export", "llama_config", "llama_sources", "llama_state_dict"]
 
 TRAINING_ONLY_FIELDS = {
     "init_std",
@@ -125,61 +114,6 @@ def llama_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[
             theirs + "mlp.down_proj.weight": state[ours + "mlp.down.weight"],
         }
     return {name: tensor.contiguous() for name, tensor in out.items()}
-
-
-def llama_sources(config: GPTConfig, prefix: str = "") -> dict[str, list[str]]:
-    """Our parameter names (under `prefix`, e.g. "model." in `PretrainModule`) -> the
-    `LlamaForCausalLM` tensors each is, in order (the fused `attn.qkv` is q, k, v stacked; a tied head
-    is the embedding): what `lightning_zero.checkpoint.SafetensorsReader` reads an import from,
-    the inverse of `llama_state_dict`."""
-    sources = {
-        f"{prefix}embed.weight": ["model.embed_tokens.weight"],
-        f"{prefix}norm.weight": ["model.norm.weight"],
-        f"{prefix}head.weight": ["model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"],
-    }
-    for i in range(config.n_layer):
-        ours, theirs = f"{prefix}blocks.{i}.", f"model.layers.{i}."
-        sources |= {
-            ours + "attn_norm.weight": [theirs + "input_layernorm.weight"],
-            ours + "attn.qkv.weight": [theirs + f"self_attn.{p}_proj.weight" for p in "qkv"],
-            ours + "attn.proj.weight": [theirs + "self_attn.o_proj.weight"],
-            ours + "mlp_norm.weight": [theirs + "post_attention_layernorm.weight"],
-            ours + "mlp.gate.weight": [theirs + "mlp.gate_proj.weight"],
-            ours + "mlp.up.weight": [theirs + "mlp.up_proj.weight"],
-            ours + "mlp.down.weight": [theirs + "mlp.down_proj.weight"],
-        }
-    return sources
-
-
-def check_llama_directory(config: GPTConfig, directory: str | Path) -> None:
-    """Refuse, before any work, a Llama directory whose shapes are not `config`'s.
-
-    Raises:
-        ExportError: no `config.json` there, or fields that differ (each named, with both values and the
-            override that would match).
-    """
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise ExportError(
-            f"model.init_from={directory!s}: no config.json there (a Hugging Face model directory)"
-        )
-    theirs = json.loads(path.read_text())
-    ours = llama_config(config, None, None, torch.float32).to_dict()
-    differ = []
-    for field, name in LLAMA_FIELDS.items():
-        key = name.split(".")
-        want, got = ours, theirs
-        for part in key:
-            want = want.get(part) if isinstance(want, dict) else None
-            got = got.get(part) if isinstance(got, dict) else None
-        if name == "rope_parameters.rope_theta" and got is None:
-            got = theirs.get("rope_theta")  # older configs
-        if want != got:
-            differ.append(f"model.{field}: {want} here, {name}={got} in {path}")
-    if differ:
-        raise ExportError(
-            "model.init_from: the model's shape differs from the directory's: " + "; ".join(differ)
-        )
 
 
 def shard_plan(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:

@@ -113,7 +113,7 @@ class PretrainModule(pl.LightningModule):
             logger=False,
         )
         if model_config.init_from is not None:  # before any work: a directory of another shape is refused
-            from recipes.checkpoints.hf import check_llama_directory
+            from recipes.training.llama import check_llama_directory
 
             check_llama_directory(model_config, model_config.init_from)
         self.model_config = model_config
@@ -132,7 +132,7 @@ class PretrainModule(pl.LightningModule):
         if directory is None or self.trainer.ckpt_path is not None:
             return
         from lightning_zero.checkpoint import SafetensorsReader, load_parameters
-        from recipes.checkpoints.hf import llama_sources
+        from recipes.training.llama import llama_sources
 
         reader = SafetensorsReader(directory, sources=llama_sources(self.model_config, prefix="model."))
         optimizer = getattr(self.trainer.strategy, "sharded_optimizer", None)

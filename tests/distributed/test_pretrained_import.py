@@ -141,11 +141,11 @@ def test_the_recipe_module_starts_from_the_llama_with_init_from(runs: dict[str, 
 
 
 def test_init_from_a_directory_of_another_shape_is_refused_naming_the_fields(runs: dict[str, Any]) -> None:
-    from recipes.checkpoints.hf import ExportError
     from recipes.training import GPTConfig, OptimConfig, PretrainModule
+    from recipes.training.llama import InitFromError
 
     config = GPTConfig(**{**CONFIG, "d_model": 32, "n_layer": 3}, init_from=str(runs["dir"]))
     with pytest.raises(
-        ExportError, match=r"model.n_layer: 3 here, num_hidden_layers=2 .*model.d_model: 32 here"
+        InitFromError, match=r"model.n_layer: 3 here, num_hidden_layers=2 .*model.d_model: 32 here"
     ):
         PretrainModule(config, OptimConfig())
