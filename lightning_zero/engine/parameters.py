@@ -124,12 +124,6 @@ class ParameterAccess:
         """``module``'s submodules wait in their forward for the buckets holding their parameters."""
         self.gather.install_forward_waits(module, self.params_in_order)
 
-    def gather_all_units(self) -> None:
-        """Stage 3: gather every unit (each is freed again by its next forward or backward, or at the
-        next step); a no-op below stage 3. All ranks."""
-        if self.units is not None:
-            self.units.gather_all()
-
     def gather_root(self) -> None:
         """Stage 3: gather the root unit before a step function that uses it without calling the
         model's forward (a no-op below stage 3)."""
