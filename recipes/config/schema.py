@@ -71,7 +71,7 @@ GROUP_ENTRY_SCHEMAS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class ModelSchema:
-    _target_: str = "recipes.training.model.GPTConfig"
+    _target_: str = "recipes.training.model_config.GPTConfig"
     vocab_size: int | None = None  # None: the tokenizer's vocabulary size
     max_seq_len: int = MISSING
     n_layer: int = MISSING
