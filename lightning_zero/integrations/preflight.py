@@ -34,12 +34,16 @@ import uuid
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 import lightning_zero
 from lightning_zero.comm import Comm, CommGroups
 from lightning_zero.comm.groups import hybrid_mesh
+
+if TYPE_CHECKING:
+    from lightning.fabric import Fabric
 
 _DEFAULT_SIZES_MB = {"cpu": [1.0, 8.0], "cuda": [1.0, 16.0, 128.0]}
 
@@ -137,6 +141,20 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         return 1
+    try:
+        return _check(args, fabric, devices, nodes, host, start)
+    finally:
+        # Tear the process group down before the interpreter exits: a gloo group left to the
+        # exit-time destructors can abort the process ("terminate called without an active
+        # exception") after the check has printed its result.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _check(
+    args: argparse.Namespace, fabric: Fabric, devices: int, nodes: int, host: str, start: float
+) -> int:
+    """The check itself, on a rank that joined."""
     env = fabric.strategy.cluster_environment  # type: ignore[attr-defined]
     device = fabric.device
     mine = RankView(
