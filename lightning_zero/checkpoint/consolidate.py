@@ -7,7 +7,10 @@ callback and scheduler state. It loads with ``torch.load(..., weights_only=True)
 ``Model.load_from_checkpoint`` and ``Trainer(strategy="ddp").fit(ckpt_path=...)``, with
 lightning-zero not imported. A directory written by ``fabric.save`` becomes what Fabric's ``"ddp"``
 saves: the model's ``state_dict`` and the AdamW state under the keys the loop used (``"model"``,
-``"optimizer"``), next to its other entries, for ``fabric.load`` under any strategy.
+``"optimizer"``), next to its other entries, for ``fabric.load`` under any strategy. A checkpoint
+holding a weight average is written as Lightning's ``WeightAveraging`` writes one: ``state_dict``
+the average (parameters and buffers), ``current_model_state`` the current weights,
+``averaging_state`` the number of updates.
 
 Memory: the file is written record by record, in torch's own zip layout. The pickled structure
 refers to tensors through placeholders; each tensor is then assembled from the shard files
@@ -31,16 +34,19 @@ from typing import Any, SupportsIndex
 import torch
 
 from lightning_zero.checkpoint.format import (
+    AVERAGE,
     EXTRA,
     FABRIC_KEYS,
     META,
     WEIGHTS_ONLY,
     CheckpointError,
+    averaged_buffers,
     moment_names,
     read_meta,
     verify_files,
+    weights_extras,
 )
-from lightning_zero.checkpoint.reshard import ShardFiles, read_full_param
+from lightning_zero.checkpoint.reshard import ShardFiles, read_full_param, weights_key
 
 
 class _Storage:
@@ -204,11 +210,11 @@ def _checked_meta(src: Path) -> dict[str, Any]:
 
 
 def _full_state_dict(src: Path, meta: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
-    extras = torch.load(src / EXTRA, map_location="cpu", weights_only=True)
+    extras = weights_extras(meta, torch.load(src / EXTRA, map_location="cpu", weights_only=True))
     state_dict: dict[str, torch.Tensor] = {k: v.to(device) for k, v in extras.items()}
     files = ShardFiles(src, meta["world_size"])
     for spec in meta["plan"]["params"]:
-        tensor = read_full_param(src, meta, spec["name"], files=files)
+        tensor = read_full_param(src, meta, spec["name"], weights_key(meta), files=files)
         assert tensor is not None, spec["name"]
         state_dict[spec["name"]] = tensor.to(device=device, dtype=_dtype(spec["dtype"]))
     files.release()
@@ -234,9 +240,16 @@ def _structure(
         state_dict[spec["name"]] = out.placeholder(spec["shape"], _dtype(spec["dtype"]), (spec["name"], None))
     for name, value in extras.items():
         state_dict[name] = out.placeholder(tuple(value.shape), value.dtype, (name, "extra"))
-    for alias, name in meta.get("aliases", {}).items():  # a tied weight: one storage under both keys
-        state_dict[alias] = state_dict[name]
-    checkpoint[keys.get("module") or "state_dict"] = state_dict
+    if AVERAGE in meta:  # WeightAveraging's layout: the average is the state_dict
+        checkpoint["current_model_state"] = _with_aliases(meta, state_dict)
+        checkpoint["averaging_state"] = {"n_averaged": torch.tensor(meta[AVERAGE]["n_averaged"])}
+        buffers = averaged_buffers(meta["lightning"])
+        averaged = {
+            spec["name"]: out.placeholder(spec["shape"], _dtype(spec["dtype"]), (spec["name"], AVERAGE))
+            for spec in plan_params
+        }
+        state_dict = {**averaged, **{n: buffers.get(n, v) for n, v in state_dict.items() if n in extras}}
+    checkpoint[keys.get("module") or "state_dict"] = _with_aliases(meta, state_dict)
     if not (weights_only or saved_weights_only):
         optimizer = _optimizer_structure(meta, out)
         if FABRIC_KEYS in meta["lightning"]:
@@ -244,6 +257,13 @@ def _structure(
         else:
             checkpoint["optimizer_states"] = [optimizer]
     return checkpoint
+
+
+def _with_aliases(meta: dict[str, Any], state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A tied weight: one storage under both keys."""
+    for alias, name in meta.get("aliases", {}).items():
+        state_dict[alias] = state_dict[name]
+    return state_dict
 
 
 def _optimizer_structure(meta: dict[str, Any], out: _StreamingWriter) -> dict[str, Any]:
@@ -288,13 +308,13 @@ def _write_tensors(
             files.release()  # unmap the previous bucket's pages
             current_bucket = layout_bucket[plan_index]
         name = meta["plan"]["params"][plan_index]["name"]
-        for state_key in (None, *moment_names(meta)):
+        for state_key in (None, AVERAGE, *moment_names(meta)):
             key = by_source.get((name, state_key))
             if key is None:
                 continue
             tensor = read_full_param(src, meta, name, state_key or "param", files=files)
             assert tensor is not None, (name, state_key)
-            if state_key is None:  # a 16-bit parameter is read from its fp32 master: store it as saved
+            if state_key in (None, AVERAGE):  # fp32 masters and averages: store in the parameter's dtype
                 tensor = tensor.to(_dtype(meta["plan"]["params"][plan_index]["dtype"]))
             out.write_tensor(key, tensor)
     for name, value in extras.items():

@@ -3,7 +3,8 @@
 Layout of a checkpoint directory ``CKPT/`` (format version :data:`FORMAT_VERSION`)::
 
     CKPT/shard-00000-of-00002.pt   rank 0's shards: per bucket, the parameters, Adam moments (and
-    CKPT/shard-00001-of-00002.pt   fp32 master weights for 16-bit parameters) — written by that rank
+    CKPT/shard-00001-of-00002.pt   fp32 master weights for 16-bit parameters, and a weight average
+                                   if one is kept) — written by that rank
     CKPT/model_extra.pt            model tensors outside the buckets (buffers, frozen parameters)
     CKPT/meta.pt                   format, world size, stage, bucket plan, per-parameter step counts,
                                    the names of the optimizer moments in the shard files,
@@ -53,7 +54,34 @@ WEIGHTS_ONLY = "lightning_zero_weights_only"
 FABRIC_KEYS = "lightning_zero_fabric"
 """Key in the Lightning state of a checkpoint saved by ``fabric.save``: ``{"module": key, "optimizer":
 key}``, the keys of the user's state that held the sharded model and optimizer (or ``None``)."""
+AVERAGE = "average"
+"""Key of the weight average (:mod:`lightning_zero.engine.averaging`) in the shard files (per bucket, like
+the moments) and in ``meta.pt`` (``{"n_averaged": int}``). A checkpoint that holds one gives its
+model weights as the average wherever weights are read (consolidation, ``load_from_checkpoint``,
+export, a fit without averaging), as Lightning's ``WeightAveraging`` writes ``state_dict``; only a
+fit that keeps an average again resumes the current weights and the average apart."""
+BUFFER_AVERAGE = "lightning_zero_buffer_average"
+"""Key, in a callback's saved state, of the averaged buffers ``{name: tensor}`` that go with the weight
+average (buffers are not sharded: the averaging callback keeps and saves them whole)."""
 CopyFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def averaged_buffers(lightning_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The averaged buffers a callback saved beside the weight average (:data:`BUFFER_AVERAGE`), or
+    ``{}``."""
+    for state in (lightning_state.get("callbacks") or {}).values():
+        if isinstance(state, dict) and BUFFER_AVERAGE in state:
+            return dict(state[BUFFER_AVERAGE])
+    return {}
+
+
+def weights_extras(meta: dict[str, Any], extras: dict[str, Any]) -> dict[str, Any]:
+    """Buffers and frozen parameters as the checkpoint's weights hold them: the averaged buffers
+    where a weight average was saved (:data:`AVERAGE`), else ``extras`` as they are."""
+    if AVERAGE not in meta:
+        return extras
+    buffers = averaged_buffers(meta["lightning"])
+    return {name: buffers.get(name, value) for name, value in extras.items()}
 
 
 class CheckpointError(RuntimeError):
@@ -101,6 +129,8 @@ def _shard_payload(
         return t.detach().to("cpu", copy=True) if always else t
 
     payload = {"param": [own(r.param, always=True) for r in records]}
+    if engine.averaging:  # the average is the model's weights in a checkpoint (WeightAveraging's rule)
+        payload[AVERAGE] = [own(r.average) for r in records if r.average is not None]
     if not with_optimizer:
         return payload
     if any(r.separate_master for r in records):
@@ -264,6 +294,8 @@ def stage_save(
         "lightning": lightning_state,
         "aliases": dict(aliases or {}),
     }
+    if engine.averaging:
+        meta[AVERAGE] = {"n_averaged": engine.n_averaged}
     copy_extra = copy_tensor or (lambda t: t.detach().cpu())
     return StagedSave(
         target,

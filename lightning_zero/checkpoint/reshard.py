@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.format import CheckpointError, shard_name, verify_files
+from lightning_zero.checkpoint.format import AVERAGE, CheckpointError, shard_name, verify_files
 from lightning_zero.engine.engine import ShardEngine
 
 
@@ -124,19 +124,38 @@ class ShardFiles:
 
 
 @torch.no_grad()
-def load_sharded(engine: ShardEngine, path: Path, meta: dict[str, Any], with_optimizer: bool = True) -> None:
+def load_sharded(
+    engine: ShardEngine,
+    path: Path,
+    meta: dict[str, Any],
+    with_optimizer: bool = True,
+    average_apart: bool | None = None,
+) -> None:
     """Fill this rank's parameter shards (then all-gather) and, optionally, its optimizer state.
 
     Call :func:`preflight` first. Must be called on all ranks. Separate fp32 masters are read from
     the saved masters (or parameters), not from the rounded 16-bit shard. A ``max_exp_avg_sq`` that
-    the checkpoint lacks (``amsgrad`` switched on since) starts at zero.
+    the checkpoint lacks (``amsgrad`` switched on since) starts at zero. A weight average: see
+    :data:`~lightning_zero.checkpoint.format.AVERAGE` (an engine that keeps one and a checkpoint
+    without one: it starts from the loaded weights, ``n_averaged`` 0, as ``WeightAveraging`` does).
+    ``average_apart``: restore the current weights and the average each as saved (default: when the
+    engine keeps an average, i.e. a resumed fit); otherwise the weights are the saved average.
     """
     engine.wait_for_params()  # gathers left in flight would overwrite what is loaded here
     layout = _SavedLayout(meta)
     files = ShardFiles(path, layout.world_size)
     shards = engine.state
+    saved_average = AVERAGE in meta
+    # which saved tensor fills what: the current weights resume as they were only when the average is
+    # restored apart; otherwise the weights are the average (WeightAveraging's rule); a kept average
+    # that the checkpoint lacks starts from the weights
+    apart = engine.averaging if average_apart is None else average_apart
+    sources = {"param": "param" if apart or not saved_average else AVERAGE}
+    sources[AVERAGE] = AVERAGE if saved_average else "param"
     for bucket, record in zip(engine.plan.buckets, shards.records, strict=True):
         targets = {"param": [record.param] + ([record.master] if record.separate_master else [])}
+        if record.average is not None:
+            targets[AVERAGE] = [record.average]
         if with_optimizer:
             targets.update({name: [moment] for name, moment in record.moments.items()})
         for seg in engine.plan.segments(bucket, engine.comm.rank):
@@ -144,7 +163,7 @@ def load_sharded(engine: ShardEngine, path: Path, meta: dict[str, Any], with_opt
             for rank, saved_bucket, offset, numel, at in layout.pieces(name, seg.param_start, seg.param_end):
                 window = slice(seg.shard_offset + at, seg.shard_offset + at + numel)
                 for key, destinations in targets.items():
-                    source = _source(files[rank], key, saved_bucket)
+                    source = _source(files[rank], sources.get(key, key), saved_bucket)
                     for dst in destinations:
                         if source is None:
                             dst[window].zero_()
@@ -154,6 +173,8 @@ def load_sharded(engine: ShardEngine, path: Path, meta: dict[str, Any], with_opt
         by_name = {layout.params[i]["name"]: int(s) for i, s in enumerate(meta["steps"].tolist())}
         shards.steps = [by_name[p.name] for p in engine.plan.params]
         _load_group_hyperparameters(engine, meta)
+    if engine.averaging:
+        engine.n_averaged = int(meta[AVERAGE]["n_averaged"]) if saved_average else 0
     engine.publish_shards()
 
 
@@ -169,10 +190,17 @@ def _load_group_hyperparameters(engine: ShardEngine, meta: dict[str, Any]) -> No
         group.update({k: v for k, v in saved.items() if k != "param_indices"})
 
 
+def weights_key(meta: dict[str, Any]) -> str:
+    """The shard-file key of a checkpoint's model weights: its weight average if it holds one
+    (:data:`~lightning_zero.checkpoint.format.AVERAGE`), else the parameters."""
+    return AVERAGE if AVERAGE in meta else "param"
+
+
 def read_full_param(
     path: Path, meta: dict[str, Any], name: str, key: str = "param", files: ShardFiles | None = None
 ) -> Tensor | None:
-    """One full parameter (or its ``exp_avg``/``exp_avg_sq``/... state) assembled from the shard files.
+    """One full parameter (or its ``exp_avg``/``exp_avg_sq``/``average``/... state) assembled from the
+    shard files (the model's weights: ``key=weights_key(meta)``).
 
     ``files`` keeps shard files mapped across calls. Returns ``None`` for a state the checkpoint
     does not hold. No communication.

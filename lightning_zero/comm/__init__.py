@@ -5,6 +5,7 @@ timing); how a collective runs on the process group's backend is chosen in one p
 (:mod:`lightning_zero.comm.backends`).
 """
 
+from lightning_zero.comm.backends import end_process_group
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups, check_shard_group_size, hybrid_mesh
 from lightning_zero.comm.handles import CommError, CommStats, collective_failures
@@ -16,5 +17,6 @@ __all__ = [
     "CommStats",
     "check_shard_group_size",
     "collective_failures",
+    "end_process_group",
     "hybrid_mesh",
 ]

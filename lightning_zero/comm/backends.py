@@ -269,3 +269,11 @@ def backend_for(group: dist.ProcessGroup | None) -> Backend:
     if world_size == 1:
         return SingleProcess(group, rank, world_size, device)
     return _BY_NAME.get(name, Native)(group, rank, world_size, device)
+
+
+def end_process_group() -> None:
+    """Destroy the default process group (and every group made from it), if there is one. A gloo group
+    left to the interpreter's exit-time destructors can abort the process ("terminate called without
+    an active exception") after its work is done."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

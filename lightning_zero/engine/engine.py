@@ -43,6 +43,7 @@ import lightning_zero.engine.grad_math as grad_math
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.averaging import ShardAveraging
 from lightning_zero.engine.deferred_init import DeferredInit, materialize, stand_ins
 from lightning_zero.engine.figures import EngineFigures
 from lightning_zero.engine.nonfinite import NonFiniteGuard
@@ -58,7 +59,7 @@ from lightning_zero.layout.flat import FlatParams
 from lightning_zero.layout.units import find_units
 
 
-class ShardEngine(ParameterAccess, EngineFigures):
+class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
     """Flat buffers, gradient reduction, shard state and parameter gathers for ``param_groups``.
 
     Args:
@@ -114,6 +115,8 @@ class ShardEngine(ParameterAccess, EngineFigures):
         self.init_peak_elements = 0
         """Stage 3, deferred initialization: the most full-bucket elements held at once while the units
         were initialized one at a time (:mod:`lightning_zero.engine.deferred_init`)."""
+        self.n_averaged = 0
+        self.average_device: torch.device | None = None
         self.optimizer_steps = 0
         """Optimizer steps so far: :meth:`step` calls with gradients, skipped ones included (the step an
         error names). The Trainer strategy sets it to ``trainer.global_step`` before each training step."""
@@ -174,6 +177,7 @@ class ShardEngine(ParameterAccess, EngineFigures):
             [in_groups[p] for p in order],
             self.rule,
             self.param_groups,
+            getattr(getattr(self, "state", None), "average_on", None),  # a re-plan keeps the average
         )
         self._trainable = self._trainable_signature()
 

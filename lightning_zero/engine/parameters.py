@@ -114,6 +114,7 @@ class ParameterAccess:
     """:meth:`unshard` ended stage 3: the model is plain, this engine no longer steps it."""
     module_hooks: list[RemovableHandle]
     """Hooks an integration put on the model, removed by :meth:`unshard`."""
+    average_device: torch.device | None
 
     def remove_at_unshard(self, handles: list[RemovableHandle]) -> None:
         """Hooks an integration put on the model (stage 3), removed by :meth:`unshard` with the engine's
@@ -211,6 +212,9 @@ class ParameterAccess:
             record.master = record.master.to(device) if separate else record.param
             record.grad = record.grad.to(device)
             record.moments = {name: t.to(device) for name, t in record.moments.items()}
+            if record.average is not None and self.average_device is None:  # kept beside the master
+                record.average = record.average.to(device)
+                self.state.average_on = device
         self.gather = ParamGather(self.plan, self.flat, self.comm, self.config.overlap_param_gather)
 
     @torch.no_grad()

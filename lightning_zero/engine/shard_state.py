@@ -64,6 +64,8 @@ class ShardRecord:
     """``(shard_numel,)`` the averaged gradient shard, master dtype (the reducer writes it)."""
     moments: dict[str, Tensor]
     """The optimizer's state tensors by name, each like ``master``."""
+    average: Tensor | None = None
+    """A running average of ``master`` (EMA, SWA: :mod:`lightning_zero.engine.averaging`), or ``None``."""
 
     @property
     def separate_master(self) -> bool:
@@ -74,12 +76,16 @@ class ShardRecord:
         return self.master.device
 
     def state(self) -> dict[str, Tensor]:
-        """What a checkpoint or a re-plan must carry: the moments, and the master if separate."""
-        return {**({"master": self.master} if self.separate_master else {}), **self.moments}
+        """What a re-plan must carry: the moments, the master if separate, the average if kept."""
+        return {
+            **({"master": self.master} if self.separate_master else {}),
+            **self.moments,
+            **({"average": self.average} if self.average is not None else {}),
+        }
 
     def nbytes(self) -> int:
-        """Bytes of optimizer state (moments and a separate master)."""
-        return sum(t.numel() * t.element_size() for t in self.state().values())
+        """Bytes of optimizer state (moments and a separate master; not the weight average)."""
+        return sum(t.numel() * t.element_size() for k, t in self.state().items() if k != "average")
 
 
 class ShardState:
@@ -93,9 +99,12 @@ class ShardState:
         group_of_param: list[int],
         rule: UpdateRule,
         groups: list[dict[str, Any]],
+        average_on: torch.device | None = None,
     ) -> None:
         self.plan = plan
         self.rule = rule
+        self.average_on = average_on
+        """Where each record keeps a weight average (``None``: none kept); set by :meth:`keep_average`."""
         self.moment_names = rule.moment_names(groups)
         self.steps = [0] * len(plan.params)
         self.records = [
@@ -120,7 +129,17 @@ class ShardState:
         dtype = master_dtype(bucket.dtype)
         master = param if dtype == param.dtype else param.to(dtype, copy=True)
         moments = {name: torch.zeros_like(master) for name in self.moment_names}
-        return ShardRecord(bucket, param, master, grad, moments)
+        record = ShardRecord(bucket, param, master, grad, moments)
+        if self.average_on is not None:
+            record.average = master.to(self.average_on, copy=True)
+        return record
+
+    def keep_average(self, device: torch.device) -> None:
+        """Every record keeps an average on ``device``, starting from the master's current value (what
+        a re-plan's new records do too)."""
+        self.average_on = device
+        for record in self.records:
+            record.average = record.master.to(device, copy=True)
 
     def count_steps(self, used: list[bool] | None) -> None:
         """Advance the step count of every parameter that takes part in this step (all ranks agree)."""

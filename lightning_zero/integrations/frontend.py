@@ -422,10 +422,12 @@ class ZeroFrontEnd:
         extras: dict[str, Any],
         strict: bool,
         with_optimizer: bool = False,
+        average_apart: bool | None = None,
     ) -> None:
         """Fill the sharded model from a checkpoint directory on any world size: its trainable
         parameters (and, with ``with_optimizer``, the optimizer state) from the shard files, the rest
         (buffers, frozen parameters) from ``extras``. All ranks; checks every rank's files first.
+        ``average_apart``: as :func:`~lightning_zero.checkpoint.reshard.load_sharded`.
 
         Raises:
             CheckpointError: the checkpoint does not fit (every rank), or, with ``strict``, keys
@@ -434,7 +436,7 @@ class ZeroFrontEnd:
         engine = self.engine
         assert engine is not None
         preflight(engine, path, meta)
-        load_sharded(engine, path, meta, with_optimizer=with_optimizer)
+        load_sharded(engine, path, meta, with_optimizer=with_optimizer, average_apart=average_apart)
         missing, unexpected = module.load_state_dict(extras, strict=False)
         trainable = engine.trainable_names() | set(meta.get("aliases", {}))
         missing = [k for k in missing if k not in trainable]

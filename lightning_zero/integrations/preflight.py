@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import lightning_zero
-from lightning_zero.comm import Comm, CommGroups
+from lightning_zero.comm import Comm, CommGroups, end_process_group
 from lightning_zero.comm.groups import hybrid_mesh
 
 if TYPE_CHECKING:
@@ -144,11 +144,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _check(args, fabric, devices, nodes, host, start)
     finally:
-        # Tear the process group down before the interpreter exits: a gloo group left to the
-        # exit-time destructors can abort the process ("terminate called without an active
-        # exception") after the check has printed its result.
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        end_process_group()  # before the interpreter's exit, which could abort after the result
 
 
 def _check(

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from lightning_zero.comm.groups import CommGroups
 from lightning_zero.config import ZeroConfig
+from lightning_zero.engine.averaging import AvgFn, MultiAvgFn
 from lightning_zero.engine.deferred_init import DeferredInit
 from lightning_zero.engine.engine import ShardEngine
 from lightning_zero.optim.adam import AdamRule
@@ -274,6 +275,34 @@ class ShardedAdamW(torch.optim.Optimizer):
         return loss
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # LR schedulers rebound to us check it
+
+    def keep_weight_average(self, device: torch.device | str | None = None) -> None:
+        """Keep a weight average (EMA, SWA) of this rank's shards from now on: ``1/N`` of the fp32
+        weights, starting from the current ones, on ``device`` (``None``: beside the optimizer state).
+        Checkpoints save and restore it (:mod:`lightning_zero.engine.averaging`). All ranks."""
+        self.engine.keep_weight_average(device)
+
+    def update_weight_average(
+        self, avg_fn: AvgFn | None = None, multi_avg_fn: MultiAvgFn | None = None
+    ) -> None:
+        """After :meth:`step`: average the new weights in, as ``torch.optim.swa_utils.AveragedModel``'s
+        ``update_parameters`` does with the same ``avg_fn``/``multi_avg_fn`` (e.g.
+        ``get_ema_multi_avg_fn(0.999)``; neither: equal weights, SWA). No communication."""
+        self.engine.update_weight_average(avg_fn, multi_avg_fn)
+
+    def swap_weight_average(self) -> None:
+        """Exchange the model's weights and their average (call again to swap back): evaluate or save
+        the averaged model in between. All ranks."""
+        self.engine.swap_weight_average()
+
+    def copy_weight_average(self) -> None:
+        """Make the average the model's weights (e.g. at the end of training). All ranks."""
+        self.engine.copy_weight_average()
+
+    @property
+    def n_averaged(self) -> int:
+        """Updates of the weight average so far (0: the next one copies the weights)."""
+        return self.engine.n_averaged
 
     @property
     def skipped_steps(self) -> int:

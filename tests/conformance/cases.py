@@ -188,6 +188,40 @@ _add(
     trainer={"max_steps": 6, "val_check_interval": 3, "limit_val_batches": 2},
     zero3_refused=_SHARDED,
 )
+# Lightning's WeightAveraging callbacks: under "ddp" a whole AveragedModel per rank; ours keep the
+# average on the shards (lightning_zero.engine.averaging), at every stage. Compared in fp32: "ddp"'s
+# callback copies the model at setup, before the 64-true conversion, and averages in fp32 (a
+# multi-tensor function even fails there, mixing fp32 and fp64); ours average the fp64 masters.
+_WA = {"precision": "32-true"}
+_add(  # EMA: validation (sanity check too) with the average swapped in, the average the weights at the end
+    "ema_weight_averaging",
+    callbacks=[["EMAWeightAveraging", {"decay": 0.8}], ["ModelCheckpoint", {"save_last": True}]],
+    trainer={"max_steps": 6, "val_check_interval": 3, "limit_val_batches": 2, **_WA},
+    tol=1e-6,
+    after=["load_last"],  # the checkpoint's weights are the average
+)
+_add(  # SWA (no function given) of the parameters and, averaged the same way, the BatchNorm buffers
+    "swa_weight_averaging_buffers",
+    module={"batchnorm": True},
+    callbacks=[["WeightAveraging", {}]],
+    trainer={"max_epochs": 2, "limit_train_batches": 4, "val_check_interval": 2, "limit_val_batches": 2}
+    | _WA,
+    tol=1e-6,
+)
+_add(  # a multi-tensor function, buffers copied, and updates every other step from step 2 (should_update)
+    "ema_multi_every_other_step",
+    module={"batchnorm": True},
+    callbacks=[["EMAEveryOther", {"decay": 0.7, "use_buffers": False}]],
+    trainer={"max_steps": 7, "val_check_interval": 3, "limit_val_batches": 2, **_WA},
+    tol=1e-6,
+)
+_add(  # resuming restores the weights and the average apart (n_averaged too: the first update copies)
+    "ema_resume",
+    callbacks=[["EMAWeightAveraging", {"decay": 0.8}], ["ModelCheckpoint", {"save_last": True}]],
+    trainer={"max_steps": 4, "limit_val_batches": 0, **_WA},
+    tol=1e-6,
+    after=["resume:last"],
+)
 _add(
     "param_reads_at_phase_changes",
     callbacks=[["ParamProbe", {}]],
@@ -300,6 +334,7 @@ for _kernel, _tol in ((None, 0.0), ("foreach", 0.0), ("fused", 1e-7)):
     )
 
 STAGE1 = {
+    "ema_weight_averaging",
     "manual_plain",
     "manual_accumulate",
     "manual_clip",

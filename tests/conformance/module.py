@@ -12,10 +12,11 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning, Callback
+from lightning.pytorch.callbacks import BaseFinetuning, Callback, WeightAveraging
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 SAMPLES = 96
@@ -332,6 +333,17 @@ class Finetune(BaseFinetuning):
     ) -> None:
         if epoch == 1:
             self.unfreeze_and_add_param_group(pl_module.net.backbone, optimizer, lr=0.003)
+
+
+class EMAEveryOther(WeightAveraging):
+    """Lightning's ``WeightAveraging`` with a multi-tensor EMA and its own ``should_update``: every
+    other optimizer step from the second on."""
+
+    def __init__(self, decay: float, use_buffers: bool = True) -> None:
+        super().__init__(use_buffers=use_buffers, multi_avg_fn=get_ema_multi_avg_fn(decay))
+
+    def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
+        return step_idx is not None and step_idx >= 1 and step_idx % 2 == 1
 
 
 class EMA(Callback):

@@ -19,11 +19,13 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import (
+    EMAWeightAveraging,
     GradientAccumulationScheduler,
     LearningRateMonitor,
     ModelCheckpoint,
     StochasticWeightAveraging,
     Timer,
+    WeightAveraging,
 )
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -52,6 +54,9 @@ CALLBACKS: dict[str, Any] = {
     "HookCounter": M.HookCounter,
     "GradientAccumulationScheduler": GradientAccumulationScheduler,
     "Timer": Timer,
+    "EMAWeightAveraging": EMAWeightAveraging,
+    "WeightAveraging": WeightAveraging,
+    "EMAEveryOther": M.EMAEveryOther,
 }
 _SMALL_BUCKETS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005}  # several buckets on this model
 

@@ -42,8 +42,9 @@ from lightning_zero.checkpoint.format import (
     is_sharded_checkpoint,
     read_meta,
     save_sharded,
+    weights_extras,
 )
-from lightning_zero.checkpoint.reshard import ShardFiles, load_sharded, read_full_param
+from lightning_zero.checkpoint.reshard import ShardFiles, load_sharded, read_full_param, weights_key
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import check_sharded_path, local_path
 from lightning_zero.integrations.frontend import ZeroFrontEnd
@@ -188,13 +189,16 @@ class ShardedCheckpointing(DDPStrategy):
         engine = self._zero.engine
         if engine is not None and (self._fitting() or sharded_engine(module) is engine):
             # fit, or validate/test/predict of the model this strategy's stage-3 fit left sharded
-            self._zero.restore_module(path, meta, module, extras, strict)
+            apart = self._fitting() and engine.averaging  # else the saved average is the weights
+            extras = extras if apart else weights_extras(meta, extras)
+            self._zero.restore_module(path, meta, module, extras, strict, average_apart=apart)
             return None
         # validate/test/predict: no optimizer, read whole parameters (a model another Trainer left
         # sharded takes them one unit at a time through its load_state_dict)
+        extras = weights_extras(meta, extras)
         files = ShardFiles(path, meta["world_size"])
         for spec in meta["plan"]["params"]:
-            extras[spec["name"]] = read_full_param(path, meta, spec["name"], files=files)
+            extras[spec["name"]] = read_full_param(path, meta, spec["name"], weights_key(meta), files=files)
         for alias, name in meta.get("aliases", {}).items():  # a tied weight's other key
             extras[alias] = extras[name]
         missing, unexpected = module.load_state_dict(extras, strict=False)

@@ -57,6 +57,7 @@ from lightning_zero.comm import collective_failures
 from lightning_zero.comm.watchdog import let_errors_reach_python
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.deferred_init import DeferredInit
+from lightning_zero.engine.engine import ShardEngine
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import (
     check_lightning_arguments,
@@ -70,6 +71,10 @@ from lightning_zero.integrations.trainer.load import install as install_loader
 from lightning_zero.integrations.trainer.monitor import CommStatsMonitor, SkippedStepsMonitor
 from lightning_zero.integrations.trainer.param_barrier import ParamReadBarrier
 from lightning_zero.integrations.trainer.precision import shard_aware
+from lightning_zero.integrations.trainer.weight_averaging import (
+    ShardedWeightAveraging,
+    replace_weight_averaging,
+)
 from lightning_zero.optim import ShardedAdamW
 
 
@@ -205,6 +210,14 @@ class ZeroStrategy(ShardedCheckpointing):
     def setup_environment(self) -> None:
         let_errors_reach_python()  # before Lightning creates the process group (comm/watchdog.py)
         super().setup_environment()
+        module = self.lightning_module
+        trainer = None if module is None else module._trainer
+        if trainer is not None:  # before any callback's setup: WeightAveraging's deep copy never happens
+            replace_weight_averaging(
+                trainer.callbacks,  # type: ignore[attr-defined]  # set by Lightning
+                lambda: self._zero.engine if self._fit_running else None,
+                self._zero.writes_shards,
+            )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -244,6 +257,7 @@ class ZeroStrategy(ShardedCheckpointing):
             engine.refresh_master()
             self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
             callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
+            self._keep_weight_average(engine, callbacks)
             if self._zero.options.log_comm_stats and not any(
                 isinstance(cb, CommStatsMonitor) for cb in callbacks
             ):
@@ -259,6 +273,18 @@ class ZeroStrategy(ShardedCheckpointing):
         else:
             ZeroFrontEnd.sync_module_states(self.model)
         self.setup_precision_plugin()
+
+    def _keep_weight_average(self, engine: ShardEngine, callbacks: list[Any]) -> None:
+        """A ``WeightAveraging`` callback (replaced in ``setup_environment``): the engine keeps the
+        average on the shards, before a checkpoint restores it."""
+        averaging = [cb for cb in callbacks if isinstance(cb, ShardedWeightAveraging)]
+        if len(averaging) > 1:
+            raise ValueError(
+                f"{len(averaging)} WeightAveraging callbacks were given; the zero strategies keep one weight "
+                "average (as one AveragedModel per callback would under 'ddp', each a full copy): pass one"
+            )
+        if averaging:
+            engine.keep_weight_average(averaging[0].device)
 
     def _check_checkpoint_targets(self, trainer: pl.Trainer) -> None:
         """Before any work: a checkpoint IO plugin or a URL that sharded saves could not honour."""
