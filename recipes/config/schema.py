@@ -23,6 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from hydra.core.config_store import ConfigStore
+from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import MISSING
@@ -59,6 +60,7 @@ GROUP_ENTRY_SCHEMAS: dict[str, dict[str, Any]] = {
         "throughput": schema_for(TokenThroughput),
         "loss_plot": schema_for(LossPlot),
         "trained_samples": schema_for(TrainedSamples),
+        "ema": schema_for(EMAWeightAveraging),
     },
     "logger": {
         "csv": schema_for(CSVLogger),
