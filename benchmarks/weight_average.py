@@ -145,7 +145,7 @@ def report(out: Path, args: argparse.Namespace) -> None:
         f"parameters ({4 * params / MB:.0f} MB in fp32), {args.ranks} ranks, EMAWeightAveraging(decay=0.999)"
     )
     print(
-        "\n| strategy | average per rank (MB) | peak RSS per rank (MB) | step (ms, median) | ratio to no EMA |"
+        "\n| strategy | average per rank (MB) | peak RSS per rank (MB) | step (ms, median) | vs no EMA |"
     )
     print("| --- | --- | --- | --- | --- |")
     for mode in MODES:
