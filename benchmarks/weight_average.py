@@ -144,9 +144,7 @@ def report(out: Path, args: argparse.Namespace) -> None:
         f"recipe GPT d_model={args.d_model} layers={args.layers} vocab={args.vocab}: {params / 1e6:.1f}M "
         f"parameters ({4 * params / MB:.0f} MB in fp32), {args.ranks} ranks, EMAWeightAveraging(decay=0.999)"
     )
-    print(
-        "\n| strategy | average per rank (MB) | peak RSS per rank (MB) | step (ms, median) | vs no EMA |"
-    )
+    print("\n| strategy | average per rank (MB) | peak RSS per rank (MB) | step (ms, median) | vs no EMA |")
     print("| --- | --- | --- | --- | --- |")
     for mode in MODES:
         ranks = runs[mode]
