@@ -11,10 +11,15 @@ reset between phases through ``/proc/self/clear_refs``) is read at the end of ev
   1. ``build``: the LightningModule constructed (eager: the whole model; deferred: shapes only);
   2. ``setup``: ``fit`` up to ``on_fit_start`` (the strategy's setup: eager broadcasts rank 0's model
      and keeps its shards; deferred initializes unit by unit);
-  3. ``first step``: to the end of the first optimizer step;
+  3. ``first step``: to the end of the first optimizer step (``more steps``: the other ``--steps``);
   4. ``save``: ``trainer.save_checkpoint`` (sharded directory);
-  5. ``resume``: a new module built the same way and ``fit(ckpt_path=...)`` up to its first step's end
-     (setup, the checkpoint load into the shards, one step).
+  5. ``resume``: a new module built the same way and ``fit(ckpt_path=...)``: its build, its setup,
+     ``load`` (the checkpoint read into the shards: Lightning restores a strategy that restores after
+     setup between ``on_fit_start`` and ``on_train_start``) and its first step.
+
+``--strategy ddp`` runs the same phases under Lightning's ``"ddp"`` (mode ``eager`` only: its model
+is built whole); ``benchmarks/largest_lifecycle.py`` launches it under a memory budget
+(``--launch MODE``: the ranks of one mode, this process their parent).
 
 Printed per mode: every phase's peak (the largest rank's), beside the figures that bound it: the
 process's resident memory before the model (torch and Lightning), the whole model in fp32 (``4Ψ``
@@ -100,15 +105,27 @@ def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
         def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             phase(f"{self.prefix}setup")
 
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            if self.prefix:
+                phase(f"{self.prefix}load")
+            self.first = trainer.global_step + 1
+
         def on_train_batch_end(self, trainer: L.Trainer, *rest: Any) -> None:
-            if trainer.global_step == (1 if not self.prefix else 2):
+            if trainer.global_step == self.first:
                 phase(f"{self.prefix}first step")
-                engine = trainer.strategy.sharded_optimizer.engine  # type: ignore[attr-defined]
-                figures["units"] = [sum(b.padded_numel for b in u.buckets) for u in engine.units.units]
-                figures["init_peak_elements"] = engine.init_peak_elements
+                optimizer = getattr(trainer.strategy, "sharded_optimizer", None)
+                if optimizer is not None:
+                    engine = optimizer.engine
+                    figures["units"] = [sum(b.padded_numel for b in u.buckets) for u in engine.units.units]
+                    figures["init_peak_elements"] = engine.init_peak_elements
+
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            if trainer.global_step > self.first:
+                phase(f"{self.prefix}more steps")
 
     def fit(prefix: str, max_steps: int, ckpt: str | None) -> L.Trainer:
-        strategy = lightning_zero.ZeroStrategy(stage=3, min_unit_numel=100_000)
+        zero3 = lightning_zero.ZeroStrategy(stage=3, min_unit_numel=100_000)
+        strategy = zero3 if args.strategy == "zero3" else args.strategy
         trainer = L.Trainer(
             strategy=strategy,
             devices=args.ranks,
@@ -133,7 +150,7 @@ def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
         return trainer
 
     started = time.perf_counter()
-    trainer = fit("", 1, None)
+    trainer = fit("", args.steps, None)
     figures["params"] = trainer.lightning_module.model.num_params()
     _reset_peak()
     ckpt = str(out / f"ckpt_{mode}")
@@ -142,7 +159,7 @@ def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
     del trainer  # the first run's model and shards go before the resume's are built
     gc.collect()
     _reset_peak()
-    fit("resume: ", 2, ckpt)
+    fit("resume: ", args.steps + 1, ckpt)
     figures["seconds"] = time.perf_counter() - started
     rank = int(os.environ["LOCAL_RANK"])
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps({"phases": phases, **figures}))
@@ -168,6 +185,7 @@ def launch(mode: str, args: argparse.Namespace, out: Path) -> None:
         PYTHONPATH=str(ROOT),
     )
     command = [sys.executable, __file__, "--worker", mode, "--out", str(out)] + _shape_args(args)
+    command += [f"--strategy={args.strategy}", f"--steps={args.steps}"]
     procs = [
         subprocess.Popen(command, env=dict(base, LOCAL_RANK=str(r)), cwd=ROOT, stdout=subprocess.DEVNULL)
         for r in range(args.ranks)
@@ -232,11 +250,17 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--timeout-s", type=float, default=1800)
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps before the save")
+    parser.add_argument("--strategy", choices=("zero3", "ddp"), default="zero3")
     parser.add_argument("--worker", choices=("eager", "deferred"))
+    parser.add_argument("--launch", choices=("eager", "deferred"), help="only launch this mode's ranks")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args, Path(args.out))
+        return
+    if args.launch:
+        launch(args.launch, args, Path(args.out))
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

@@ -100,12 +100,15 @@ class ShardedWeightAveraging(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        current = dict(pl_module.named_buffers())
-        saved = self._buffers or {}
-        self._buffers = {
-            name: (saved[name] if name in saved else b).detach().to(self.device or b.device, copy=True)
-            for name, b in current.items()
-        }
+        # before a checkpoint is restored (the zero strategies restore after setup): the buffers now;
+        # on_load_checkpoint and load_state_dict replace them
+        self._buffers = {name: b.detach().clone() for name, b in pl_module.named_buffers()}
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        averaged = self._averaged_buffers()  # restored ones come on the CPU: to the chosen device
+        for name, b in pl_module.named_buffers():
+            averaged[name] = averaged[name].to(self.device or b.device)
 
     @override
     def on_train_batch_end(
@@ -178,13 +181,16 @@ class ShardedWeightAveraging(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         engine = self.engine()
-        if engine is None or "current_model_state" not in checkpoint or "averaging_state" not in checkpoint:
+        if engine is None:
+            return
+        # the restored buffers; the callback's saved state, loaded next, replaces them if it has averages
+        self._buffers = {name: b.detach().clone() for name, b in pl_module.named_buffers()}
+        if "current_model_state" not in checkpoint or "averaging_state" not in checkpoint:
             return  # a sharded directory restored the average with the weights, or there is none to read
         # a standard file in WeightAveraging's layout: the model holds its state_dict, the average, now
         engine.refresh_master()
         engine.keep_weight_average(engine.average_device)
         engine.n_averaged = int(checkpoint["averaging_state"]["n_averaged"])
-        self._buffers = {name: b.detach().clone() for name, b in pl_module.named_buffers()}
         pl_module.load_state_dict(checkpoint["current_model_state"])
         engine.refresh_master()
 
