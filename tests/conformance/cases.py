@@ -222,6 +222,14 @@ _add(  # resuming restores the weights and the average apart (n_averaged too: th
     tol=1e-6,
     after=["resume:last"],
 )
+_add(  # ... and the averaged BatchNorm buffers, kept whole in the callback's state
+    "ema_resume_buffers",
+    module={"batchnorm": True},
+    callbacks=[["EMAWeightAveraging", {"decay": 0.8}], ["ModelCheckpoint", {"save_last": True}]],
+    trainer={"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 2, **_WA},
+    tol=1e-6,
+    after=["resume:last", "load_last"],
+)
 _add(
     "param_reads_at_phase_changes",
     callbacks=[["ParamProbe", {}]],
