@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lightning_zero.checkpoint import META, CheckpointError, read_meta, shard_name, verify_files
 from lightning_zero.comm.groups import check_shard_group_size
-from lightning_zero.engine.reducer import POOL_SLOTS
+from lightning_zero.engine.in_flight import POOL_SLOTS
 from lightning_zero.integrations import preflight
 
 _PRECISION_BYTES = {  # (parameter, gradient on the wire, optimizer arithmetic / master) bytes per element

@@ -62,7 +62,6 @@ import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -71,45 +70,15 @@ from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups
 from lightning_zero.config import ZeroConfig, master_dtype
 from lightning_zero.engine.accum_buffers import AccumBuffers
-from lightning_zero.engine.codecs import InFlight, WireCodec, codec_for
+from lightning_zero.engine.codecs import codec_for
+from lightning_zero.engine.in_flight import POOL_SLOTS, BucketFlight, BucketState
 from lightning_zero.engine.nonfinite import NonFiniteGuard
 from lightning_zero.engine.used_params import UsedParams
-from lightning_zero.layout.buckets import Bucket, BucketPlan
+from lightning_zero.layout.buckets import BucketPlan
 from lightning_zero.layout.flat import FlatParams
 
-_MAX_IN_FLIGHT = 2
-"""Launched buckets that may wait uncollected at once (bounds stage 2's transient gradient memory)."""
-POOL_SLOTS = _MAX_IN_FLIGHT + 1
-"""Accumulation buffers of bucket size the pool holds: one bucket filling, the others in flight
-(what ``lightning-zero estimate`` counts as transient gradient memory)."""
 
-
-def _is_completed(sent: InFlight) -> bool:
-    done = getattr(sent.handle, "is_completed", None)
-    return bool(done()) if done is not None else True
-
-
-@dataclass
-class _BucketState:
-    """One bucket's per-step communication state (lives and dies together)."""
-
-    bucket: Bucket
-    codec: WireCodec
-    """How the bucket travels to its shard (cast, collective, accumulation back)."""
-    accum: Tensor | None = None
-    """``(padded_numel,)`` sum of this step's local gradients, master dtype (padding zero)."""
-    sent: InFlight | None = None
-    """The launched collective, until it is collected."""
-    waiting: int = 0
-    """Parameters of the bucket that have not yet arrived in this round."""
-    slot: tuple[tuple[torch.dtype, bool], int] | None = None
-    """The pool slot ``accum`` lives in, as (size class, index) (``None``: not from the pool)."""
-
-    def clear(self) -> None:
-        self.accum = self.sent = None
-
-
-class GradReducer:
+class GradReducer(BucketFlight):
     """Owns the gradient hooks and the per-bucket collectives for one set of parameters."""
 
     def __init__(
@@ -139,7 +108,7 @@ class GradReducer:
             for b in plan.buckets
         ]
         self._buckets = [
-            _BucketState(b, codec_for(config, b.dtype), waiting=len(b.slots)) for b in plan.buckets
+            BucketState(b, codec_for(config, b.dtype), waiting=len(b.slots)) for b in plan.buckets
         ]
         self.buffers = AccumBuffers(self.params, plan, config, flat.device, POOL_SLOTS)
         self.pool = self.buffers.pool
@@ -247,86 +216,6 @@ class GradReducer:
             self._arrived[index] = True
             self._buckets[self._where[index][0]].waiting -= 1
 
-    def _accum(self, bucket_index: int) -> Tensor:
-        return self.buffers.take(self._buckets[bucket_index], self._collect_oldest)
-
-    def _collect_oldest(self) -> bool:
-        """Free the pool slot of the oldest launched bucket (waits for it); False if none holds one.
-
-        A bucket whose all-reduce across the replicas is not issued yet (hybrid: the newest) is not
-        collected, which would issue that collective here; its reduction inside the group is waited
-        for and its part kept apart, so its slot is free all the same (no allocation outside the pool)."""
-        for b, state in enumerate(self._buckets):
-            if state.sent is None:
-                continue
-            if self._collectable(state):
-                self._collect(b)
-                return True
-            if state.slot is None or not state.sent.uses_accum:
-                return False
-            state.codec.keep_part(self.comm, state.sent)  # waits inside the group; no collective
-            self.buffers.drop(state)
-            return True
-        return False
-
-    def _release(self, state: _BucketState) -> None:
-        """Give the bucket's pool slot back and drop its buffers."""
-        self.buffers.drop(state)
-        state.clear()
-
-    def _launch_ready(self) -> None:
-        if not self.config.overlap_comm:
-            return
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].waiting == 0:
-            self._launch(self._next_launch)
-
-    def _launch(self, bucket_index: int) -> None:
-        state = self._buckets[bucket_index]
-        accum, shard = self._accum(bucket_index), self.grad_shards[bucket_index]
-        sent = state.codec.launch(self.comm, accum, shard, self._rounds == 0, self._inspect, self._ranks)
-        sent.local_only = not self._sync  # sharded accumulation inside no_sync: across once, at the end
-        if not sent.uses_accum:
-            self._release(state)  # the wire copy is all that is needed from here on
-        state.sent = sent
-        self._next_launch = bucket_index + 1
-        self._start_across(bucket_index)
-        self._collect_finished(bucket_index)
-
-    def _start_across(self, end: int) -> None:
-        """Hybrid sharding: issue the all-reduce across the replicas of every launched bucket before
-        ``end`` that has none yet, in bucket order. Called right after a launch and at the end of a
-        round only: fixed points of the program (the module docstring's collective order)."""
-        if self.replicas.world_size == 1 or not self._sync:
-            return
-        for b in range(self._next_across, end):  # every bucket before it has its across issued
-            state = self._buckets[b]
-            if state.sent is not None and not state.sent.across:
-                # after rounds folded inside no_sync: this round's part joins the shard, and the whole
-                # accumulated shard is all-reduced across the replicas, once per step
-                fold = self.grad_shards[b] if self._awaiting_sync else None
-                state.codec.start_across(self.comm, state.sent, self.replicas, fold)
-        self._next_across = max(self._next_across, end)
-
-    def _collectable(self, state: _BucketState) -> bool:
-        """Collecting ``state`` issues no collective (hybrid: its all-reduce across is issued)."""
-        sent = state.sent
-        return sent is not None and (self.replicas.world_size == 1 or sent.across or sent.local_only)
-
-    def _collect_finished(self, newest: int) -> None:
-        """Collect launched buckets that have finished; keep at most ``_MAX_IN_FLIGHT`` uncollected
-        (the newest included: it is never waited for here). Collecting issues no collective, so which
-        buckets a completion check finds done changes no rank's collective sequence."""
-        in_flight = [b for b in range(newest + 1) if self._buckets[b].sent is not None]
-        excess = len(in_flight) - _MAX_IN_FLIGHT
-        for b in in_flight[:-1]:  # oldest first
-            state = self._buckets[b]
-            assert state.sent is not None
-            if not self._collectable(state):
-                break
-            if excess > 0 or _is_completed(state.sent):
-                self._collect(b)
-                excess -= 1
-
     def _fill_missing(self, bucket_index: int) -> None:
         """Zeros for parameters that have no gradient in this round's buffers."""
         bucket = self._buckets[bucket_index].bucket
@@ -366,11 +255,6 @@ class GradReducer:
         self._awaiting_sync = False
         self._synced_in_step = True
         self._end_round()
-
-    def _collect_all(self) -> None:
-        for bucket_index, state in enumerate(self._buckets):
-            if state.sent is not None:
-                self._collect(bucket_index)
 
     def _end_round(self) -> None:
         self._rounds += 1
@@ -426,19 +310,6 @@ class GradReducer:
             self.replicas.wait(handle)
         self._used.agree(lambda: None, with_guard=True)
         self._awaiting_sync = False
-
-    def _collect(self, bucket_index: int) -> None:
-        state = self._buckets[bucket_index]
-        assert state.sent is not None
-        state.codec.collect(
-            self.comm,
-            state.sent,
-            self.grad_shards[bucket_index],
-            self._rounds == 0,
-            self._inspect_reduced,
-            self.replicas,
-        )
-        self._release(state)
 
     def reset(self) -> None:
         """Start a new step: drop gradients and per-step state (waits for anything in flight)."""
