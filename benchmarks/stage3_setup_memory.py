@@ -11,7 +11,8 @@ reset between phases through ``/proc/self/clear_refs``) is read at the end of ev
   1. ``build``: the LightningModule constructed (eager: the whole model; deferred: shapes only);
   2. ``setup``: ``fit`` up to ``on_fit_start`` (the strategy's setup: eager broadcasts rank 0's model
      and keeps its shards; deferred initializes unit by unit);
-  3. ``first step``: to the end of the first optimizer step (``more steps``: the other ``--steps``);
+  3. ``first step``: its forward, its backward (the gradients reduced into the shards), its optimizer
+     step (``more steps``: the other ``--steps``);
   4. ``save``: ``trainer.save_checkpoint`` (sharded directory);
   5. ``resume``: a new module built the same way and ``fit(ckpt_path=...)``: its build, its setup,
      ``load`` (the checkpoint read into the shards: Lightning restores a strategy that restores after
@@ -110,9 +111,17 @@ def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
                 phase(f"{self.prefix}load")
             self.first = trainer.global_step + 1
 
+        def on_before_backward(self, trainer: L.Trainer, *rest: Any) -> None:
+            if trainer.global_step == self.first - 1:
+                phase(f"{self.prefix}first step: forward")
+
+        def on_after_backward(self, trainer: L.Trainer, *rest: Any) -> None:
+            if trainer.global_step == self.first - 1:
+                phase(f"{self.prefix}first step: backward")
+
         def on_train_batch_end(self, trainer: L.Trainer, *rest: Any) -> None:
             if trainer.global_step == self.first:
-                phase(f"{self.prefix}first step")
+                phase(f"{self.prefix}first step: optimizer step")
                 optimizer = getattr(trainer.strategy, "sharded_optimizer", None)
                 if optimizer is not None:
                     engine = optimizer.engine

@@ -4,7 +4,8 @@ Loading works parameter by parameter, never through a full state: for each piece
 this rank owns under its *current* plan (:class:`~lightning_zero.partition.Segment`), it finds
 the saved bucket and offset of the same parameter (matched by name) and copies the elements from
 the saved shard files that hold them (one, or two where the piece straddles a saved shard
-boundary). Shard files are opened memory-mapped, so a rank reads only the bytes it needs. The
+boundary). Shard files are opened memory-mapped, so a rank reads only the bytes it needs, and
+unmapped after each bucket, so the file pages it touched do not stay in its resident memory. The
 parameters are then completed by the usual per-bucket all-gather.
 
 Before any collective, every rank checks the files it will read (presence, size, sha256) and the
@@ -169,6 +170,8 @@ def load_sharded(
                             dst[window].zero_()
                         else:
                             dst[window].copy_(source[offset : offset + numel])
+        source = None  # the last view would keep its file mapped
+        files.release()  # unmapped: the pages read stay resident (RSS) only while one bucket loads
     if with_optimizer:
         by_name = {layout.params[i]["name"]: int(s) for i, s in enumerate(meta["steps"].tolist())}
         shards.steps = [by_name[p.name] for p in engine.plan.params]
