@@ -57,8 +57,8 @@ class ShardedAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or param-group dicts, as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
-        foreach, fused: as ``torch.optim.AdamW``: ``fused=True`` runs torch's fused kernel (faster on
-            CPU and CUDA, rounds differently); otherwise the update is torch's for-loop/foreach one.
+        foreach, fused: as ``torch.optim.AdamW``: ``fused=True`` runs torch's fused kernel (CPU or
+            CUDA; it rounds differently); otherwise the update is torch's for-loop/foreach one.
         decoupled_weight_decay: ``True`` for AdamW, ``False`` for Adam's L2 penalty.
         config: bucketing and sharding settings (:class:`~lightning_zero.ZeroConfig`).
         process_group: the data-parallel group; ``None`` for the default one (or none at all).

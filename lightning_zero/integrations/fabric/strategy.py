@@ -61,8 +61,8 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
 
     Args:
         stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
-        find_unused_parameters, align_numel, skip_nonfinite_steps, reshard_after_forward,
-        prefetch_units, unit_modules, min_unit_numel: see
+        find_unused_parameters, align_numel, skip_nonfinite_steps, sharded_accumulation,
+        reshard_after_forward, prefetch_units, unit_modules, min_unit_numel: see
             :class:`~lightning_zero.ZeroConfig` (``unit_modules`` also takes import paths). At stage 3
             (``"zero3"``) each rank holds only its shard of the model set up with the optimizer: a
             unit's parameters are gathered for its forward and backward, the model's forward gathers

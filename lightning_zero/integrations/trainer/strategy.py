@@ -83,22 +83,22 @@ class ZeroStrategy(ShardedCheckpointing):
 
     Args:
         stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
-        find_unused_parameters, align_numel, skip_nonfinite_steps, reshard_after_forward,
-        prefetch_units, unit_modules, min_unit_numel: see :class:`~lightning_zero.ZeroConfig`
-            (validated there). With ``skip_nonfinite_steps=K > 0`` a step whose gradients hold inf/NaN
-            on any rank is skipped on every rank, ``zero/skipped_steps`` is logged, and the ``K``-th
-            skipped step in a row raises :class:`~lightning_zero.NonFiniteGradientError` naming
-            ``trainer.global_step`` and the ranks. ``unit_modules`` also takes import paths
-            (``["recipes.training.model.Block"]``). At stage 3 (``"zero3"``) every rank holds only its shard
-            of the parameters during ``fit``; callbacks and LightningModule hooks run as under
-            ``"ddp"``, and one that reads or writes a parameter outside its unit's forward and
-            backward fails at that op, naming the parameter and ``lightning_zero.gathered(module)``,
-            which gives full parameters for a block of code; after ``fit`` the model stays sharded:
-            its forward, ``state_dict()`` and ``load_state_dict()`` gather one unit at a time on every
-            rank, and ``lightning_zero.unshard(model)`` makes it a plain module. A model built under
-            ``trainer.init_module(empty_init=True)`` (any stage) or in ``configure_model()`` (stage 3)
-            is built on the meta device and initialized at setup, at stage 3 one unit at a time
-            (:mod:`lightning_zero.engine.deferred_init`).
+        find_unused_parameters, align_numel, skip_nonfinite_steps, sharded_accumulation,
+        reshard_after_forward, prefetch_units, unit_modules, min_unit_numel: see
+            :class:`~lightning_zero.ZeroConfig` (validated there). With ``skip_nonfinite_steps=K > 0`` a
+            step whose gradients hold inf/NaN on any rank is skipped on every rank, ``zero/skipped_steps``
+            is logged, and the ``K``-th skipped step in a row raises
+            :class:`~lightning_zero.NonFiniteGradientError` naming ``trainer.global_step`` and the ranks.
+            ``unit_modules`` also takes import paths (``["recipes.training.model.Block"]``). At stage 3
+            (``"zero3"``) every rank holds only its shard of the parameters during ``fit``; callbacks and
+            LightningModule hooks run as under ``"ddp"``, and one that reads or writes a parameter outside
+            its unit's forward and backward fails at that op, naming the parameter and
+            ``lightning_zero.gathered(module)``, which gives full parameters for a block of code; after
+            ``fit`` the model stays sharded: its forward, ``state_dict()`` and ``load_state_dict()``
+            gather one unit at a time on every rank, and ``lightning_zero.unshard(model)`` makes it a
+            plain module. A model built under ``trainer.init_module(empty_init=True)`` (any stage) or in
+            ``configure_model()`` (stage 3) is built on the meta device and initialized at setup, at stage
+            3 one unit at a time (:mod:`lightning_zero.engine.deferred_init`).
         log_comm_stats: log per step the seconds spent waiting on communication, their share of the
             step, and the elements and bytes sent (``zero/*`` metrics).
         sharded_checkpoint: ``save_checkpoint`` writes a directory, one shard file per rank

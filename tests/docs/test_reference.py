@@ -1,0 +1,69 @@
+"""``docs/reference.md`` is what ``scripts/reference.py`` generates from the code now: every argument
+of the public classes with its default and docstring, and every command's ``--help``. A signature,
+default, docstring or command that changed without the page fails here; so does an argument that
+its docstring does not describe."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():  # noqa: ANN202 - the script's module
+    spec = importlib.util.spec_from_file_location("reference_script", ROOT / "scripts" / "reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_reference_page_is_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    script = _script()
+    monkeypatch.setenv("COLUMNS", "100")
+    text = script.render()
+    page = (ROOT / "docs" / "reference.md").read_text()
+    assert page == text, "docs/reference.md differs from the code: run python scripts/reference.py"
+
+
+def test_an_undescribed_argument_is_an_error() -> None:
+    script = _script()
+
+    class Strategy:
+        """A strategy.
+
+        Args:
+            documented: what it does.
+        """
+
+        def __init__(self, documented: int = 1, forgotten: int = 2) -> None:
+            pass
+
+    with pytest.raises(
+        SystemExit, match=r"Strategy: arguments without a description in its docstring: \['forgotten'\]"
+    ):
+        script._arguments(Strategy)
+
+
+def test_grouped_and_continued_entries_are_read() -> None:
+    script = _script()
+    doc = """Summary.
+
+    Args:
+        a, b,
+        c: shared text
+            that continues.
+        d: alone.
+
+    Raises:
+        ValueError: never.
+    """
+    assert script.args_section(doc) == [(["a", "b", "c"], "shared text that continues."), (["d"], "alone.")]
+    assert (
+        script.markdown("see :class:`~x.y.Z` and :mod:`x.y` and ``code``") == "see `Z` and `x.y` and `code`"
+    )
