@@ -120,7 +120,8 @@ def _shard_payload(
     """This rank's tensors to save. Parameter shards are views of the flat buffer and are always
     copied (saving a view writes its whole storage); ``copy_tensor``, if given, copies every tensor
     (a snapshot that training going on cannot change). ``with_optimizer=False`` (a weights-only
-    checkpoint) saves the parameter shards alone."""
+    checkpoint) saves the parameter shards alone (no weight average: Lightning writes a weights-only
+    checkpoint without its callbacks' state, so its weights are the current ones)."""
     records = engine.state.records
 
     def own(t: torch.Tensor, always: bool = False) -> torch.Tensor:
@@ -129,10 +130,10 @@ def _shard_payload(
         return t.detach().to("cpu", copy=True) if always else t
 
     payload = {"param": [own(r.param, always=True) for r in records]}
+    if not with_optimizer:  # weights only: the current weights, no average (as Lightning's under "ddp")
+        return payload
     if engine.averaging:  # the average is the model's weights in a checkpoint (WeightAveraging's rule)
         payload[AVERAGE] = [own(r.average) for r in records if r.average is not None]
-    if not with_optimizer:
-        return payload
     if any(r.separate_master for r in records):
         payload["master"] = [own(r.master) if r.separate_master else torch.empty(0) for r in records]
     for name in engine.state.moment_names:
@@ -294,7 +295,7 @@ def stage_save(
         "lightning": lightning_state,
         "aliases": dict(aliases or {}),
     }
-    if engine.averaging:
+    if engine.averaging and AVERAGE in payload:
         meta[AVERAGE] = {"n_averaged": engine.n_averaged}
     copy_extra = copy_tensor or (lambda t: t.detach().cpu())
     return StagedSave(

@@ -5,7 +5,8 @@ this rank owns under its *current* plan (:class:`~lightning_zero.partition.Segme
 the saved bucket and offset of the same parameter (matched by name) and copies the elements from
 the saved shard files that hold them (one, or two where the piece straddles a saved shard
 boundary). Shard files are opened memory-mapped, so a rank reads only the bytes it needs, and
-unmapped after each bucket, so the file pages it touched do not stay in its resident memory. The
+unmapped after every :data:`_RELEASE_BYTES` read, so the file pages it touched do not pile up in its
+resident memory. The
 parameters are then completed by the usual per-bucket all-gather.
 
 Before any collective, every rank checks the files it will read (presence, size, sha256) and the
@@ -25,6 +26,11 @@ from torch import Tensor
 
 from lightning_zero.checkpoint.format import AVERAGE, CheckpointError, shard_name, verify_files
 from lightning_zero.engine.engine import ShardEngine
+
+_RELEASE_BYTES = 64 * 2**20
+"""A load unmaps the shard files after reading about this much (then maps them again as needed):
+the pages it touched stay in the rank's resident memory only until then, and each file is parsed
+again once per that many bytes, not once per bucket."""
 
 
 class _SavedLayout:
@@ -153,6 +159,7 @@ def load_sharded(
     apart = engine.averaging if average_apart is None else average_apart
     sources = {"param": "param" if apart or not saved_average else AVERAGE}
     sources[AVERAGE] = AVERAGE if saved_average else "param"
+    read = 0  # bytes copied out of the mapped files since they were last unmapped
     for bucket, record in zip(engine.plan.buckets, shards.records, strict=True):
         targets = {"param": [record.param] + ([record.master] if record.separate_master else [])}
         if record.average is not None:
@@ -170,14 +177,17 @@ def load_sharded(
                             dst[window].zero_()
                         else:
                             dst[window].copy_(source[offset : offset + numel])
-        source = None  # the last view would keep its file mapped
-        files.release()  # unmapped: the pages read stay resident (RSS) only while one bucket loads
+                            read += numel * source.element_size()
+        if read >= _RELEASE_BYTES:  # unmap what was read: its pages leave this rank's resident memory
+            source, read = None, 0  # (the last view would keep its file mapped)
+            files.release()
     if with_optimizer:
         by_name = {layout.params[i]["name"]: int(s) for i, s in enumerate(meta["steps"].tolist())}
         shards.steps = [by_name[p.name] for p in engine.plan.params]
         _load_group_hyperparameters(engine, meta)
     if engine.averaging:
         engine.n_averaged = int(meta[AVERAGE]["n_averaged"]) if saved_average else 0
+        engine.average_loaded = True  # from the saved average, or started from the loaded weights
     engine.publish_shards()
 
 

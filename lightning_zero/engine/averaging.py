@@ -91,6 +91,9 @@ class ShardAveraging:
     """Updates of the average so far (``AveragedModel.n_averaged``); 0: the next update copies."""
     average_device: torch.device | None
     """Where the averages are kept as the user asked (``None``: beside the masters)."""
+    average_loaded: bool
+    """A checkpoint load restored the average (set by the sharded load; a standard file's average is
+    restored by the integration)."""
 
     if TYPE_CHECKING:  # ParameterAccess's, through ShardEngine
 
@@ -107,6 +110,7 @@ class ShardAveraging:
         (``n_averaged`` 0), on ``device`` (``None``: the masters' device). Re-plans keep it."""
         self.average_device = None if device is None else torch.device(device)
         self.n_averaged = 0
+        self.average_loaded = False
         self.state.keep_average(self.average_device or self.state.records[0].master.device)
 
     def update_weight_average(

@@ -117,6 +117,7 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         were initialized one at a time (:mod:`lightning_zero.engine.deferred_init`)."""
         self.n_averaged = 0
         self.average_device: torch.device | None = None
+        self.average_loaded = False
         self.optimizer_steps = 0
         """Optimizer steps so far: :meth:`step` calls with gradients, skipped ones included (the step an
         error names). The Trainer strategy sets it to ``trainer.global_step`` before each training step."""

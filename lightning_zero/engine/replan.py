@@ -83,7 +83,8 @@ def _gather_bucket_state(comm: Comm, sources: dict[str, Tensor], padded_numel: i
     """Every state tensor of one old bucket, whole: ``{key: (padded_numel,)}``."""
     full = {}
     for key, shard in sources.items():
-        out = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device)
-        comm.wait(comm.all_gather(out, shard))
-        full[key] = out
+        # on the group's device: a state kept elsewhere (a weight average on the CPU) goes through it
+        out = torch.empty(padded_numel, dtype=shard.dtype, device=comm.device)
+        comm.wait(comm.all_gather(out, shard.to(comm.device)))
+        full[key] = out.to(shard.device)
     return full

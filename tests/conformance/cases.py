@@ -215,6 +215,16 @@ _add(  # a multi-tensor function, buffers copied, and updates every other step f
     trainer={"max_steps": 7, "val_check_interval": 3, "limit_val_batches": 2, **_WA},
     tol=1e-6,
 )
+_add(  # a weights-only checkpoint holds the current weights (Lightning saves no callback state there)
+    "ema_save_weights_only",
+    callbacks=[
+        ["EMAWeightAveraging", {"decay": 0.8}],
+        ["ModelCheckpoint", {"save_weights_only": True, "save_last": True}],
+    ],
+    trainer={"max_steps": 4, "limit_val_batches": 0, **_WA},
+    tol=1e-6,
+    after=["load_last"],
+)
 _add(  # resuming restores the weights and the average apart (n_averaged too: the first update copies)
     "ema_resume",
     callbacks=[["EMAWeightAveraging", {"decay": 0.8}], ["ModelCheckpoint", {"save_last": True}]],

@@ -81,6 +81,26 @@ if sys.argv[2] == "two":
     except ValueError as err:
         print("REFUSED:", err)
     sys.exit(0)
+if sys.argv[2] == "reseed":  # a file without an average: the average starts from its weights
+    fit("ddp", f"{root}/plain", 3, [ModelCheckpoint(dirpath=f"{root}/plain", save_last=True)])
+    for name in ("ddp", "zero"):  # no update before step 100: the end copies the re-seeded average
+        model = fit(name, f"{root}/{name}", 5, [EMAWeightAveraging(update_starting_at_step=100)],
+                    ckpt_path=f"{root}/plain/last.ckpt")
+        torch.save(model.state_dict(), f"{root}/reseed-{name}.pt")
+    print("DONE")
+    sys.exit(0)
+if sys.argv[2] == "again":  # the callback from configure_callbacks, validate then fit: one stand-in
+    class WithCallback(Model):
+        def configure_callbacks(self):
+            return [EMAWeightAveraging(decay=0.5)]
+    torch.manual_seed(0)
+    model = WithCallback()
+    trainer = pl.Trainer(strategy="zero", accelerator="cpu", devices=1, max_steps=2, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    trainer.validate(model, verbose=False)
+    trainer.fit(model)
+    print("AFTER:", sorted(type(c).__name__ for c in trainer.callbacks if "Averaging" in type(c).__name__))
+    sys.exit(0)
 for name, strategy in (("ddp", "ddp"), ("zero", ZeroStrategy(sharded_checkpoint=False))):
     model = fit(strategy, f"{root}/{name}", 4, [EMAWeightAveraging(decay=0.5),
                 ModelCheckpoint(dirpath=f"{root}/{name}", save_last=True)])
@@ -125,6 +145,38 @@ def test_a_standard_file_has_weight_averagings_layout_and_resumes_across_strateg
     resumed = torch.load(tmp_path / "resumed-zero.pt")
     _same(resumed, torch.load(tmp_path / "resumed-ddp.pt"), "resumed from a ddp file")
     assert any(not torch.equal(resumed[k], ddp["state_dict"][k]) for k in resumed)  # it trained on
+
+
+def test_a_file_without_an_average_starts_it_from_its_weights(tmp_path: Path) -> None:
+    """Resumed with the callback from a standard file written without one: the average starts at the
+    loaded weights (not at the model's initialization), as under "ddp"; with no update before the
+    end, the end copies exactly those."""
+    assert "DONE" in _run(tmp_path, "reseed")
+    zero, ddp = torch.load(tmp_path / "reseed-zero.pt"), torch.load(tmp_path / "reseed-ddp.pt")
+    _same(zero, ddp, "re-seeded average")
+
+
+def test_the_users_callback_is_back_after_each_run(tmp_path: Path) -> None:
+    """validate, then fit, with the callback from ``configure_callbacks``: the stand-in is replaced by
+    the user's callback at teardown, so the next run replaces it once (no "2 callbacks")."""
+    out = _run(tmp_path, "again")
+    assert "AFTER: ['EMAWeightAveraging']" in out, out
+
+
+def test_a_subclass_overriding_a_hook_is_refused() -> None:
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    from lightning_zero.integrations.trainer.weight_averaging import ShardedWeightAveraging
+
+    class Swaps(EMAWeightAveraging):
+        def _swap_models(self, pl_module: Any) -> None:
+            pass
+
+        def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
+            return True
+
+    with pytest.raises(ValueError, match=r"Swaps overrides \['_swap_models'\].*only should_update"):
+        ShardedWeightAveraging(Swaps(), lambda: None, lambda: True)
 
 
 def test_two_weight_averaging_callbacks_are_refused_before_training(tmp_path: Path) -> None:

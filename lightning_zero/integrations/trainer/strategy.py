@@ -74,6 +74,7 @@ from lightning_zero.integrations.trainer.precision import shard_aware
 from lightning_zero.integrations.trainer.weight_averaging import (
     ShardedWeightAveraging,
     replace_weight_averaging,
+    restore_weight_averaging,
 )
 from lightning_zero.optim import ShardedAdamW
 
@@ -428,6 +429,9 @@ class ZeroStrategy(ShardedCheckpointing):
             self._finish_saves()
         finally:
             self._fit_running = self._unwinding = False
+            module = self.lightning_module
+            if module is not None and module._trainer is not None:
+                restore_weight_averaging(module._trainer.callbacks)  # type: ignore[attr-defined]
             self._zero.teardown()  # waits for gathers still in flight; the optimizer stays for saving
             self._pending_load = None
             if self.model is not None and self._fitting() and self._layer_sync:

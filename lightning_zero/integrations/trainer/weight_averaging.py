@@ -37,7 +37,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, WeightAveraging
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, WeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
@@ -79,6 +79,13 @@ class ShardedWeightAveraging(Callback):
             )
         if kwargs.get("avg_fn") is not None and kwargs.get("multi_avg_fn") is not None:
             raise ValueError(f"{type(user).__name__}: give avg_fn or multi_avg_fn, not both")
+        overridden = _overridden_hooks(type(user))
+        if overridden:
+            raise ValueError(
+                f"{type(user).__name__} overrides {overridden}: the zero strategies keep the average on "
+                "the shards and run WeightAveraging's own hooks in place of its AveragedModel, so only "
+                "should_update may be overridden"
+            )
         self.user = user
         self.avg_fn = kwargs.get("avg_fn")
         self.multi_avg_fn = kwargs.get("multi_avg_fn")
@@ -185,14 +192,16 @@ class ShardedWeightAveraging(Callback):
             return
         # the restored buffers; the callback's saved state, loaded next, replaces them if it has averages
         self._buffers = {name: b.detach().clone() for name, b in pl_module.named_buffers()}
-        if "current_model_state" not in checkpoint or "averaging_state" not in checkpoint:
-            return  # a sharded directory restored the average with the weights, or there is none to read
-        # a standard file in WeightAveraging's layout: the model holds its state_dict, the average, now
+        if engine.average_loaded:
+            return  # a sharded directory restored the average with the weights
+        # a standard file: the model holds its state_dict now — the average in WeightAveraging's
+        # layout, else the weights, where the average starts (n_averaged 0), as under "ddp"
         engine.refresh_master()
         engine.keep_weight_average(engine.average_device)
-        engine.n_averaged = int(checkpoint["averaging_state"]["n_averaged"])
-        pl_module.load_state_dict(checkpoint["current_model_state"])
-        engine.refresh_master()
+        if "current_model_state" in checkpoint and "averaging_state" in checkpoint:
+            engine.n_averaged = int(checkpoint["averaging_state"]["n_averaged"])
+            pl_module.load_state_dict(checkpoint["current_model_state"])
+            engine.refresh_master()
 
     def _update(self, pl_module: pl.LightningModule) -> None:
         engine = self.engine()
@@ -227,6 +236,21 @@ class ShardedWeightAveraging(Callback):
         return self._buffers
 
 
+def _overridden_hooks(cls: type) -> list[str]:
+    """Methods of ``WeightAveraging`` (its hooks, its swap and copy) that a subclass redefines, apart
+    from ``should_update`` and ``state_key`` (which the stand-in uses)."""
+    lightning = {c for c in WeightAveraging.__mro__} | {EMAWeightAveraging}
+    known = {n for n in dir(WeightAveraging) if not n.startswith("__")} - {"should_update", "state_key"}
+    found = {
+        name
+        for c in cls.__mro__
+        if c not in lightning and issubclass(c, WeightAveraging)
+        for name in vars(c)
+        if name in known
+    }
+    return sorted(found)
+
+
 def replace_weight_averaging(
     callbacks: list[Callback], engine: Callable[[], ShardEngine | None], writes_shards: Callable[[], bool]
 ) -> list[ShardedWeightAveraging]:
@@ -236,3 +260,12 @@ def replace_weight_averaging(
         if isinstance(callback, WeightAveraging):
             callbacks[i] = ShardedWeightAveraging(callback, engine, writes_shards)
     return [c for c in callbacks if isinstance(c, ShardedWeightAveraging)]
+
+
+def restore_weight_averaging(callbacks: list[Callback]) -> None:
+    """Put each user's ``WeightAveraging`` back in its stand-in's place (at teardown): a later ``fit``
+    of the same Trainer, or one whose ``configure_callbacks`` returns a fresh callback, replaces it
+    again."""
+    for i, callback in enumerate(callbacks):
+        if isinstance(callback, ShardedWeightAveraging):
+            callbacks[i] = callback.user
