@@ -95,6 +95,52 @@ def _consolidate(src: Path, dst: Path, weights_only: bool, force: bool) -> int:
     return 0
 
 
+COMPONENTS = ("parameters", "gradients", "optimizer state", "gradient buckets", "gathered units")
+"""What :func:`estimate_components` splits a rank's model state into."""
+
+
+def estimate_components(
+    params: float,
+    n: int,
+    precision: str,
+    bucket_cap_mb: float,
+    unit_params: float = 0.0,
+    prefetch_units: int = 1,
+) -> dict[str, dict[str, float]]:
+    """Model-state bytes per rank (no activations) of ``ddp``, ``zero1``, ``zero2`` and ``zero3``, each
+    split into :data:`COMPONENTS`, with the state sharded over ``n`` ranks (the world, or the shard
+    group of node-aware sharding). Stage 3 holds ``1 + prefetch_units`` gathered units of
+    ``unit_params`` (one block) at once, besides the root's parameters, which this estimate does not
+    know of. The optimizer state of a 16-bit model includes its fp32 master copy."""
+    p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
+    separate_master = m_bytes > p_bytes
+    in_flight = POOL_SLOTS * bucket_cap_mb * 2**20  # buckets being filled or in flight, transient
+    optimizer = 2 * m_bytes + (m_bytes if separate_master else 0)  # the moments (+ a separate master)
+
+    def zero(sharded_params: bool) -> dict[str, float]:
+        return {
+            "parameters": params * p_bytes / (n if sharded_params else 1),
+            "gradients": params * m_bytes / n,  # the gradient shard, in the master dtype
+            "optimizer state": params * optimizer / n,
+            "gradient buckets": in_flight,
+            "gathered units": (1 + prefetch_units) * unit_params * p_bytes if sharded_params else 0.0,
+        }
+
+    return {
+        # DDP: full gradients plus DDP's bucket copy; torch keeps Adam state in the parameter dtype
+        "ddp": {
+            "parameters": params * p_bytes,
+            "gradients": params * g_bytes,
+            "optimizer state": params * 2 * p_bytes,
+            "gradient buckets": params * g_bytes,
+            "gathered units": 0.0,
+        },
+        "zero1": zero(False),  # stages 1 and 2 hold the same: only what they send differs
+        "zero2": zero(False),
+        "zero3": zero(True),
+    }
+
+
 def estimate_rows(
     params: float,
     n: int,
@@ -103,24 +149,9 @@ def estimate_rows(
     unit_params: float = 0.0,
     prefetch_units: int = 1,
 ) -> dict[str, float]:
-    """Model-state bytes per rank (no activations) of ``ddp``, ``zero1``, ``zero2`` and ``zero3`` with
-    the state sharded over ``n`` ranks (the world, or the shard group of node-aware sharding).
-    Stage 3 holds ``1 + prefetch_units`` gathered units of ``unit_params`` (one block) at once,
-    besides the root's parameters, which this estimate does not know of."""
-    p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
-    separate_master = m_bytes > p_bytes
-    adam = 2 * m_bytes
-    in_flight = POOL_SLOTS * bucket_cap_mb * 2**20  # buckets being filled or in flight, transient
-    sharded = m_bytes + adam + (m_bytes if separate_master else 0)  # fp32 gradient shard, moments, master
-    return {
-        # DDP: full gradients plus DDP's bucket copy; torch keeps Adam state in the parameter dtype
-        "ddp": params * (p_bytes + 2 * g_bytes + 2 * p_bytes),
-        # ours, both stages: full parameters, fp32 shard gradient, sharded moments (+ master if 16-bit)
-        "zero1": params * (p_bytes + sharded / n) + in_flight,
-        "zero2": params * (p_bytes + sharded / n) + in_flight,
-        # stage 3: the parameters sharded too, plus the units gathered at once
-        "zero3": params * (p_bytes + sharded) / n + (1 + prefetch_units) * unit_params * p_bytes + in_flight,
-    }
+    """The totals of :func:`estimate_components` per strategy (what ``lightning-zero estimate`` prints)."""
+    parts = estimate_components(params, n, precision, bucket_cap_mb, unit_params, prefetch_units)
+    return {name: sum(components.values()) for name, components in parts.items()}
 
 
 def estimate(

@@ -1,0 +1,46 @@
+"""The memory table of ``docs/clusters.md`` is what ``scripts/memory_chart.py`` computes from
+``lightning-zero estimate``'s own function now (so the page cannot drift from the command), and its
+chart exists; the per-component split adds up to what ``estimate`` prints."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_zero.cli import COMPONENTS, estimate_components, estimate_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():  # noqa: ANN202 - the script's module
+    spec = importlib.util.spec_from_file_location("memory_chart_script", ROOT / "scripts" / "memory_chart.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_clusters_table_is_estimates() -> None:
+    script = _script()
+    page = (ROOT / "docs" / "clusters.md").read_text()
+    assert page == script.page_with(script.table()), "run python scripts/memory_chart.py"
+    assert script.CHART.is_file()
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
+def test_components_add_up_and_shard_as_documented(precision: str) -> None:
+    params, n, block = 7e9, 64, 2e8
+    parts = estimate_components(params, n, precision, 25.0, block)
+    totals = estimate_rows(params, n, precision, 25.0, block)
+    for name, components in parts.items():
+        assert list(components) == list(COMPONENTS)
+        assert sum(components.values()) == totals[name]
+    p_bytes = 2 if precision == "bf16-true" else 4
+    assert parts["zero3"]["parameters"] == params * p_bytes / n  # sharded
+    assert parts["zero2"]["parameters"] == params * p_bytes  # whole
+    assert parts["zero2"]["optimizer state"] == parts["zero3"]["optimizer state"]
+    assert parts["zero3"]["gathered units"] == 2 * block * p_bytes  # the unit and one prefetched
