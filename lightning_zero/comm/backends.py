@@ -105,6 +105,11 @@ class Backend(ABC):
         """Implemented by each backend."""
 
     @abstractmethod
+    def all_to_all(self, output: Tensor, input_: Tensor) -> Any:
+        """Implemented by each backend: chunk ``r`` of ``input_`` goes to rank ``r``, which writes what
+        rank ``s`` sent into its chunk ``s`` of ``output`` (equal chunks)."""
+
+    @abstractmethod
     def broadcast(self, tensor: Tensor, src: int) -> None:
         """Implemented by each backend."""
 
@@ -140,6 +145,11 @@ class SingleProcess(Backend):
         return Done()
 
     def all_gather(self, output: Tensor, input_: Tensor) -> Any:
+        if output.data_ptr() != input_.data_ptr():
+            output.copy_(input_)
+        return Done()
+
+    def all_to_all(self, output: Tensor, input_: Tensor) -> Any:
         if output.data_ptr() != input_.data_ptr():
             output.copy_(input_)
         return Done()
@@ -205,6 +215,9 @@ class Native(Backend):
     def all_gather(self, output: Tensor, input_: Tensor) -> Any:
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return fn(output, input_, group=self.group, async_op=True)
+
+    def all_to_all(self, output: Tensor, input_: Tensor) -> Any:
+        return dist.all_to_all_single(output, input_, group=self.group, async_op=True)
 
     def broadcast(self, tensor: Tensor, src: int) -> None:
         dist.broadcast(tensor, src=self._global(src), group=self.group)

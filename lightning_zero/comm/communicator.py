@@ -211,6 +211,26 @@ class Comm:
             )
         )
 
+    def all_to_all(self, output: Tensor, input_: Tensor, what: str = "all-to-all") -> Any:
+        """Async all-to-all of equal chunks: this rank's chunk ``r`` of ``input_`` goes to rank ``r``,
+        and rank ``s``'s chunk for this rank lands in chunk ``s`` of ``output`` (``input_.numel()``
+        divisible by the world size; ``output`` like ``input_``, not the same tensor). Counted as the
+        ``(N-1)/N`` of ``input_`` that leaves this rank."""
+        if input_.numel() % self.world_size or output.numel() != input_.numel():
+            raise ValueError(
+                f"all_to_all needs equal chunks: {input_.numel()} elements in and {output.numel()} out "
+                f"over {self.world_size} ranks"
+            )
+        self.stats.count(self._ring(input_.numel()), input_.dtype)
+        self.stats.collectives += 1
+        self._record("all_to_all", input_.numel(), input_.dtype)
+        return self._watched(
+            Named(
+                self._run(what, self.backend.all_to_all, output, input_, blocking=False),
+                f"{what} of {input_.numel()} elements",
+            )
+        )
+
     def wait(self, handle: Any) -> None:
         """Block on ``handle`` and account the time.
 
