@@ -185,4 +185,8 @@ class WireCodec:
 
 def codec_for(config: ZeroConfig, param_dtype: torch.dtype) -> WireCodec:
     """The codec for the buckets of ``param_dtype`` under ``config`` (the one place that chooses)."""
+    if config.reduce_dtype == "int8":
+        from lightning_zero.engine.int8_codec import Int8Codec  # it builds on this module
+
+        return Int8Codec(config.stage)
     return WireCodec(config.wire_dtype(param_dtype), config.stage)

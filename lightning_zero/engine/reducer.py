@@ -94,6 +94,11 @@ class GradReducer(BucketFlight):
         self.plan = plan
         self.flat = flat
         groups = CommGroups.of(comm)
+        if config.reduce_dtype == "int8" and groups.replicas.world_size > 1:
+            raise ValueError(
+                "reduce_dtype='int8' does not support node-aware sharding yet (shard_group_size or a 2-D "
+                "device_mesh); use flat sharding, or reduce_dtype='bf16'"
+            )
         self.comm = groups.shard
         self.replicas = groups.replicas
         self.world = groups.world

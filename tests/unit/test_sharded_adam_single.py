@@ -139,7 +139,7 @@ def test_bf16_params_keep_fp32_master() -> None:
         ({"stage": 3, "min_unit_numel": 1.5}, "min_unit_numel must be an integer >= 0, got 1.5"),
         ({"stage": 3, "overlap_param_gather": True}, "overlap_param_gather applies to stages 1 and 2"),
         ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a number > 0"),
-        ({"reduce_dtype": "int8"}, "reduce_dtype must be None or one of"),
+        ({"reduce_dtype": "int4"}, "reduce_dtype must be None or one of"),
         ({"overlap_comm": "yes"}, "overlap_comm"),
         ({"skip_nonfinite_steps": -1}, r"skip_nonfinite_steps must be an integer >= 0 .*got -1"),
         ({"skip_nonfinite_steps": 2.5}, r"skip_nonfinite_steps must be an integer >= 0 .*got 2.5"),
