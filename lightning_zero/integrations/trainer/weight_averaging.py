@@ -58,7 +58,8 @@ class ShardedWeightAveraging(Callback):
         writes_shards: whether checkpoints are written as sharded directories.
 
     Raises:
-        ValueError: an ``AveragedModel`` argument other than ``avg_fn``/``multi_avg_fn``, or both.
+        ValueError: an ``AveragedModel`` argument other than ``avg_fn``/``multi_avg_fn``, or both; a
+            subclass that overrides a ``WeightAveraging`` hook other than ``should_update``.
     """
 
     reads_parameters_between_steps = False  # it reads the optimizer's masters, not the parameters
