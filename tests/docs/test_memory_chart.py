@@ -4,28 +4,14 @@ chart exists; the per-component split adds up to what ``estimate`` prints."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from lightning_zero.cli import COMPONENTS, estimate_components, estimate_rows
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script():  # noqa: ANN202 - the script's module
-    spec = importlib.util.spec_from_file_location("memory_chart_script", ROOT / "scripts" / "memory_chart.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.docs.scripts import ROOT, load_script
 
 
 def test_the_clusters_table_is_estimates() -> None:
-    script = _script()
+    script = load_script("memory_chart")
     page = (ROOT / "docs" / "clusters.md").read_text()
     assert page == script.page_with(script.table()), "run python scripts/memory_chart.py"
     assert script.CHART.is_file()

@@ -5,26 +5,13 @@ its docstring does not describe."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script():  # noqa: ANN202 - the script's module
-    spec = importlib.util.spec_from_file_location("reference_script", ROOT / "scripts" / "reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.docs.scripts import ROOT, load_script
 
 
 def test_the_reference_page_is_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    script = _script()
+    script = load_script("reference")
     monkeypatch.setenv("COLUMNS", "100")
     text = script.render()
     page = (ROOT / "docs" / "reference.md").read_text()
@@ -32,7 +19,7 @@ def test_the_reference_page_is_the_code(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_an_undescribed_argument_is_an_error() -> None:
-    script = _script()
+    script = load_script("reference")
 
     class Strategy:
         """A strategy.
@@ -51,7 +38,7 @@ def test_an_undescribed_argument_is_an_error() -> None:
 
 
 def test_grouped_and_continued_entries_are_read() -> None:
-    script = _script()
+    script = load_script("reference")
     doc = """Summary.
 
     Args:
