@@ -22,6 +22,8 @@ Lightning integration points:
     ``trainer.global_step`` (so an error names Lightning's step, also after a resume);
   * ``overlap_param_gather``: forward waits on the modules and :class:`ParamReadBarrier` first
     among the callbacks (:mod:`lightning_zero.integrations.trainer.param_barrier`);
+  * the callbacks added at setup: :mod:`lightning_zero.integrations.trainer.callbacks`; what runs
+    around each step function: :mod:`lightning_zero.integrations.trainer.step_functions`;
   * checkpoints: :mod:`lightning_zero.integrations.trainer.checkpointing` (sharded directories, any
     world size,
     asynchronous saves; validate/test/predict read whole parameters, or fill a stage-3 model's
@@ -57,7 +59,6 @@ from lightning_zero.comm import collective_failures
 from lightning_zero.comm.watchdog import let_errors_reach_python
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.deferred_init import DeferredInit
-from lightning_zero.engine.engine import ShardEngine
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import (
     check_lightning_arguments,
@@ -66,20 +67,18 @@ from lightning_zero.integrations.arguments import (
 )
 from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions
 from lightning_zero.integrations.names import register_names
-from lightning_zero.integrations.trainer.checkpointing import ShardedCheckpointing
+from lightning_zero.integrations.trainer.callbacks import install_callbacks
 from lightning_zero.integrations.trainer.load import install as install_loader
-from lightning_zero.integrations.trainer.monitor import CommStatsMonitor, SkippedStepsMonitor
-from lightning_zero.integrations.trainer.param_barrier import ParamReadBarrier
 from lightning_zero.integrations.trainer.precision import shard_aware
+from lightning_zero.integrations.trainer.step_functions import StepFunctions
 from lightning_zero.integrations.trainer.weight_averaging import (
-    ShardedWeightAveraging,
     replace_weight_averaging,
     restore_weight_averaging,
 )
 from lightning_zero.optim import ShardedAdamW
 
 
-class ZeroStrategy(ShardedCheckpointing):
+class ZeroStrategy(StepFunctions):
     """ZeRO stage 1, 2 or 3 data parallelism with a sharded Adam/AdamW.
 
     Args:
@@ -257,35 +256,10 @@ class ZeroStrategy(ShardedCheckpointing):
             assert engine is not None and self.lightning_module is not None
             engine.refresh_master()
             self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
-            callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
-            self._keep_weight_average(engine, callbacks)
-            if self._zero.options.log_comm_stats and not any(
-                isinstance(cb, CommStatsMonitor) for cb in callbacks
-            ):
-                callbacks.append(CommStatsMonitor())
-            if self.zero_config.skip_nonfinite_steps and not any(
-                isinstance(cb, SkippedStepsMonitor) for cb in callbacks
-            ):
-                callbacks.append(SkippedStepsMonitor())
-            if self.zero_config.overlap_param_gather:
-                engine.install_forward_waits(self.lightning_module)
-                callbacks[:] = [cb for cb in callbacks if not isinstance(cb, ParamReadBarrier)]
-                callbacks.insert(0, ParamReadBarrier(engine.wait_for_params, trainer))
+            install_callbacks(trainer, engine, self._zero.options.log_comm_stats)
         else:
             ZeroFrontEnd.sync_module_states(self.model)
         self.setup_precision_plugin()
-
-    def _keep_weight_average(self, engine: ShardEngine, callbacks: list[Any]) -> None:
-        """A ``WeightAveraging`` callback (replaced in ``setup_environment``): the engine keeps the
-        average on the shards, before a checkpoint restores it."""
-        averaging = [cb for cb in callbacks if isinstance(cb, ShardedWeightAveraging)]
-        if len(averaging) > 1:
-            raise ValueError(
-                f"{len(averaging)} WeightAveraging callbacks were given; the zero strategies keep one weight "
-                "average (as one AveragedModel per callback would under 'ddp', each a full copy): pass one"
-            )
-        if averaging:
-            engine.keep_weight_average(averaging[0].device)
 
     def _check_checkpoint_targets(self, trainer: pl.Trainer) -> None:
         """Before any work: a checkpoint IO plugin or a URL that sharded saves could not honour."""
@@ -361,67 +335,6 @@ class ZeroStrategy(ShardedCheckpointing):
         # collective does, with a CommError (the recipes requeue on it)
         with collective_failures("Lightning's reduce"):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    def wait_for_params(self) -> None:
-        """Complete the parameter all-gathers left in flight by ``overlap_param_gather``: needed before
-        reading parameters outside a module's forward in code the strategy does not know of."""
-        self._zero.wait_for_params()
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        assert module is not None
-        self._zero.replan_if_changed(module, where=f"global step {module.trainer.global_step}")
-        # a non-finite-gradient error names Lightning's step, also after a resume
-        self._zero.count_steps_from(module.trainer.global_step)
-        self._zero.before_forward(module)
-        self._before_step_function()
-        output = super().training_step(*args, **kwargs)
-        # manual optimization: Lightning turns DDP's sync off around the forward
-        self._zero.after_forward(sync_applies=module.automatic_optimization)
-        return output
-
-    def _before_step_function(self) -> None:
-        """Lightning calls ``training_step``/``validation_step``, not the root's forward, so the root's
-        forward pre-hook does not run before them: its parameters are waited for (overlapped
-        gathers) or gathered (stage 3) here."""
-        if self._gather_sharded_root():
-            return
-        engine = self._zero.engine
-        if engine is not None:
-            engine.wait_for_params(root_only=True)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._fitting():  # trainer.validate(): DDP's wrapper is not there either
-            self._gather_sharded_root()
-            return super().validation_step(*args, **kwargs)
-        module = self.lightning_module
-        assert module is not None
-        self._zero.before_forward(module)
-        self._before_step_function()
-        output = super().validation_step(*args, **kwargs)
-        self._zero.after_forward(sync_applies=module.automatic_optimization)
-        return output
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._gather_sharded_root()
-        return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._gather_sharded_root()
-        return super().predict_step(*args, **kwargs)
-
-    def _gather_sharded_root(self) -> bool:
-        """Stage 3 (during fit, after it, or a model another Trainer left sharded): gather the root
-        unit, which a step function may use without the module's forward (units gather in their
-        own forward). Whether the model is sharded."""
-        sharded = sharded_engine(self.lightning_module)
-        if sharded is not None:
-            sharded.gather_root()
-        return sharded is not None
 
     @override
     def teardown(self) -> None:
