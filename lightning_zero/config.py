@@ -35,10 +35,23 @@ class ZeroConfig:
     parameters' dtype otherwise), ``"fp32"``, ``"bf16"`` (half the bytes of fp32, like DDP's bf16
     compression hook; what DDP sends for a ``bf16-true`` model) or ``"fp16"``. Gradients are always
     accumulated, across micro-batches and in the owned shard, in the master dtype. ``"int8"``
-    (experimental, not yet measured for convergence): each rank's part for each destination is sent
-    as int8 blocks of 256 with an fp32 scale each (1.016 bytes per element) by an all-to-all, and
-    summed in the master dtype on arrival (:mod:`lightning_zero.engine.int8_codec`); flat sharding
-    only."""
+    (experimental): each rank's part for each destination is sent as int8 blocks of 256 with an fp32
+    scale each (1.016 bytes per element) by an all-to-all, and summed in the master dtype on arrival
+    (:mod:`lightning_zero.engine.int8_codec`); under node-aware sharding the reduction inside a
+    shard group stays in the master dtype and only the all-reduce across the groups is quantized."""
+    error_feedback: bool = False
+    """``reduce_dtype="int8"`` only: each rank keeps the quantization error of its last send of each
+    bucket and adds it to the next one, so the errors do not accumulate over steps (the sum of what was
+    sent over any number of steps is within one step's bound of the sum of the gradients). Costs a
+    residual of the bucket's size in the master dtype on every rank (4 bytes per trainable parameter
+    for fp32 masters: stage 2's gradient memory saving is given back); not saved in checkpoints."""
+    gather_dtype: str | None = None
+    """Stage 3: dtype of the parameter all-gathers in training forwards and backwards. ``None``: the
+    parameters' dtype (exact). ``"int8"`` (experimental): each rank's shard is sent as int8 blocks of
+    256 with an fp32 scale each and every rank (the owner too) computes with the dequantized values;
+    the shard itself, the optimizer's master, stays exact, so the error never accumulates into the
+    weights. Gathers for evaluation (no gradients), ``state_dict()``, checkpoints and
+    ``gathered(...)`` stay exact (:mod:`lightning_zero.engine.unit_gather`)."""
     find_unused_parameters: bool = False
     """Agree across ranks, every step, which parameters got a gradient (one small all-reduce), so a
     parameter that no rank used is skipped by the optimizer exactly as ``torch.optim.AdamW`` skips a
@@ -95,6 +108,7 @@ class ZeroConfig:
             raise ValueError(
                 f"reduce_dtype must be None or one of {sorted(_REDUCE_DTYPES)}, got {self.reduce_dtype!r}"
             )
+        self._check_quantized_fields()
         if (
             isinstance(self.align_numel, bool)
             or not isinstance(self.align_numel, int)
@@ -128,6 +142,25 @@ class ZeroConfig:
         """Whether micro-batches inside ``no_sync`` are reduced into the shard as they come
         (``sharded_accumulation``, resolved for the stage)."""
         return self.stage == 3 if self.sharded_accumulation is None else self.sharded_accumulation
+
+    def _check_quantized_fields(self) -> None:
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
+        if self.error_feedback and self.reduce_dtype != "int8":
+            raise ValueError(
+                f"error_feedback=True applies to reduce_dtype='int8' only (the quantization error it carries "
+                f"over), got reduce_dtype={self.reduce_dtype!r}"
+            )
+        if self.gather_dtype not in (None, "int8"):
+            raise ValueError(
+                f"gather_dtype must be None (exact parameter gathers) or 'int8', got {self.gather_dtype!r}"
+            )
+        if self.gather_dtype is not None and self.stage != 3:
+            raise ValueError(
+                f"gather_dtype={self.gather_dtype!r} applies to stage 3 only (below it the gathered "
+                f"parameters are the weights themselves, and quantizing them would accumulate the "
+                f"error), got stage={self.stage}"
+            )
 
     def _check_stage3_fields(self) -> None:
         prefetch, numel, classes = self.prefetch_units, self.min_unit_numel, self.unit_modules

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm.communicator import Comm
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import ZeroConfig, master_dtype
 from lightning_zero.layout.partition import shard_range
 
 
@@ -183,10 +183,11 @@ class WireCodec:
         return sent.output
 
 
-def codec_for(config: ZeroConfig, param_dtype: torch.dtype) -> WireCodec:
-    """The codec for the buckets of ``param_dtype`` under ``config`` (the one place that chooses)."""
+def codec_for(config: ZeroConfig, param_dtype: torch.dtype, hierarchical: bool = False) -> WireCodec:
+    """The codec for the buckets of ``param_dtype`` under ``config`` (the one place that chooses);
+    ``hierarchical``: node-aware sharding (a reduction inside the group, then one across the groups)."""
     if config.reduce_dtype == "int8":
         from lightning_zero.engine.int8_codec import Int8Codec  # it builds on this module
 
-        return Int8Codec(config.stage)
+        return Int8Codec(config.stage, master_dtype(param_dtype), hierarchical, config.error_feedback)
     return WireCodec(config.wire_dtype(param_dtype), config.stage)

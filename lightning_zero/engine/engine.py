@@ -165,6 +165,7 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
                 config.reshard_after_forward,
                 config.prefetch_units,
                 after_write=lambda: self.state.refresh_master(),  # a load through the model's state dict
+                quantized=config.gather_dtype == "int8",
             )
             assert self.module is not None
             if deferred is not None:

@@ -11,13 +11,28 @@ the receiver dequantizes the ``N`` parts it got and sums them in the master dtyp
 Bytes that leave a rank per bucket: ``(N-1)/N`` of ``N`` rows of ``(1 + 4/256)`` bytes per element
 (the rows padded to whole blocks), against 4 bytes per element for an fp32 reduce-scatter: 0.254x.
 
-Error: each rank's part is within half a quantization step of its block (``amax / 254``), so the
-summed mean is within the sum of the ``N`` senders' bounds. A block holding inf/NaN arrives as NaN
-(its scale is NaN), and the summed part is shown to the non-finite check as a narrower wire's is.
+**Node-aware sharding** (``G`` ranks per shard group, ``R`` groups; ZeRO++'s hierarchical choice):
+the reduction inside a group (fast links) stays in the master dtype, exactly as without int8; only
+the all-reduce of each rank's part across the ``R`` groups (the links between nodes) is quantized, as
+two steps: an all-to-all of int8 rows (each replica's chunk ``j`` of the part goes to replica ``j``,
+which dequantizes and sums the ``R`` chunks), then an all-gather of each summed chunk, quantized
+again. Every replica dequantizes the same bytes, so the replicas' shards stay identical. Bytes that
+leave a rank across the groups: ``2 (R-1)`` rows of a chunk, ``2 (R-1)/R (1 + 4/256)`` bytes per
+element of the part against ``2 (R-1)/R * 4`` for the fp32 all-reduce.
 
-Not yet: node-aware sharding (the all-reduce across the replicas would need its own quantized
-scheme; refused at construction), error feedback, quantized parameter gathers at stage 3, and a
-convergence measurement (issue 30).
+**Error**: each rank's part is within half a quantization step of its block (``amax / 254``), so the
+summed mean is within the sum of the ``N`` senders' bounds (hybrid: of the ``R`` replicas' chunks,
+plus half a step of the summed chunk's block for the all-gather). A block holding inf/NaN arrives
+as NaN (its scale is NaN), and the summed part is shown to the non-finite check as a narrower wire's
+is.
+
+**Error feedback** (``error_feedback=True``): before quantizing, each rank adds the residual its
+last send of this bucket left (what was meant minus what the receiver dequantized) and keeps the new
+one, so over ``T`` sends the sum of what arrived differs from the sum of the gradients by the last
+residual alone, not by ``T`` of them. The residual is a bucket-sized tensor in the master dtype on
+every rank; a non-finite block leaves no residual (it is zeroed), and it is not checkpointed (a
+resume starts from zero). Under node-aware sharding it applies to each rank's contribution (the
+all-to-all), not to the re-quantization of the summed chunk.
 """
 
 from __future__ import annotations
@@ -27,14 +42,18 @@ from torch import Tensor
 
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.engine.codecs import InFlight, Inspect, WireCodec
-from lightning_zero.engine.quantize import BLOCK, blocks_of, dequantize, quantize
+from lightning_zero.engine.quantize import Residual, pack, unpack_rows, unpack_sum
 
 
 class Int8Codec(WireCodec):
-    """Quantize per destination, all-to-all, dequantize and sum (the module docstring)."""
+    """Quantize per destination, all-to-all, dequantize and sum (the module docstring); under
+    node-aware sharding, the master dtype inside a group and the quantized all-reduce across."""
 
-    def __init__(self, stage: int) -> None:
+    def __init__(self, stage: int, master: torch.dtype, hierarchical: bool, error_feedback: bool) -> None:
         super().__init__(torch.int8, stage)
+        self.inner = WireCodec(master, stage) if hierarchical else None
+        """Node-aware sharding: the codec of the reduction inside the shard group."""
+        self.residual = Residual() if error_feedback else None
 
     def launch(
         self,
@@ -45,18 +64,13 @@ class Int8Codec(WireCodec):
         inspect: Inspect | None = None,
         ranks: int | None = None,
     ) -> InFlight:
+        if self.inner is not None:
+            return self.inner.launch(comm, accum, shard, first_round, inspect, ranks)
         n = comm.world_size
         mean = accum.div_(ranks or n)  # the accumulation buffer is scratch once launched
         if inspect is not None:
             inspect(mean)
-        part = mean.numel() // n  # buckets are padded to a multiple of the world size
-        padded = blocks_of(part) * BLOCK
-        grid = torch.zeros(n, padded, dtype=mean.dtype, device=mean.device)
-        grid[:, :part] = mean.view(n, part)
-        values, scales = quantize(grid.view(-1))  # blocks never straddle two destinations
-        rows = torch.cat(
-            [values.view(n, padded).view(torch.uint8), scales.view(n, -1).view(torch.uint8)], dim=1
-        )
+        rows = pack(mean, n, self.residual)  # blocks never straddle two destinations
         received = torch.empty_like(rows)
         handle = comm.all_to_all(received, rows.view(-1), what="gradient all-to-all (int8)")
         return InFlight(handle, received, None, uses_accum=False, narrower=True)
@@ -70,29 +84,60 @@ class Int8Codec(WireCodec):
         inspect: Inspect | None = None,
         replicas: Comm | None = None,
     ) -> None:
+        if self.inner is not None:
+            if replicas is None or replicas.world_size == 1 or sent.local_only:
+                self.inner.collect(comm, sent, shard, first_round, inspect, replicas)
+                return
+            self._collect_across(sent, shard, first_round, inspect, replicas)
+            return
         comm.wait(sent.handle)
-        result = self._part(comm, sent)[: shard.numel()].to(shard.dtype)
+        result = unpack_sum(sent.wire.view(comm.world_size, -1))[: shard.numel()].to(shard.dtype)
         if inspect is not None:
             inspect(result)
         self.decode(result, shard, accumulate=not first_round)
 
-    def _part(self, comm: Comm, sent: InFlight) -> Tensor:
-        """The sum of the ``N`` parts this rank received, in fp32 (dequantized)."""
-        n = comm.world_size
-        rows = sent.wire.view(n, -1)
-        row_bytes = rows.shape[1]
-        padded = row_bytes * BLOCK // (BLOCK + 4)  # int8 values, then one fp32 scale per block
-        total: Tensor | None = None
-        for source in range(n):
-            values = rows[source, :padded].view(torch.int8)
-            scales = rows[source, padded:].contiguous().view(torch.float32)
-            part = dequantize(values, scales, padded)
-            total = part if total is None else total.add_(part)
-        assert total is not None
-        return total
-
     def start_across(self, comm: Comm, sent: InFlight, replicas: Comm, fold: Tensor | None = None) -> None:
-        raise RuntimeError("reduce_dtype='int8' does not support node-aware sharding yet")
+        """The quantized all-reduce of this rank's part across the replicas: the all-to-all of its
+        chunks, the sum of the chunk this replica owns, and the all-gather of the sums, issued here in
+        that order (on CUDA on the side stream, which waits for each step: no host synchronisation);
+        :meth:`collect` dequantizes what the all-gather brought."""
+        assert self.inner is not None
+        r = replicas.world_size
+        with comm.after(sent.handle):
+            part = self.inner._part(comm, sent)
+            if fold is not None:
+                self.inner.decode(part, fold, accumulate=True)
+                part, sent.folded = fold, True
+            rows = pack(part, r, self.residual)
+            received = torch.empty_like(rows)
+            what = "gradient all-to-all across replicas (int8)"
+            replicas.wait(replicas.all_to_all(received, rows.view(-1), what=what))
+            summed = pack(unpack_sum(received), 1)
+            gathered = torch.empty_like(rows)
+            sent.handle = replicas.all_gather(
+                gathered.view(-1), summed.view(-1), what="gradient all-gather across replicas (int8)"
+            )
+        sent.part, sent.output = part, gathered
+        sent.across = sent.narrower = True
 
     def keep_part(self, comm: Comm, sent: InFlight) -> None:
-        raise RuntimeError("reduce_dtype='int8' does not support node-aware sharding yet")
+        assert self.inner is not None, "keep_part is called under node-aware sharding only"
+        self.inner.keep_part(comm, sent)
+
+    def _collect_across(
+        self, sent: InFlight, shard: Tensor, first_round: bool, inspect: Inspect | None, replicas: Comm
+    ) -> None:
+        if not sent.across:
+            raise RuntimeError(
+                "a bucket was collected before its all-reduce across the replicas was issued; the "
+                "reducer issues it at a fixed point of the program (engine/reducer.py)"
+            )
+        replicas.wait(sent.handle)
+        assert sent.output is not None and sent.part is not None
+        result = unpack_rows(sent.output, sent.part.numel()).to(shard.dtype)
+        if inspect is not None:
+            inspect(result)
+        if sent.folded:  # the part was the shard, holding the step's earlier rounds: it is the sum now
+            shard.copy_(result)
+            return
+        self.decode(result, shard, accumulate=not first_round)

@@ -94,11 +94,6 @@ class GradReducer(BucketFlight):
         self.plan = plan
         self.flat = flat
         groups = CommGroups.of(comm)
-        if config.reduce_dtype == "int8" and groups.replicas.world_size > 1:
-            raise ValueError(
-                "reduce_dtype='int8' does not support node-aware sharding yet (shard_group_size or a 2-D "
-                "device_mesh); use flat sharding, or reduce_dtype='bf16'"
-            )
         self.comm = groups.shard
         self.replicas = groups.replicas
         self.world = groups.world
@@ -112,8 +107,10 @@ class GradReducer(BucketFlight):
             torch.zeros(plan.shard_numel(b), dtype=master_dtype(b.dtype), device=flat.device)
             for b in plan.buckets
         ]
+        hierarchical = self.replicas.world_size > 1
         self._buckets = [
-            BucketState(b, codec_for(config, b.dtype), waiting=len(b.slots)) for b in plan.buckets
+            BucketState(b, codec_for(config, b.dtype, hierarchical), waiting=len(b.slots))
+            for b in plan.buckets
         ]
         self.buffers = AccumBuffers(self.params, plan, config, flat.device, POOL_SLOTS)
         self.pool = self.buffers.pool

@@ -58,6 +58,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.engine.quantize import pack, unpack_rows
 from lightning_zero.engine.unit_requests import UnitRequests
 from lightning_zero.layout.buckets import Bucket, BucketPlan
 from lightning_zero.layout.flat import FlatParams
@@ -72,8 +73,13 @@ class _Unit:
     name: str
     buckets: list[Bucket]
     params: list[int]
-    pending: list[object] = field(default_factory=list)
-    """Gathers launched and not yet waited for."""
+    pending: list[tuple[object, Bucket, torch.Tensor | None]] = field(default_factory=list)
+    """Gathers launched and not yet waited for: the handle, the bucket, and (int8 gathers) the byte
+    rows it fills, dequantized into the bucket once it completes."""
+    quantized: bool = False
+    """What the gathered buffers hold (or will once ``pending`` completes) are dequantized int8 values."""
+    forward_quantized: bool = False
+    """The unit's last training forward ran on dequantized values: its backward gathers them again."""
     arrived: set[int] = field(default_factory=set)
     """Parameters whose gradient arrived in this backward."""
 
@@ -90,8 +96,11 @@ class UnitGather:
         reshard_after_forward: bool,
         prefetch_units: int,
         after_write: Callable[[], None],
+        quantized: bool = False,
     ) -> None:
         self.plan, self.flat, self.comm, self.layout = plan, flat, comm, layout
+        self.quantized = quantized
+        """``gather_dtype="int8"``: the gathers of training forwards and backwards send int8 rows."""
         self.reshard_after_forward = reshard_after_forward
         self.prefetch_units = prefetch_units
         by_unit: dict[int, list[Bucket]] = {}
@@ -126,30 +135,53 @@ class UnitGather:
         """Whether ``unit``'s full parameters have storage (filled, or being filled)."""
         return all(self.flat.is_gathered(b) for b in self.units[unit].buckets)
 
-    def gather(self, unit: int, wait: bool = True) -> None:
-        """Launch ``unit``'s all-gathers unless it is gathered; with ``wait``, complete them."""
+    def gather(self, unit: int, wait: bool = True, quantized: bool = False) -> None:
+        """Launch ``unit``'s all-gathers unless it is gathered; with ``wait``, complete them.
+        ``quantized`` (a training forward or backward under ``gather_dtype="int8"``): int8 rows are
+        enough. A unit gathered from int8 rows is gathered again, exactly, for any other request."""
         state = self.units[unit]
-        if not self.gathered(unit):
+        quantized = quantized and self.quantized
+        if self.gathered(unit) and state.quantized and not quantized:
+            self._complete(state)
+            state.pending = [self._launch(bucket, False) for bucket in state.buckets]
+            state.quantized = False
+        elif not self.gathered(unit):
             for bucket in state.buckets:
                 self.flat.materialize(bucket)
-                state.pending.append(
-                    self.comm.all_gather(
-                        self.flat.bucket(bucket), self.flat.shard(bucket), what="parameter all-gather"
-                    )
-                )
+            state.pending = [self._launch(bucket, quantized) for bucket in state.buckets]
+            state.quantized = quantized
         if wait:
-            for handle in state.pending:
-                self.comm.wait(handle)
-            state.pending.clear()
+            self._complete(state)
+
+    def _launch(self, bucket: Bucket, quantized: bool) -> tuple[object, Bucket, torch.Tensor | None]:
+        if not quantized:
+            handle = self.comm.all_gather(
+                self.flat.bucket(bucket), self.flat.shard(bucket), what="parameter all-gather"
+            )
+            return handle, bucket, None
+        row = pack(self.flat.shard(bucket), 1)
+        rows = row.new_empty(self.comm.world_size, row.shape[1])
+        handle = self.comm.all_gather(rows.view(-1), row.view(-1), what="parameter all-gather (int8)")
+        return handle, bucket, rows
+
+    @torch.no_grad()
+    def _complete(self, state: _Unit) -> None:
+        """Wait for ``state``'s gathers in flight; int8 rows are dequantized into their buckets (every
+        rank, the owner too, from the same bytes)."""
+        for handle, bucket, rows in state.pending:
+            self.comm.wait(handle)
+            if rows is not None:
+                full = self.flat.bucket(bucket)
+                unpack_rows(rows, full.numel(), out=full)
+        state.pending.clear()
 
     def free(self, unit: int) -> None:
         """Release ``unit``'s full parameters (after its gathers in flight complete)."""
         state = self.units[unit]
-        for handle in state.pending:
-            self.comm.wait(handle)
-        state.pending.clear()
+        self._complete(state)
         for bucket in state.buckets:
             self.flat.free(bucket)
+        state.quantized = False
 
     def free_all(self) -> None:
         """Release every unit (the state between optimizer steps)."""
@@ -171,17 +203,19 @@ class UnitGather:
         """Gather the root unit before a step function that uses it without calling its forward
         (Lightning calls ``training_step``, not ``forward``); starts this step's forward order."""
         self._running = []
-        self.gather(0)
-        self._prefetch(0, self._order)
+        training = torch.is_grad_enabled()
+        self.gather(0, quantized=training)
+        self.units[0].forward_quantized = self.units[0].quantized
+        self._prefetch(0, self._order, training)
 
-    def _prefetch(self, after: int, order: Sequence[int]) -> None:
+    def _prefetch(self, after: int, order: Sequence[int], quantized: bool) -> None:
         """Launch the gathers of the ``prefetch_units`` units that follow ``after`` in ``order`` (the
         first ones after the root)."""
         if after != 0 and after not in order:
             return
         start = 0 if after == 0 else order.index(after) + 1
         for unit in order[start : start + self.prefetch_units]:
-            self.gather(unit, wait=False)
+            self.gather(unit, wait=False, quantized=quantized)
 
     # ---- hooks ------------------------------------------------------------------------------
 
@@ -192,17 +226,22 @@ class UnitGather:
                 self._running = []
             elif unit not in self._running and not _in_backward():
                 self._running.append(unit)
-            self.gather(unit)
-            if not _in_backward():
-                self._prefetch(unit, self._order)
+            state = self.units[unit]
+            if _in_backward():  # recomputation for activation checkpointing: the forward's values
+                self.gather(unit, quantized=state.forward_quantized)
+                return
+            training = torch.is_grad_enabled()  # evaluation computes on exact parameters
+            self.gather(unit, quantized=training)
+            state.forward_quantized = state.quantized
+            self._prefetch(unit, self._order, training)
 
         return hook
 
     @torch.compiler.disable
     def _root_holder_pre_forward(self, module: torch.nn.Module, args: object) -> None:
         """A module holding root parameters runs: the root is gathered (it stays so until a step, or
-        :meth:`free_all`, frees it)."""
-        self.gather(0)
+        :meth:`free_all`, frees it). In a training forward it is gathered already: kept as it is."""
+        self.gather(0, quantized=torch.is_grad_enabled() or _in_backward())
 
     def _post_forward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
         @torch.compiler.disable
@@ -228,8 +267,9 @@ class UnitGather:
     def _pre_backward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
         def hook(grad: torch.Tensor) -> None:
             self._queue_end_of_backward()
-            self.gather(unit)
-            self._prefetch(unit, self._running[::-1])
+            quantized = self.units[unit].forward_quantized  # the values its forward computed on
+            self.gather(unit, quantized=quantized)
+            self._prefetch(unit, self._running[::-1], quantized)
 
         return hook
 

@@ -20,6 +20,8 @@ BAD = {
     "overlap_comm": "yes",
     "overlap_param_gather": 1,
     "reduce_dtype": "fp8",
+    "error_feedback": "yes",
+    "gather_dtype": "int4",
     "find_unused_parameters": "no",
     "align_numel": 0,
     "skip_nonfinite_steps": -1,

@@ -6,7 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_zero.engine.quantize import BLOCK, LEVELS, blocks_of, dequantize, quantize, wire_bytes
+from lightning_zero.engine.quantize import (
+    BLOCK,
+    LEVELS,
+    Residual,
+    blocks_of,
+    dequantize,
+    pack,
+    quantize,
+    unpack_rows,
+    unpack_sum,
+    wire_bytes,
+)
 
 
 def _bound(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -77,3 +88,37 @@ def test_wire_bytes() -> None:
     assert wire_bytes(1000 * BLOCK) / (1000 * BLOCK) == pytest.approx(1 + 4 / BLOCK)
     assert wire_bytes(BLOCK + 1) == 2 * BLOCK + 8  # the padded block is sent too
     assert 1 + 4 / BLOCK <= 0.30 * 4  # issue 30's target against the fp32 wire, per element
+
+
+@pytest.mark.parametrize(("numel", "rows"), [(1000, 3), (7, 4), (3 * BLOCK, 3), (2 * BLOCK + 1, 2)])
+def test_pack_and_unpack_rows(numel: int, rows: int) -> None:
+    """Rows of equal chunks (the last one short when ``rows`` does not divide ``numel``), each within
+    the bound of its own blocks; the bytes per row are whole blocks of values and scales."""
+    x = torch.randn(numel) * torch.logspace(-3, 1, numel)
+    packed = pack(x, rows)
+    chunk = -(-numel // rows)
+    assert packed.dtype == torch.uint8 and packed.shape == (rows, wire_bytes(chunk))
+    out = unpack_rows(packed, numel)
+    padded = torch.zeros(rows * chunk)
+    padded[:numel] = x
+    bound = torch.cat([_bound(padded[j * chunk : (j + 1) * chunk], BLOCK) for j in range(rows)])[:numel]
+    assert bool(((out - x).abs() <= bound).all())
+    assert float(unpack_sum(packed).abs().max()) > 0  # the rows summed: one chunk's length, padded
+
+
+def test_residual_carries_the_error_of_the_last_send() -> None:
+    """What was meant minus what was sent is carried into the next send; a non-finite block carries
+    nothing (its residual is zero, not NaN that would spread into every later send)."""
+    residual = Residual()
+    x = torch.randn(2 * BLOCK)
+    x[BLOCK + 3] = float("nan")
+    grid = x.clone()
+    values, scales = residual.quantize(grid)
+    assert residual.value is not None
+    sent = dequantize(values, scales, x.numel())
+    assert torch.equal(residual.value[:BLOCK], x[:BLOCK] - sent[:BLOCK])
+    assert bool((residual.value[BLOCK:] == 0).all())
+    values, scales = residual.quantize(torch.zeros(2 * BLOCK))  # the residual alone is sent next
+    assert torch.allclose(
+        dequantize(values, scales, BLOCK), (x - sent)[:BLOCK], atol=float(scales[0]) / 2 + 1e-9
+    )

@@ -140,6 +140,13 @@ def test_bf16_params_keep_fp32_master() -> None:
         ({"stage": 3, "overlap_param_gather": True}, "overlap_param_gather applies to stages 1 and 2"),
         ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a number > 0"),
         ({"reduce_dtype": "int4"}, "reduce_dtype must be None or one of"),
+        (
+            {"error_feedback": True},
+            "error_feedback=True applies to reduce_dtype='int8' only.*got reduce_dtype=None",
+        ),
+        ({"reduce_dtype": "int8", "error_feedback": 1}, "error_feedback must be True or False, got 1"),
+        ({"stage": 3, "gather_dtype": "int4"}, "gather_dtype must be None .* or 'int8', got 'int4'"),
+        ({"stage": 2, "gather_dtype": "int8"}, "gather_dtype='int8' applies to stage 3 only.*got stage=2"),
         ({"overlap_comm": "yes"}, "overlap_comm"),
         ({"skip_nonfinite_steps": -1}, r"skip_nonfinite_steps must be an integer >= 0 .*got -1"),
         ({"skip_nonfinite_steps": 2.5}, r"skip_nonfinite_steps must be an integer >= 0 .*got 2.5"),

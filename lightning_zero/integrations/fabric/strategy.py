@@ -61,8 +61,8 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
 
     Args:
         stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
-        find_unused_parameters, align_numel, skip_nonfinite_steps, sharded_accumulation,
-        reshard_after_forward, prefetch_units, unit_modules, min_unit_numel: see
+        error_feedback, gather_dtype, find_unused_parameters, align_numel, skip_nonfinite_steps,
+        sharded_accumulation, reshard_after_forward, prefetch_units, unit_modules, min_unit_numel: see
             :class:`~lightning_zero.ZeroConfig` (``unit_modules`` also takes import paths). At stage 3
             (``"zero3"``) each rank holds only its shard of the model set up with the optimizer: a
             unit's parameters are gathered for its forward and backward, the model's forward gathers
@@ -95,6 +95,8 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         overlap_comm: bool = True,
         overlap_param_gather: bool = False,
         reduce_dtype: str | None = None,
+        error_feedback: bool = False,
+        gather_dtype: str | None = None,
         find_unused_parameters: bool = False,
         align_numel: int = 1,
         skip_nonfinite_steps: int = 0,

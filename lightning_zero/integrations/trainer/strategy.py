@@ -83,8 +83,8 @@ class ZeroStrategy(StepFunctions):
 
     Args:
         stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
-        find_unused_parameters, align_numel, skip_nonfinite_steps, sharded_accumulation,
-        reshard_after_forward, prefetch_units, unit_modules, min_unit_numel: see
+        error_feedback, gather_dtype, find_unused_parameters, align_numel, skip_nonfinite_steps,
+        sharded_accumulation, reshard_after_forward, prefetch_units, unit_modules, min_unit_numel: see
             :class:`~lightning_zero.ZeroConfig` (validated there). With ``skip_nonfinite_steps=K > 0`` a
             step whose gradients hold inf/NaN on any rank is skipped on every rank, ``zero/skipped_steps``
             is logged, and the ``K``-th skipped step in a row raises
@@ -139,6 +139,8 @@ class ZeroStrategy(StepFunctions):
         overlap_comm: bool = True,
         overlap_param_gather: bool = False,
         reduce_dtype: str | None = None,
+        error_feedback: bool = False,
+        gather_dtype: str | None = None,
         find_unused_parameters: bool = False,
         align_numel: int = 1,
         skip_nonfinite_steps: int = 0,
