@@ -66,6 +66,8 @@ import lightning_zero  # noqa: E402
 
 STRATEGIES = (
     "zero3",
+    "zero3-bf16",
+    "zero3-int8",
     "zero3-keep",
     "fsdp2",
     "fsdp2-keep",
@@ -74,6 +76,8 @@ STRATEGIES = (
     "deepspeed3",
     "deepspeed2",
     "zero2",
+    "zero2-bf16",
+    "zero2-int8",
     "zero2-2x2",
     "zero3-2x2",
     "zero2-overlap",
@@ -88,7 +92,10 @@ STRATEGIES = (
 """``zero2-overlap``: with ``overlap_param_gather`` (the all-gather left in flight into the next
 forward). ``zero2-5MB``: 5 MiB buckets (at 25 MiB a 68 MB model is three buckets).
 ``zero2-nonfinite``: with ``skip_nonfinite_steps`` (a min/max pass per bucket before it is sent, one
-small all-reduce and one host synchronisation per step). ``-fused``: ``AdamW(fused=True)`` (the others
+small all-reduce and one host synchronisation per step). ``-bf16`` / ``-int8``: gradients on the wire as
+bf16 / int8 blocks (``reduce_dtype``; the rows without a suffix send fp32), ``zero3-int8`` with int8
+parameter gathers too (``gather_dtype``); their bytes per step are printed against the fp32 row's.
+``-fused``: ``AdamW(fused=True)`` (the others
 use torch's default AdamW; the sharded update runs the kernel family the user's optimizer asks for).
 ``zero3``: parameters sharded too; units: each block, the embedding and the output layer (the default
 policy), the rest (position table, final norm) the root (``-keep``: ``reshard_after_forward=False``).
@@ -260,7 +267,13 @@ class GPT(L.LightningModule):
             if opt is not None
             else None
         )  # read before collectives_alone_s sends more
-        self.alone_s = collectives_alone_s(opt) if opt is not None else None
+        engine = None if opt is None else opt.engine
+        self.bytes_sent = None if engine is None else engine.comm_stats.bytes_sent
+        if engine is not None:
+            self.bytes_sent += engine.replica_comm_stats.bytes_sent
+        quantized = opt is not None and "int8" in (opt.config.reduce_dtype, opt.config.gather_dtype)
+        # the int8 wire's collectives (all-to-all, byte rows) are not the ones timed alone: no "exposed"
+        self.alone_s = collectives_alone_s(opt) if opt is not None and not quantized else None
         self.min_elements = opt.engine.min_elements_per_step() if opt is not None else None
 
 
@@ -301,8 +314,9 @@ def collectives_alone_s(opt: Any, repeats: int = 3) -> float:
         dist.barrier()
         start = time.perf_counter()
         for b, bucket in enumerate(engine.plan.buckets):
-            wire = torch.zeros(bucket.padded_numel)
+            wire = torch.zeros(bucket.padded_numel, dtype=engine.config.wire_dtype(bucket.dtype))
             grad = engine.reducer.grad_shards[b]
+            grad = grad if grad.dtype == wire.dtype else torch.empty(grad.numel(), dtype=wire.dtype)
             comm = engine.comm
             comm.wait(comm.reduce_scatter(grad, wire) if stage >= 2 else comm.all_reduce(wire))
             replicas = engine.groups.replicas  # hybrid sharding: the shard's all-reduce across groups
@@ -340,6 +354,7 @@ def make_strategy(name: str, args: argparse.Namespace) -> Any:
         return "ddp"
     if name.startswith("zero"):
         cap = 5.0 if name.endswith("5MB") else args.bucket_cap_mb
+        wire = {"bf16": "bf16", "int8": "int8"}.get(name.rsplit("-", 1)[-1])
         stage3 = {"reshard_after_forward": not name.endswith("keep")}  # units: blocks, embedding, head
         return lightning_zero.ZeroStrategy(
             stage=int(name[4]),
@@ -347,6 +362,8 @@ def make_strategy(name: str, args: argparse.Namespace) -> Any:
             bucket_cap_mb=cap,
             overlap_param_gather=name.endswith("overlap"),
             skip_nonfinite_steps=3 if name.endswith("nonfinite") else 0,
+            reduce_dtype=wire,
+            gather_dtype="int8" if name == "zero3-int8" else None,
             **(stage3 if name.startswith("zero3") else {}),
         )
     if name.startswith("fsdp2"):
@@ -440,6 +457,7 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         "opt_state_bytes": state_b,
         "grad_bytes": grad_b,
         "elements_sent": sent,
+        "bytes_sent": getattr(model, "bytes_sent", None),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "setup_rss_mb": model.setup_rss_mb,
         "peak_heap_mb": model.train_heap_mb,
@@ -569,6 +587,22 @@ def hybrid(rows: dict[str, list[dict[str, Any]]], params: int) -> None:
         )
 
 
+def wires(rows: dict[str, list[dict[str, Any]]]) -> None:
+    """The rows with another wire dtype against the same stage's fp32 row: bytes sent per step (all
+    of a rank's collectives, counted at the calls) and step time."""
+    for name, ranks in rows.items():
+        base = name.rsplit("-", 1)[0]
+        if not name.endswith(("-bf16", "-int8")) or base not in rows:
+            continue
+        sent, fp32 = ranks[0]["bytes_sent"], rows[base][0]["bytes_sent"]
+        step = statistics.median(s for r in ranks for s in r["step_s"])
+        step_fp32 = statistics.median(s for r in rows[base] for s in r["step_s"])
+        print(
+            f"{name}: {sent / 1e6:.2f} MB sent per step per rank = {sent / fp32:.3f}x {base}'s "
+            f"{fp32 / 1e6:.2f} MB; step time {step / step_fp32:.2f}x {base}'s"
+        )
+
+
 def notes(rows: dict[str, list[dict[str, Any]]], ref: dict[str, Any], params: int, n: int) -> None:
     print(f"\nminimum elements sent per rank and step: 2Ψ(N−1)/N = {2 * params * (n - 1) // n / 1e6:.2f}M")
     for name, ranks in rows.items():
@@ -579,6 +613,7 @@ def notes(rows: dict[str, list[dict[str, Any]]], ref: dict[str, Any], params: in
                 f"{own / 1e6:.2f}M; sent {ranks[0]['elements_sent'] / own:.2f}x that"
             )
     hybrid(rows, params)
+    wires(rows)
     if "zero2" in rows:
         zero2_rss = max(r["peak_rss_mb"] for r in rows["zero2"])
         param_mb = 4 * params * (n - 1) / n / 2**20

@@ -162,6 +162,10 @@ class WireCodec:
             sent.handle = replicas.all_reduce(part, what="gradient all-reduce across replicas")
         sent.across = True
 
+    def forget(self) -> None:
+        """Drop whatever is carried from one send to the next (nothing here; error feedback's residual
+        in :class:`~lightning_zero.engine.int8_codec.Int8Codec`)."""
+
     def keep_part(self, comm: Comm, sent: InFlight) -> None:
         """Wait for the reduction inside the group and keep this rank's part apart from the wire
         buffer (stage 1: a copy of its slice; stage 2: the reduce-scatter's output already is), so the

@@ -332,6 +332,7 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
             bad_ranks = self.guard.agree()
             if bad_ranks:
                 self.reducer.reset()  # gradients dropped; nothing updated, nothing to gather
+                self.reducer.forget_sent()  # error feedback: the skipped step's residuals too
                 self.guard.skipped(step, bad_ranks)  # raises at the limit, on every rank alike
                 return
             self.guard.updated()

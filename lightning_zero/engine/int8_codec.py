@@ -30,8 +30,9 @@ is.
 last send of this bucket left (what was meant minus what the receiver dequantized) and keeps the new
 one, so over ``T`` sends the sum of what arrived differs from the sum of the gradients by the last
 residual alone, not by ``T`` of them. The residual is a bucket-sized tensor in the master dtype on
-every rank; a non-finite block leaves no residual (it is zeroed), and it is not checkpointed (a
-resume starts from zero). Under node-aware sharding it applies to each rank's contribution (the
+every rank; a non-finite block leaves no residual (it is zeroed), a step skipped for non-finite
+gradients (``skip_nonfinite_steps``) drops every residual, and it is not checkpointed (a resume starts
+from zero). Under node-aware sharding it applies to each rank's contribution (the
 all-to-all), not to the re-quantization of the summed chunk.
 """
 
@@ -119,6 +120,11 @@ class Int8Codec(WireCodec):
             )
         sent.part, sent.output = part, gathered
         sent.across = sent.narrower = True
+
+    def forget(self) -> None:
+        """A skipped step (non-finite gradients): the residual of its sends is dropped, not carried."""
+        if self.residual is not None:
+            self.residual.value = None
 
     def keep_part(self, comm: Comm, sent: InFlight) -> None:
         assert self.inner is not None, "keep_part is called under node-aware sharding only"

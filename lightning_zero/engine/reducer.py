@@ -335,6 +335,12 @@ class GradReducer(BucketFlight):
         if self._guard is not None:
             self._guard.reset()
 
+    def forget_sent(self) -> None:
+        """A skipped step: codecs that carry something from one send to the next (error feedback's
+        residuals) drop it."""
+        for state in self._buckets:
+            state.codec.forget()
+
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()

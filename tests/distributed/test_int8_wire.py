@@ -24,6 +24,7 @@ from tests.distributed.harness import ranks, run_ranks_each
 from tests.distributed.workers_int8 import (
     VARIANTS,
     int8_error_feedback,
+    int8_feedback_after_skip,
     int8_gathers,
     int8_gradients,
     int8_hybrid_gradients,
@@ -44,8 +45,13 @@ def runs() -> dict[str, Any]:
                 calls += [(int8_gradients, (stage, 12, 0.0004)), (int8_gradients, (stage, 128, 25.0))]
                 names += [f"{world}/{stage}/small", f"{world}/{stage}/large"]
         if size == 2:
-            calls += [(int8_training, (8,)), (int8_error_feedback, (2, 8)), (int8_error_feedback, (3, 8))]
-            names += ["training", "feedback/2", "feedback/3"]
+            calls += [
+                (int8_training, (8,)),
+                (int8_error_feedback, (2, 8)),
+                (int8_error_feedback, (3, 8)),
+                (int8_feedback_after_skip, ()),
+            ]
+            names += ["training", "feedback/2", "feedback/3", "feedback/skip"]
         if size in (2, 3):
             calls.append((int8_gathers, (3,)))
             names.append(f"{size}/gathers")
@@ -54,8 +60,10 @@ def runs() -> dict[str, Any]:
                 calls += [
                     (int8_hybrid_gradients, (stage, 12, 0.0004)),
                     (int8_hybrid_gradients, (stage, 128, 25.0)),
+                    (int8_hybrid_gradients, (stage, 12, 0.0004, 3, True)),
+                    (int8_hybrid_gradients, (stage, 12, 0.0004, 3, False)),
                 ]
-                names += [f"hybrid/{stage}/small", f"hybrid/{stage}/large"]
+                names += [f"hybrid/{stage}/{case}" for case in ("small", "large", "sharded", "local")]
         results.update(zip(names, run_ranks_each(calls, size), strict=True))
     return results
 
@@ -110,6 +118,10 @@ def test_int8_under_node_aware_sharding_is_hierarchical(runs: dict[str, Any], st
             assert result["across_int8"] == result["expected_across_int8"]
     for result in ranks(runs, f"hybrid/{stage}/large"):
         assert result["across_int8"] <= 0.30 * result["across_fp32"]
+    for accumulation in ("sharded", "local"):  # 3 micro-batches: folded into the shard, or summed locally
+        for rank, result in enumerate(ranks(runs, f"hybrid/{stage}/{accumulation}")):
+            assert result["checked"] > 0 and result["identical"], (accumulation, rank)
+            assert result["over"] <= 0.0, (accumulation, rank, result["over"])
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -120,6 +132,10 @@ def test_error_feedback_keeps_the_summed_error_within_one_step(runs: dict[str, A
         assert result["over"] <= 0.0, result
         assert result["feedback"] <= 1.01, result
         assert result["plain"] > 3.0, result
+
+
+def test_a_skipped_step_drops_the_error_feedback_residuals(runs: dict[str, Any]) -> None:
+    assert all(ranks(runs, "feedback/skip"))
 
 
 @pytest.mark.parametrize("world", [2, 3])

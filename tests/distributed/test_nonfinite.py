@@ -46,7 +46,8 @@ EXACT = {
     ],
 }
 # more ranks, steps (first and last), micro-batches, stages and precisions: bf16 parameters, 16-bit
-# wires, every rank at once, and fp16-wire sums that overflow although every rank sent finite values
+# wires, every rank at once, fp16-wire sums that overflow although every rank sent finite values, and
+# the int8 wire (a block holding inf/NaN arrives as NaN: detected, not hidden by a finite scale)
 MATRIX = {
     2: [
         {"stage": 2, "dtype": "bfloat16", "accum": 2, "bad": (1, 0, 0)},
@@ -85,6 +86,16 @@ MATRIX = {
         },
         {"stage": 2, "dtype": "float64", "accum": 2, "bad": (-1, 3, 1), "find_unused": False},
         {"stage": 1, "dtype": "float64", "accum": 2, "bad": None},
+        {"stage": 2, "dtype": "float32", "accum": 2, "bad": (1, 2, 1), "reduce_dtype": "int8"},
+        {
+            "stage": 1,
+            "dtype": "float32",
+            "accum": 1,
+            "bad": (0, 3, 0),
+            "kind": "inf_grad",
+            "reduce_dtype": "int8",
+            "find_unused": False,
+        },
     ],
     3: [
         {"stage": 2, "dtype": "bfloat16", "accum": 2, "bad": (2, 3, 1), "find_unused": False},
@@ -99,6 +110,14 @@ MATRIX = {
         },
         {"stage": 1, "dtype": "float32", "accum": 2, "bad": (-1, 0, 0), "find_unused": False},
         {"stage": 2, "dtype": "float64", "accum": 1, "bad": None, "find_unused": False},
+        {
+            "stage": 2,
+            "dtype": "float32",
+            "accum": 2,
+            "bad": (2, 1, 0),
+            "kind": "neg_inf_grad",
+            "reduce_dtype": "int8",
+        },
     ],
 }
 # NaN on the ranks bad_at[step]; the limit-th skipped step in a row raises (or none does)

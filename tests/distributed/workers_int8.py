@@ -3,6 +3,7 @@ the quantization bound of every sender's block; bytes against the fp32 wire."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -143,24 +144,38 @@ def int8_training(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     return losses
 
 
-def int8_hybrid_gradients(rank: int, world_size: int, stage: int, width: int, cap: float) -> dict[str, Any]:
+def int8_hybrid_gradients(
+    rank: int,
+    world_size: int,
+    stage: int,
+    width: int,
+    cap: float,
+    micro: int = 1,
+    sharded: bool | None = None,
+) -> dict[str, Any]:
     """Node-aware sharding (groups of 2): the shard within the bound of the hierarchical scheme (fp32
     inside the group; across the ``R`` groups each replica's chunk quantized, then the summed chunk
-    quantized again) of the fp32 wire's; the replicas' shards bit-identical; bytes = the formula."""
+    quantized again) of the fp32 wire's; the replicas' shards bit-identical; bytes = the formula.
+    ``micro > 1``: that many micro-batches, all but the last inside ``no_sync`` (with
+    ``sharded_accumulation``, each reduced inside the group as it comes and folded into the shard,
+    whose sum alone crosses the groups): the bound is the same, of the summed local gradients."""
     from lightning_zero.comm import hybrid_mesh
 
     torch.manual_seed(0)
     model = BlockNet(width)
     exact_model, local_model = copy.deepcopy(model), copy.deepcopy(model)
     mesh = hybrid_mesh(2, "cpu")
-    int8 = _optimizer(model, stage, "int8", cap, mesh)
-    exact = _optimizer(exact_model, stage, None, cap, mesh)
-    x, y = batch(0, 0, rank, 8, torch.float32)
+    int8 = _optimizer(model, stage, "int8", cap, mesh, sharded_accumulation=sharded)
+    exact = _optimizer(exact_model, stage, None, cap, mesh, sharded_accumulation=sharded)
+    batches = [batch(0, k, rank, 8, torch.float32) for k in range(micro)]
     for m, opt in ((model, int8), (exact_model, exact)):
         opt.engine.reset_comm_stats()
-        torch.nn.functional.mse_loss(m(x), y).backward()
+        for k, (x, y) in enumerate(batches):
+            with opt.engine.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                torch.nn.functional.mse_loss(m(x), y).backward()
         opt.engine.finish_grad_sync()
-    torch.nn.functional.mse_loss(local_model(x), y).backward()
+    for x, y in batches:
+        torch.nn.functional.mse_loss(local_model(x), y).backward()  # summed, as the engines sum them
     plan, n, g = int8.engine.plan, world_size, 2
     r, index = n // g, rank % g  # groups of consecutive ranks; this rank's shard index in its group
     over, identical, checked = [], True, 0
@@ -331,3 +346,28 @@ def int8_gathers(rank: int, world_size: int, steps: int) -> dict[str, Any]:
         "bytes_exact": e["bytes"],
         "grad_bytes": steps * sum((n - 1) * (b.padded_numel // n) * 4 for b in plan.buckets),
     }
+
+
+def int8_feedback_after_skip(rank: int, world_size: int) -> bool:
+    """A step skipped for a NaN gradient drops the error-feedback residuals: the next send equals a
+    fresh optimizer's first one (lr 0: the parameters never move), bit for bit."""
+    torch.manual_seed(0)
+    model = BlockNet(24)
+    fresh_model = copy.deepcopy(model)
+    settings = {"lr": 0.0, "error_feedback": True, "skip_nonfinite_steps": 3}
+    opt = _optimizer(model, 2, "int8", 0.002, **settings)
+    fresh = _optimizer(fresh_model, 2, "int8", 0.002, **settings)
+    x, y = batch(0, 0, rank, 8, torch.float32)
+    for step in range(2):  # a send that leaves residuals, then a NaN on rank 0: skipped everywhere
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        (loss * float("nan") if step == 1 and rank == 0 else loss).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.skipped_steps == 1
+    for m, o in ((model, opt), (fresh_model, fresh)):
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        o.engine.finish_grad_sync()
+    return all(
+        torch.equal(a, b)
+        for a, b in zip(opt.engine.reducer.grad_shards, fresh.engine.reducer.grad_shards, strict=True)
+    )
