@@ -51,17 +51,19 @@ def quantize(x: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
     """``(values, scales)``: ``values`` int8 of ``blocks * block`` elements, ``scales`` fp32 of one per
     block (NaN for a block that holds a non-finite value). ``x`` is read as a flat tensor of any
     floating dtype."""
-    flat = x.detach().reshape(-1).float()
+    flat = x.detach().reshape(-1).float()  # fp32 input: a view (read only here)
     blocks = blocks_of(flat.numel(), block)
-    padded = torch.zeros(blocks * block, dtype=torch.float32, device=flat.device)
-    padded[: flat.numel()] = flat
-    grid = padded.view(blocks, block)
-    finite = torch.isfinite(grid).all(dim=1)
-    amax = torch.where(finite, grid.abs().amax(dim=1), torch.zeros_like(grid[:, 0]))
-    scales = amax / LEVELS
+    if flat.numel() == blocks * block:
+        grid = flat.view(blocks, block)
+    else:
+        grid = torch.zeros(blocks, block, dtype=torch.float32, device=flat.device)
+        grid.view(-1)[: flat.numel()] = flat
+    amax = grid.abs().amax(dim=1)  # inf or NaN for a block holding either (amax propagates NaN)
+    finite = torch.isfinite(amax)
+    scales = torch.where(finite, amax, torch.zeros_like(amax)) / LEVELS
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: values 0
-    values = torch.where(finite[:, None], grid / safe[:, None], torch.zeros_like(grid))
-    values = values.round().clamp_(-LEVELS, LEVELS).to(torch.int8)
+    values = (grid / safe[:, None]).round_().clamp_(-LEVELS, LEVELS).to(torch.int8)
+    values.masked_fill_(~finite[:, None], 0)  # whatever a non-finite value became: its scale is NaN
     scales = torch.where(finite, scales, torch.full_like(scales, float("nan")))
     return values.reshape(-1), scales
 
@@ -101,12 +103,15 @@ def pack(part: Tensor, rows: int, residual: Residual | None = None) -> Tensor:
     flat = part.reshape(-1)
     chunk = -(-flat.numel() // rows)
     padded = blocks_of(chunk) * BLOCK
-    grid = torch.zeros(rows, padded, dtype=part.dtype, device=part.device)
-    full = flat.numel() // chunk  # rows filled whole; under node-aware sharding the last may be short
-    grid[:full, :chunk] = flat[: full * chunk].view(full, chunk)
-    if full < rows:
-        rest = flat[full * chunk :]
-        grid[full, : rest.numel()] = rest
+    if residual is None and padded == chunk and chunk * rows == flat.numel():
+        grid = flat.view(rows, padded)  # whole blocks already: quantized where it lies (read only)
+    else:
+        grid = torch.zeros(rows, padded, dtype=part.dtype, device=part.device)
+        full = flat.numel() // chunk  # rows filled whole; under node-aware sharding the last may be short
+        grid[:full, :chunk] = flat[: full * chunk].view(full, chunk)
+        if full < rows:
+            rest = flat[full * chunk :]
+            grid[full, : rest.numel()] = rest
     values, scales = quantize(grid.view(-1)) if residual is None else residual.quantize(grid.view(-1))
     as_bytes = [values.view(rows, padded).view(torch.uint8), scales.view(rows, -1).view(torch.uint8)]
     return torch.cat(as_bytes, dim=1)

@@ -36,6 +36,16 @@ dataclasses and the items of other mappings, lists and tuples. Any other object 
 forward with gradients is refused there with a ``TypeError`` naming the unit and the type: its
 tensors could not be hooked, and the unit's backward would run on freed parameters.
 
+**int8 gathers** (``gather_dtype="int8"``): the gathers of a forward with gradients, of the backward
+that follows and of their prefetches send each rank's shard as one byte row of int8 blocks and fp32
+scales (:func:`~lightning_zero.engine.quantize.pack`); every rank, the owner too, dequantizes the same
+rows into the full buffer, so all compute on identical weights, and the backward of a unit gathers
+in the mode its forward did (the gradients are those of the weights the forward used). The shard is
+never written from the full buffer here, so the error stays out of the optimizer's master. Every
+other gather is exact, and a unit held from int8 rows is gathered again, exactly, when one asks for
+it: evaluation (no gradients), ``state_dict()``/``load_state_dict()``, :meth:`UnitGather.gather_all`
+and the writes back after it.
+
 Limits: every rank must run the same units in the same order (the gathers are collectives);
 parameters are readable outside their unit's forward and backward only through
 :meth:`UnitGather.gather_all` or the model's ``state_dict()``, writable only with a write-back after
