@@ -14,7 +14,9 @@ with its error and the next one runs):
      fp32 masters against fp32 AdamW (loose); ``zero3_float32``: the standalone stage-3 optimizer
      (``ZeroConfig(stage=3)``, ``module=model``: forward hooks gather each unit, storage of the full
      buffers freed with ``resize_(0)`` between steps), read through ``opt.full_parameters()``, fp32,
-     with the CUDA memory the gathered units take over the sharded state.
+     with the CUDA memory the gathered units take over the sharded state; ``zero3_int8``: the same with
+     int8 gradients and int8 parameter gathers (``reduce_dtype``/``gather_dtype``; the quantize and
+     dequantize kernels on the device, NCCL's all-to-all), against AdamW loosely.
   2. ``train``: the recipe's GPT at ~125M and ~350M parameters, ``bf16-mixed`` and ``bf16-true``,
      under ``"ddp"``, ``"zero"`` and ``"zero3"`` (one GPU: the CUDA path of the strategy, not its
      communication; for ``zero3`` the CUDA path of gathering and freeing units and what it costs in
@@ -26,7 +28,8 @@ with its error and the next one runs):
      ``trainer.test(ckpt_path="best")`` after ``fit``.
   3. ``two_processes``: 2 processes on the one GPU with gloo (NCCL refuses two ranks on one GPU):
      the sharded optimizer's parameters against AdamW on the global batch after 6 steps, fp32, at
-     stage 2 and at stage 3 (``zero3``).
+     stage 2 and at stage 3 (``zero3``), and stage 3 on the int8 wires (``zero3_int8``, loosely; an
+     error there may be gloo's all-to-all refusing CUDA tensors, reported as the case's result).
   4. ``sync_debug``, ``watchdog``, ``max_connections`` (``benchmarks/gpu_nccl_checks.py``): steps of
      every stage under ``torch.cuda.set_sync_debug_mode("error")``; a collective stuck behind a
      kernel ending as ``CommError`` (and a main thread blocked behind it ending with status 75) within
@@ -116,10 +119,11 @@ def part_parity(device: str) -> dict[str, Any]:
         "float32": _parity_one(device, 2, torch.float32),
         "bfloat16": _parity_one(device, 2, torch.bfloat16),
         "zero3_float32": _parity_one(device, 3, torch.float32),
+        "zero3_int8": _parity_one(device, 3, torch.float32, reduce_dtype="int8", gather_dtype="int8"),
     }
 
 
-def _parity_one(device: str, stage: int, dtype: torch.dtype) -> dict[str, Any]:
+def _parity_one(device: str, stage: int, dtype: torch.dtype, **wires: Any) -> dict[str, Any]:
     from lightning_zero import ShardedAdamW, ZeroConfig
     from lightning_zero.layout.placeholders import is_freed
 
@@ -127,7 +131,7 @@ def _parity_one(device: str, stage: int, dtype: torch.dtype) -> dict[str, Any]:
     model, reference = _mlp(), _mlp()
     reference.load_state_dict(model.state_dict())
     model, reference = model.to(device, dtype), reference.to(device)  # before the optimizer binds them
-    config = ZeroConfig(stage=stage, bucket_cap_mb=0.25, first_bucket_cap_mb=0.1)
+    config = ZeroConfig(stage=stage, bucket_cap_mb=0.25, first_bucket_cap_mb=0.1, **wires)
     opt = ShardedAdamW(
         model.parameters(), lr=1e-3, fused=True, config=config, module=model if stage == 3 else None
     )
@@ -309,15 +313,16 @@ def _two_process_worker(rank: int, world_size: int, device: str) -> dict[str, fl
     """ShardedAdamW on ``device`` (both ranks on GPU 0) against AdamW on the global batch, fp32, at
     stage 2 and stage 3; a case that raises (on every rank alike) is reported and the next one runs."""
     out: dict[str, float | str] = {}
-    for name, stage in (("zero", 2), ("zero3", 3)):
+    for name, stage in (("zero", 2), ("zero3", 3), ("zero3_int8", 3)):
         try:
-            out[name] = _two_process_case(rank, world_size, device, stage)
+            wires = {"reduce_dtype": "int8", "gather_dtype": "int8"} if name.endswith("int8") else {}
+            out[name] = _two_process_case(rank, world_size, device, stage, **wires)
         except Exception:  # noqa: BLE001 - reported; the next case runs
             out[name] = traceback.format_exc(limit=4)
     return out
 
 
-def _two_process_case(rank: int, world_size: int, device: str, stage: int) -> float:
+def _two_process_case(rank: int, world_size: int, device: str, stage: int, **wires: Any) -> float:
     import copy
 
     from lightning_zero import ShardedAdamW, ZeroConfig
@@ -326,7 +331,7 @@ def _two_process_case(rank: int, world_size: int, device: str, stage: int) -> fl
     torch.manual_seed(0)
     model = _mlp().to(dev)
     reference = copy.deepcopy(model)
-    config = ZeroConfig(stage=stage, bucket_cap_mb=0.25, first_bucket_cap_mb=0.1)
+    config = ZeroConfig(stage=stage, bucket_cap_mb=0.25, first_bucket_cap_mb=0.1, **wires)
     opt = ShardedAdamW(model.parameters(), lr=1e-3, config=config, module=model if stage == 3 else None)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     for step in range(6):
@@ -351,7 +356,7 @@ def part_two_processes(args: argparse.Namespace) -> dict[str, Any]:
     per_rank = run_ranks(_two_process_worker, 2, args.device, timeout_s=180)
     return {
         f"{name}_max_abs_diff_vs_adamw_rank{rank}": value
-        for name in ("zero", "zero3")
+        for name in ("zero", "zero3", "zero3_int8")
         for rank, value in enumerate(result[name] for result in per_rank)
     }
 

@@ -2,13 +2,15 @@
 
     python benchmarks/int8_convergence.py [--steps 250] [--val-every 125] [--variants fp32,int8,int8_ef]
         [--out benchmarks/results/int8] [--plot docs/images/int8_convergence.png] [--json FILE]
+        [--smooth 3] [--from-json FILE]
 
 Runs ``python -m recipes.pretrain`` (the CPU demo: tiny GPT, 2 processes, byte-level stdlib) once
 per variant from the same seed and data order, so the runs differ by the wire alone, each into its
 own run directory under ``--out``; reads ``val/loss`` and ``train/loss`` from the run's metrics.csv
 and prints the final validation loss of each variant with its ratio to the fp32 wire's (issue 30's
-target: within 1 %). ``--plot`` draws the training loss (smoothed) and the validation points of every
-variant on one figure; ``--json`` writes the raw curves.
+target: within 1 %). ``--plot`` draws the training loss (logged every 10 steps, averaged over
+``--smooth`` points) and the validation points of every variant on one figure; ``--json`` writes the
+raw curves, and ``--from-json`` reprints and replots them without running anything.
 
 Variants (recipe overrides on top of the default recipe):
   fp32          strategy=zero (stage 2; gradients on the wire in fp32, the master dtype)
@@ -83,7 +85,7 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot(results: dict[str, dict[str, list[list[float]]]], path: Path, title: str) -> None:
+def plot(results: dict[str, dict[str, list[list[float]]]], path: Path, title: str, window: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,7 +94,7 @@ def plot(results: dict[str, dict[str, list[list[float]]]], path: Path, title: st
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for variant, curves in results.items():
         steps = [s for s, _ in curves["train"]]
-        line = ax.plot(steps, smooth([v for _, v in curves["train"]], 10), label=f"{variant} train", lw=1)
+        line = ax.plot(steps, smooth([v for _, v in curves["train"]], window), label=f"{variant} train", lw=1)
         vs = curves["val"]
         color = line[0].get_color()
         ax.plot([s for s, _ in vs], [v for _, v in vs], "o--", color=color, label=f"{variant} val")
@@ -115,6 +117,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/int8"))
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--from-json", type=Path, default=None, help="a --json file: no runs")
+    parser.add_argument("--smooth", type=int, default=3, help="logged training losses averaged in the plot")
     args = parser.parse_args()
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
@@ -123,10 +127,14 @@ def main() -> None:
     missing = sorted({BASELINE[v] for v in variants} - set(variants))
     if missing:
         sys.exit(f"variants {variants} need their baseline(s) {missing} in the same run")
-    results = {}
-    for variant in variants:
-        print(f"{variant} ({args.steps} steps) ...", flush=True)
-        results[variant] = run(variant, args.steps, args.val_every, args.out.resolve())
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        args.steps, results = saved["steps"], {v: saved["curves"][v] for v in variants}
+    else:
+        results = {}
+        for variant in variants:
+            print(f"{variant} ({args.steps} steps) ...", flush=True)
+            results[variant] = run(variant, args.steps, args.val_every, args.out.resolve())
     print(f"\ndefault recipe (tiny GPT, 2 CPU processes), {args.steps} steps, final validation loss\n")
     print(f"{'variant':<12}{'val loss':>10}{'vs base':>9}  base")
     for variant, curves in results.items():
@@ -138,7 +146,8 @@ def main() -> None:
         args.json.write_text(json.dumps({"steps": args.steps, "curves": results}, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.plot is not None:
-        plot(results, args.plot, f"default recipe, 2 CPU processes, {args.steps} steps: wire dtypes")
+        title = f"default recipe, 2 CPU processes, {args.steps} steps: wire dtypes"
+        plot(results, args.plot, title, args.smooth)
 
 
 if __name__ == "__main__":

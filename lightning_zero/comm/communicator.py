@@ -281,6 +281,13 @@ class Comm:
             self._drop_work(handle)
             yield
 
+    def read_here(self, tensor: Tensor) -> None:
+        """``tensor`` was made inside :meth:`after` (on CUDA: on the side stream) and is read on the
+        current stream from now on: on CUDA its memory is not handed out again before the current
+        stream's work on it is done (``record_stream``); nothing to do elsewhere."""
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
     def flush_timings(self) -> None:
         """Add the CUDA-measured waits recorded so far to ``stats.wait_s`` (synchronises with the
         device: call when the figures are read, e.g. once per logged step, not in the step)."""

@@ -89,7 +89,7 @@ class Int8Codec(WireCodec):
             if replicas is None or replicas.world_size == 1 or sent.local_only:
                 self.inner.collect(comm, sent, shard, first_round, inspect, replicas)
                 return
-            self._collect_across(sent, shard, first_round, inspect, replicas)
+            self._collect_across(comm, sent, shard, first_round, inspect, replicas)
             return
         comm.wait(sent.handle)
         result = unpack_sum(sent.wire.view(comm.world_size, -1))[: shard.numel()].to(shard.dtype)
@@ -131,7 +131,13 @@ class Int8Codec(WireCodec):
         self.inner.keep_part(comm, sent)
 
     def _collect_across(
-        self, sent: InFlight, shard: Tensor, first_round: bool, inspect: Inspect | None, replicas: Comm
+        self,
+        comm: Comm,
+        sent: InFlight,
+        shard: Tensor,
+        first_round: bool,
+        inspect: Inspect | None,
+        replicas: Comm,
     ) -> None:
         if not sent.across:
             raise RuntimeError(
@@ -140,6 +146,7 @@ class Int8Codec(WireCodec):
             )
         replicas.wait(sent.handle)
         assert sent.output is not None and sent.part is not None
+        comm.read_here(sent.output)  # made inside comm.after (a side stream on CUDA), read on this one
         result = unpack_rows(sent.output, sent.part.numel()).to(shard.dtype)
         if inspect is not None:
             inspect(result)
