@@ -41,11 +41,13 @@ class ZeroConfig:
     shard group stays in the master dtype and only the all-reduce across the groups is quantized."""
     error_feedback: bool = False
     """``reduce_dtype="int8"`` only: each rank keeps the quantization error of its last send of each
-    bucket and adds it to the next one, so the errors do not accumulate over steps (the sum of what was
-    sent over any number of steps is within one step's bound of the sum of the gradients). Costs a
-    residual of the bucket's size in the master dtype on every rank (4 bytes per trainable parameter
-    for fp32 masters: stage 2's gradient memory saving is given back); dropped by a step skipped for
-    non-finite gradients; not saved in checkpoints."""
+    bucket and adds it to the next one, so the errors do not accumulate over steps (flat sharding:
+    the sum of what was sent over any number of steps is within one step's bound of the sum of the
+    gradients). Costs a residual of the bucket's size in the master dtype on every rank (4 bytes per
+    trainable parameter for fp32 masters: stage 2's gradient memory saving is given back). Under
+    node-aware sharding it applies to each rank's part sent across the groups (a residual of ``1/G``
+    of the bucket); the re-quantization of the summed chunks has none. Dropped by a step skipped for
+    non-finite gradients or by the loss scaler; not saved in checkpoints."""
     gather_dtype: str | None = None
     """Stage 3: dtype of the parameter all-gathers in training forwards and backwards. ``None``: the
     parameters' dtype (exact). ``"int8"`` (experimental): each rank's shard is sent as int8 blocks of

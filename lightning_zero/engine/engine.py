@@ -280,7 +280,9 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         """Divide the shard gradients by a loss scale; True on every rank if any rank has inf/NaN."""
         self.finish_grad_sync()
         found_inf = grad_math.unscale(self.comm, self.reducer.grad_shards, scale)
-        if not found_inf:
+        if found_inf:  # the loss scaler skips this step: error feedback's residuals of it go too
+            self.reducer.forget_sent()
+        else:
             self.guard.known_finite()  # every shard was checked: the non-finite guard need not ask
         return found_inf
 

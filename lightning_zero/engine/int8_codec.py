@@ -4,8 +4,10 @@ A quantized sum cannot ride a reduce-scatter: summing int8 values of different s
 meaningless. So each rank quantizes, per destination rank ``r``, the part of the bucket that ``r``
 owns (:mod:`lightning_zero.engine.quantize`: blocks of 256, ``amax / 127`` scales), packs the int8
 values and the scales of each destination into one byte row, and one all-to-all delivers every row;
-the receiver dequantizes the ``N`` parts it got and sums them in the master dtype into its shard
-(copy in the first round of a step, add in later ones). Stages 1, 2 and 3 reduce the same way (stage
+the receiver dequantizes the ``N`` parts it got, sums them in fp32 and adds the sum to its shard in
+the master dtype (copy in the first round of a step, add in later ones). The wire goes through fp32:
+fp64 gradients lose their extra precision on it, and a finite fp64 value beyond fp32's range makes
+its block NaN (the step counts as non-finite). Stages 1, 2 and 3 reduce the same way (stage
 1 keeps only its slice of the all-reduce anyway).
 
 Bytes that leave a rank per bucket: ``(N-1)/N`` of ``N`` rows of ``(1 + 4/256)`` bytes per element
@@ -16,7 +18,9 @@ the reduction inside a group (fast links) stays in the master dtype, exactly as 
 the all-reduce of each rank's part across the ``R`` groups (the links between nodes) is quantized, as
 two steps: an all-to-all of int8 rows (each replica's chunk ``j`` of the part goes to replica ``j``,
 which dequantizes and sums the ``R`` chunks), then an all-gather of each summed chunk, quantized
-again. Every replica dequantizes the same bytes, so the replicas' shards stay identical. Bytes that
+again. Every replica dequantizes the same bytes, so the replicas' shards stay identical. (A step
+whose every backward ran inside ``no_sync`` with sharded accumulation is all-reduced across the
+groups when the window closes, in the master dtype: the reducer's own path.) Bytes that
 leave a rank across the groups: ``2 (R-1)`` rows of a chunk, ``2 (R-1)/R (1 + 4/256)`` bytes per
 element of the part against ``2 (R-1)/R * 4`` for the fp32 all-reduce.
 
@@ -31,9 +35,11 @@ last send of this bucket left (what was meant minus what the receiver dequantize
 one, so over ``T`` sends the sum of what arrived differs from the sum of the gradients by the last
 residual alone, not by ``T`` of them. The residual is a bucket-sized tensor in the master dtype on
 every rank; a non-finite block leaves no residual (it is zeroed), a step skipped for non-finite
-gradients (``skip_nonfinite_steps``) drops every residual, and it is not checkpointed (a resume starts
-from zero). Under node-aware sharding it applies to each rank's contribution (the
-all-to-all), not to the re-quantization of the summed chunk.
+gradients (``skip_nonfinite_steps``) or by the loss scaler (``16-mixed``) drops every residual, and it
+is not checkpointed (a resume starts from zero). Under node-aware sharding it applies to each rank's
+contribution (the all-to-all; a residual of its part, ``1/G`` of the bucket), not to the
+re-quantization of the summed chunk, whose error is not carried over: there the one-step bound of
+the summed error does not hold.
 """
 
 from __future__ import annotations

@@ -44,7 +44,11 @@ in the mode its forward did (the gradients are those of the weights the forward 
 never written from the full buffer here, so the error stays out of the optimizer's master. Every
 other gather is exact, and a unit held from int8 rows is gathered again, exactly, when one asks for
 it: evaluation (no gradients), ``state_dict()``/``load_state_dict()``, :meth:`UnitGather.gather_all`
-and the writes back after it.
+and the writes back after it. A unit's backward gathers in the mode its forward recorded when it ran
+(a unit held in the other mode by then, e.g. after a ``state_dict()`` between forward and backward,
+is gathered again); a unit prefetched in backward is gathered as its own forward ran. Under reentrant
+activation checkpointing (``use_reentrant=True``) the checkpointed forward runs without gradients,
+so those units gather exactly, in the forward and in its recomputation.
 
 Limits: every rank must run the same units in the same order (the gathers are collectives);
 parameters are readable outside their unit's forward and backward only through
@@ -145,16 +149,18 @@ class UnitGather:
         """Whether ``unit``'s full parameters have storage (filled, or being filled)."""
         return all(self.flat.is_gathered(b) for b in self.units[unit].buckets)
 
-    def gather(self, unit: int, wait: bool = True, quantized: bool = False) -> None:
+    def gather(self, unit: int, wait: bool = True, quantized: bool = False, strict: bool = False) -> None:
         """Launch ``unit``'s all-gathers unless it is gathered; with ``wait``, complete them.
         ``quantized`` (a training forward or backward under ``gather_dtype="int8"``): int8 rows are
-        enough. A unit gathered from int8 rows is gathered again, exactly, for any other request."""
+        enough. A unit gathered from int8 rows is gathered again, exactly, for any other request;
+        ``strict`` (a backward, or a recomputation, that must see what its forward saw): a unit held
+        exactly is gathered again from int8 rows too when ``quantized`` asks for them."""
         state = self.units[unit]
         quantized = quantized and self.quantized
-        if self.gathered(unit) and state.quantized and not quantized:
+        if self.gathered(unit) and state.quantized != quantized and (strict or state.quantized):
             self._complete(state)
-            state.pending = [self._launch(bucket, False) for bucket in state.buckets]
-            state.quantized = False
+            state.pending = [self._launch(bucket, quantized) for bucket in state.buckets]
+            state.quantized = quantized
         elif not self.gathered(unit):
             for bucket in state.buckets:
                 self.flat.materialize(bucket)
@@ -218,14 +224,17 @@ class UnitGather:
         self.units[0].forward_quantized = self.units[0].quantized
         self._prefetch(0, self._order, training)
 
-    def _prefetch(self, after: int, order: Sequence[int], quantized: bool) -> None:
+    def _prefetch(self, after: int, order: Sequence[int], quantized: bool | None) -> None:
         """Launch the gathers of the ``prefetch_units`` units that follow ``after`` in ``order`` (the
-        first ones after the root)."""
+        first ones after the root); ``quantized=None`` (backward): each in the mode its forward ran."""
         if after != 0 and after not in order:
             return
         start = 0 if after == 0 else order.index(after) + 1
         for unit in order[start : start + self.prefetch_units]:
-            self.gather(unit, wait=False, quantized=quantized)
+            if quantized is None:
+                self.gather(unit, wait=False, quantized=self.units[unit].forward_quantized, strict=True)
+            else:
+                self.gather(unit, wait=False, quantized=quantized)
 
     # ---- hooks ------------------------------------------------------------------------------
 
@@ -238,7 +247,7 @@ class UnitGather:
                 self._running.append(unit)
             state = self.units[unit]
             if _in_backward():  # recomputation for activation checkpointing: the forward's values
-                self.gather(unit, quantized=state.forward_quantized)
+                self.gather(unit, quantized=state.forward_quantized, strict=True)
                 return
             training = torch.is_grad_enabled()  # evaluation computes on exact parameters
             self.gather(unit, quantized=training)
@@ -268,18 +277,18 @@ class UnitGather:
             if not outputs:
                 self.free(unit)  # no backward will come through this forward
                 return
-            torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward(unit), mode="any")
+            mode = self.units[unit].quantized  # what this forward ran on: its backward gathers that
+            torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward(unit, mode), mode="any")
             if self.reshard_after_forward and unit != 0:
                 self.free(unit)
 
         return hook
 
-    def _pre_backward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
+    def _pre_backward(self, unit: int, quantized: bool):  # noqa: ANN202 - a closure over the unit index
         def hook(grad: torch.Tensor) -> None:
             self._queue_end_of_backward()
-            quantized = self.units[unit].forward_quantized  # the values its forward computed on
-            self.gather(unit, quantized=quantized)
-            self._prefetch(unit, self._running[::-1], quantized)
+            self.gather(unit, quantized=quantized, strict=True)  # the values its forward computed on
+            self._prefetch(unit, self._running[::-1], None)
 
         return hook
 

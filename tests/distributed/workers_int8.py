@@ -266,16 +266,20 @@ def _capture(seen: dict[str, torch.Tensor], prefix: str) -> Any:
     return hook
 
 
-def int8_gathers(rank: int, world_size: int, steps: int) -> dict[str, Any]:
+def int8_gathers(rank: int, world_size: int) -> dict[str, Any]:
     """Stage 3 with ``gather_dtype="int8"``, lr 0 (every shard stays fixed, so the exactness of the
-    masters is checked bit for bit):
+    masters is checked bit for bit), 3 steps:
 
     * what a unit's forward sees is every rank's shard dequantized: the same on every rank, within half
       a step of the exact value, and not the exact value;
-    * the gradients are those of the dequantized weights (a plain model holding them, averaged);
-    * the masters never take the quantization: after the steps the shards and ``state_dict()`` (taken
-      while the root is still gathered from int8 rows) are bit-identical to the start;
-    * bytes of the parameter gathers: ``(N-1) * blocks * (256 + 4)`` per gather against
+    * the gradients are those of the weights each forward saw (a plain model holding them, averaged),
+      at step 1 with the root held exactly into the step (as an evaluation leaves it: the units keep
+      their int8 rows, and a backward prefetch gathers each unit as its own forward ran) and at step 2
+      with ``state_dict()`` between forward and backward (it re-gathers the held root exactly; the
+      backward gathers the int8 rows its forward saw again);
+    * the masters never take the quantization: the shards and that ``state_dict()`` are bit-identical
+      to the start;
+    * bytes of the parameter gathers in step 0: ``(N-1) * blocks * (256 + 4)`` per gather against
       ``(N-1) * 4 * shard`` (shards aligned to whole blocks: the ratio is exactly 260/1024).
     """
     n = world_size
@@ -287,53 +291,61 @@ def int8_gathers(rank: int, world_size: int, steps: int) -> dict[str, Any]:
         m = copy.deepcopy(model)
         opt = _optimizer(m, 3, None, 0.004, lr=0.0, gather_dtype=gather, align_numel=BLOCK)
         seen: dict[str, torch.Tensor] = {}
-
         hooks = [
             mod.register_forward_pre_hook(_capture(seen, f"{prefix}." if prefix else ""))
             for prefix, mod in m.named_modules()
             if any(v.requires_grad for v in mod.parameters(recurse=False))
         ]
         opt.engine.reset_comm_stats()
-        for step in range(steps):
+        run: dict[str, Any] = {"seen": [], "grads": []}
+        for step in range(3):
             x, y = batch(step, 0, rank, 8, torch.float32)
-            torch.nn.functional.mse_loss(m(x), y).backward()
-            if step == steps - 1:
-                opt.engine.finish_grad_sync()
-                grads = [s.clone() for s in opt.engine.reducer.grad_shards]
-                bytes_sent = opt.engine.comm_stats.bytes_sent
-                state = {k: v.clone() for k, v in m.state_dict().items()}  # the root still gathered
+            if step == 1:
+                run["bytes"] = opt.engine.comm_stats.bytes_sent  # step 0, whole
+                with torch.no_grad():
+                    opt.engine.gather_root()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            if step == 2:
+                run["state"] = {k: v.clone() for k, v in m.state_dict().items()}  # the root held
+            loss.backward()
+            opt.engine.finish_grad_sync()
+            if step > 0:
+                run["seen"].append(dict(seen))
+                run["grads"].append([s.clone() for s in opt.engine.reducer.grad_shards])
             opt.step()
             opt.zero_grad()
         for h in hooks:
             h.remove()
-        shards = [s.clone() for s in opt.engine.flat.shards]
-        runs[name] = {"seen": seen, "grads": grads, "state": state, "bytes": bytes_sent, "shards": shards}
+        run["shards"] = [s.clone() for s in opt.engine.flat.shards]
+        runs[name] = run
         plan = opt.engine.plan
     q, e = runs["int8"], runs["exact"]
-    # the reference gradient: a plain model holding what the int8 run's blocks saw, the last batch
-    plain = copy.deepcopy(model)
-    with torch.no_grad():
-        for k, p in plain.named_parameters():
-            if k in q["seen"]:
-                p.copy_(q["seen"][k])
-    x, y = batch(steps - 1, 0, rank, 8, torch.float32)
-    torch.nn.functional.mse_loss(plain(x), y).backward()
     grad_error = 0.0
-    for b, bucket in enumerate(plan.buckets):
-        mean = _bucket_grads(plain, bucket, _local_grads(plain))
-        dist.all_reduce(mean)
-        part = bucket.padded_numel // n
-        want = mean[rank * part : (rank + 1) * part] / n
-        grad_error = max(grad_error, float(((q["grads"][b] - want).abs() / (want.abs().max() + 1e-12)).max()))
-    assert set(q["seen"]) == {k for k, v in model.named_parameters() if v.requires_grad}, sorted(q["seen"])
-    exact_seen = {k: v for k, v in start.items() if k in q["seen"]}
-    off = {k: float((q["seen"][k] - v).abs().max()) for k, v in exact_seen.items()}
+    for k, (weights, grads) in enumerate(zip(q["seen"], q["grads"], strict=True)):
+        plain = copy.deepcopy(model)  # the reference: a plain model holding what that forward saw
+        with torch.no_grad():
+            for key, p in plain.named_parameters():
+                if key in weights:
+                    p.copy_(weights[key])
+        x, y = batch(k + 1, 0, rank, 8, torch.float32)
+        torch.nn.functional.mse_loss(plain(x), y).backward()
+        for b, bucket in enumerate(plan.buckets):
+            mean = _bucket_grads(plain, bucket, _local_grads(plain))
+            dist.all_reduce(mean)
+            part = bucket.padded_numel // n
+            want = mean[rank * part : (rank + 1) * part] / n
+            grad_error = max(grad_error, float(((grads[b] - want).abs() / (want.abs().max() + 1e-12)).max()))
+    last = q["seen"][-1]
+    assert set(last) == {k for k, v in model.named_parameters() if v.requires_grad}, sorted(last)
+    exact_seen = {k: v for k, v in start.items() if k in last}
+    off = {k: float((last[k] - v).abs().max()) for k, v in exact_seen.items()}
     same_everywhere = True
-    for k in sorted(q["seen"]):
-        everyone = [torch.empty_like(q["seen"][k]) for _ in range(n)]
-        dist.all_gather(everyone, q["seen"][k])
-        same_everywhere &= all(torch.equal(v, q["seen"][k]) for v in everyone)
-    grads_differ = max(float((a - b).abs().max()) for a, b in zip(q["grads"], e["grads"], strict=True))
+    for k in sorted(last):
+        everyone = [torch.empty_like(last[k]) for _ in range(n)]
+        dist.all_gather(everyone, last[k])
+        same_everywhere &= all(torch.equal(v, last[k]) for v in everyone)
+    pairs = zip(q["grads"][-1], e["grads"][-1], strict=True)
+    grads_differ = max(float((a - b).abs().max()) for a, b in pairs)
     return {
         "max_off": max(off.values()),
         "max_weight": max(float(v.abs().max()) for v in exact_seen.values()),
@@ -344,13 +356,15 @@ def int8_gathers(rank: int, world_size: int, steps: int) -> dict[str, Any]:
         "shards_kept": all(torch.equal(a, b) for a, b in zip(q["shards"], e["shards"], strict=True)),
         "bytes_int8": q["bytes"],
         "bytes_exact": e["bytes"],
-        "grad_bytes": steps * sum((n - 1) * (b.padded_numel // n) * 4 for b in plan.buckets),
+        "grad_bytes": sum((n - 1) * (b.padded_numel // n) * 4 for b in plan.buckets),
     }
 
 
-def int8_feedback_after_skip(rank: int, world_size: int) -> bool:
-    """A step skipped for a NaN gradient drops the error-feedback residuals: the next send equals a
-    fresh optimizer's first one (lr 0: the parameters never move), bit for bit."""
+def int8_feedback_after_skip(rank: int, world_size: int, how: str) -> bool:
+    """A skipped step drops the error-feedback residuals: the next send equals a fresh optimizer's
+    first one (lr 0: the parameters never move), bit for bit. ``how``: ``"guard"`` (a NaN gradient on
+    rank 0 under ``skip_nonfinite_steps``) or ``"scaler"`` (``unscale_`` finds an inf, as a loss
+    scaler's skipped step does)."""
     torch.manual_seed(0)
     model = BlockNet(24)
     fresh_model = copy.deepcopy(model)
@@ -358,12 +372,17 @@ def int8_feedback_after_skip(rank: int, world_size: int) -> bool:
     opt = _optimizer(model, 2, "int8", 0.002, **settings)
     fresh = _optimizer(fresh_model, 2, "int8", 0.002, **settings)
     x, y = batch(0, 0, rank, 8, torch.float32)
-    for step in range(2):  # a send that leaves residuals, then a NaN on rank 0: skipped everywhere
+    for step in range(2):  # a send that leaves residuals, then a skipped step
         loss = torch.nn.functional.mse_loss(model(x), y)
+        if how == "scaler" and step == 1:
+            loss.backward()
+            assert opt.engine.unscale_(1e-45)  # gradients x 1e45: inf in fp32, on every rank
+            opt.zero_grad()  # what the scaler does with that step
+            continue
         (loss * float("nan") if step == 1 and rank == 0 else loss).backward()
         opt.step()
         opt.zero_grad()
-    assert opt.skipped_steps == 1
+    assert opt.skipped_steps == (1 if how == "guard" else 0)
     for m, o in ((model, opt), (fresh_model, fresh)):
         torch.nn.functional.mse_loss(m(x), y).backward()
         o.engine.finish_grad_sync()
