@@ -61,16 +61,16 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # the peak restarts from the current RSS
 
 
-def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
+def gpt_module(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(config, Lit)``: the recipe's GPT (tied embeddings) of ``args``'s shape (``vocab``, ``seq``,
+    ``layers``, ``d_model``; heads of 64) and a LightningModule class holding it (next-token loss,
+    AdamW), built when called (under the strategy's init context, if any)."""
     import lightning as L
     import torch
     import torch.nn.functional as F
-    from torch.utils.data import DataLoader, TensorDataset
 
-    import lightning_zero
     from recipes.training.model import GPT, GPTConfig
 
-    torch.set_num_threads(1)
     config = GPTConfig(
         vocab_size=args.vocab,
         max_seq_len=args.seq,
@@ -79,12 +79,6 @@ def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
         d_model=args.d_model,
         tie_embeddings=True,
     )
-    phases: dict[str, float] = {}
-    figures: dict[str, Any] = {"before_model_mb": _peak_mb()}
-
-    def phase(name: str) -> None:
-        phases[name] = _peak_mb()
-        _reset_peak()
 
     class Lit(L.LightningModule):
         def __init__(self) -> None:
@@ -98,6 +92,26 @@ def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return config, Lit
+
+
+def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_zero
+    from lightning_zero.comm import end_process_group
+
+    torch.set_num_threads(1)
+    config, Lit = gpt_module(args)
+    phases: dict[str, float] = {}
+    figures: dict[str, Any] = {"before_model_mb": _peak_mb()}
+
+    def phase(name: str) -> None:
+        phases[name] = _peak_mb()
+        _reset_peak()
 
     class Phases(L.Callback):
         def __init__(self, prefix: str) -> None:
@@ -172,6 +186,7 @@ def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
     figures["seconds"] = time.perf_counter() - started
     rank = int(os.environ["LOCAL_RANK"])
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps({"phases": phases, **figures}))
+    end_process_group()  # a gloo group left to exit-time destructors can abort the process
 
 
 def _free_port() -> int:
@@ -228,7 +243,8 @@ def report(out: Path, args: argparse.Namespace) -> None:
     )
     print(
         f"bounds per rank: shards 16Ψ/N = {16 * params / args.ranks / MB:.0f} MB; largest unit "
-        f"{4 * max(units[1:]) / MB:.0f} MB, root unit {4 * units[0] / MB:.0f} MB; before the model "
+        f"{4 * max(units[1:], default=0) / MB:.0f} MB (0: every block joined the root, under "
+        f"min_unit_numel), root unit {4 * units[0] / MB:.0f} MB; before the model "
         f"{max(r['before_model_mb'] for r in runs['eager']):.0f} MB (torch, Lightning)"
     )
     print(

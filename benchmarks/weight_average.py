@@ -28,7 +28,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout, not another install
-from benchmarks.stage3_setup_memory import MB, _free_port, _peak_mb, _reset_peak  # noqa: E402
+from benchmarks.stage3_setup_memory import MB, _free_port, _peak_mb, _reset_peak, gpt_module  # noqa: E402
 
 MODES = ("ddp", "ddp+ema", "zero", "zero+ema", "zero3", "zero3+ema")
 
@@ -36,38 +36,17 @@ MODES = ("ddp", "ddp+ema", "zero", "zero+ema", "zero3", "zero3+ema")
 def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
     import lightning as L
     import torch
-    import torch.nn.functional as F
     from lightning.pytorch.callbacks import EMAWeightAveraging
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_zero  # noqa: F401 - registers "zero", "zero3"
-    from recipes.training.model import GPT, GPTConfig
+    from lightning_zero.comm import end_process_group
 
     torch.set_num_threads(1)
-    config = GPTConfig(
-        vocab_size=args.vocab,
-        max_seq_len=args.seq,
-        n_layer=args.layers,
-        n_head=args.d_model // 64,
-        d_model=args.d_model,
-        tie_embeddings=True,
-    )
+    config, Lit = gpt_module(args)
     strategy, _, ema = mode.partition("+")
     step_s: list[float] = []
     figures: dict[str, Any] = {}
-
-    class Lit(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = GPT(config)
-
-        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-            tokens = batch[0]
-            logits = self.model(tokens[:, :-1])
-            return F.cross_entropy(logits.reshape(-1, config.vocab_size), tokens[:, 1:].reshape(-1))
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     class Measure(L.Callback):  # last in the list: its batch end follows the EMA update
         def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -109,6 +88,7 @@ def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
     trainer.fit(Lit(), DataLoader(data, batch_size=1))
     rank = int(os.environ["LOCAL_RANK"])
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps({"step_s": step_s, **figures}))
+    end_process_group()  # a gloo group left to exit-time destructors can abort the process
 
 
 def launch(mode: str, args: argparse.Namespace, out: Path) -> None:
