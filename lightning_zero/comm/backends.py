@@ -68,6 +68,8 @@ class Backend(ABC):
         self.device = device
         """Device of control tensors: NCCL moves only CUDA tensors, gloo only CPU ones."""
 
+    recorded = True
+    """Its collectives go to the collective-order recorder (test mode): a group of real ranks."""
     watched = False
     """``Work.wait()`` does not raise when a peer fails (NCCL): the collective watchdog
     (:mod:`lightning_zero.comm.watchdog`) watches this backend's collectives."""
@@ -136,6 +138,8 @@ class Backend(ABC):
 
 class SingleProcess(Backend):
     """World size 1: every collective is a local copy (or nothing)."""
+
+    recorded = False
 
     def reduce_scatter(self, output: Tensor, input_: Tensor) -> Any:
         output.copy_(input_)

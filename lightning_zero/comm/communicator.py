@@ -59,7 +59,7 @@ class Comm:
         self.ordered = ordered
         self._recorder: Recorder | None = (
             None
-            if isinstance(self.backend, SingleProcess)
+            if not self.backend.recorded
             else recorder_for(
                 self.backend.global_rank(),
                 self.backend.global_ranks(),

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_zero.comm.communicator import Comm
@@ -68,6 +69,33 @@ class CommGroups:
     def flat_over(cls, process_group: ProcessGroup | None = None) -> CommGroups:
         """Every bucket split over all ranks of ``process_group`` (``None``: the default group)."""
         return cls.of(Comm(process_group))
+
+    @classmethod
+    def simulated(
+        cls, rank: int, world_size: int, shard_group_size: int | None = None, device: str = "cpu"
+    ) -> CommGroups:
+        """Rank ``rank`` of a simulated world of ``world_size`` ranks in this process
+        (:mod:`lightning_zero.comm.simulated`): flat sharding, or ``shard_group_size`` ranks per shard
+        group laid out as :func:`hybrid_mesh` lays them (groups of consecutive ranks).
+
+        Raises:
+            ValueError: a rank outside the world, or a group size that does not divide it.
+        """
+        from lightning_zero.comm.simulated import Simulated
+
+        dev = torch.device(device)
+        world = Comm(None, Simulated(rank, world_size, dev, "simulated world"), role="world")
+        g = world_size if shard_group_size is None else shard_group_size
+        if g < 1 or world_size % g:
+            raise ValueError(
+                f"shard_group_size must divide the simulated world size {world_size}, got {shard_group_size}"
+            )
+        if g == world_size:
+            return cls(world, Comm.single(dev), world)
+        shard = Comm(None, Simulated(rank % g, g, dev, "simulated shard"), role="shard")
+        across = Simulated(rank // g, world_size // g, dev, "simulated replicas")
+        replicas = Comm(None, across, role="replicas")
+        return cls(shard, replicas, world)
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> CommGroups:
