@@ -233,12 +233,13 @@ class AsyncCheckpointWriter:
             raise error
 
     def _agreed(self, error: BaseException | None) -> BaseException | None:
-        """The failure every rank raises, given this rank's own (one all-gather on the writer's group)."""
+        """The failure every rank raises, given this rank's own (gathered on rank 0 of the writer's
+        group, the failures broadcast: what a rank receives does not grow with the world size)."""
         assert self._comm is not None
-        texts: list[str | None] = self._comm.all_gather_object(
-            None if error is None else f"{type(error).__name__}: {error}"
+        texts = self._comm.gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        failed: list[tuple[int, str]] = self._comm.broadcast_object(
+            None if texts is None else [(rank, text) for rank, text in enumerate(texts) if text is not None]
         )
-        failed = [(rank, text) for rank, text in enumerate(texts) if text is not None]
         if not failed:
             return None
         if error is not None and len(failed) == self._comm.world_size and len({t for _, t in failed}) == 1:

@@ -15,14 +15,15 @@ Every file is written with ``torch.save`` of tensors and plain containers only, 
 ``torch.load(..., weights_only=True)`` (Lightning state is kept as it is; a hyper-parameter of a
 custom class would need ``weights_only=False`` for ``meta.pt`` alone).
 
-Commit protocol (all ranks): files go into a fresh hidden sibling ``.CKPT.tmp-<token>``; ranks
-exchange their status and checksums; rank 0 writes ``meta.pt`` last, then swaps the temporary
-directory with any previous ``CKPT`` in one atomic ``renameat2(RENAME_EXCHANGE)`` (Linux; elsewhere
-the old one is moved aside first) and deletes the old one. A crash before the
-rename leaves the previous checkpoint untouched (the temporary directory is ignored by
-``ckpt_path="last"``, which looks for ``*.ckpt``), and nothing stale from an older world size
-survives a save over an existing path. A failure on any rank raises on every rank.
-:mod:`lightning_zero.checkpoint.async_save` runs the same protocol on a background thread.
+Commit protocol (all ranks): files go into a fresh hidden sibling ``.CKPT.tmp-<token>``; rank 0
+gathers every rank's status and checksums and checks that it sees their files, writes ``meta.pt``
+last, then swaps the temporary directory with any previous ``CKPT`` in one atomic
+``renameat2(RENAME_EXCHANGE)`` (Linux; elsewhere the old one is moved aside first) and deletes the
+old one; its verdict is broadcast. A crash before the rename leaves the previous checkpoint
+untouched (the temporary directory is ignored by ``ckpt_path="last"``, which looks for ``*.ckpt``),
+and nothing stale from an older world size survives a save over an existing path. A failure on any
+rank raises on every rank. :mod:`lightning_zero.checkpoint.async_save` runs the same protocol on a
+background thread.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import copy as copy_module
 import ctypes
 import errno
 import hashlib
+import math
 import os
 import shutil
 import socket
@@ -215,37 +217,79 @@ class StagedSave:
             ) from peer_failure  # the cause stays visible: a caller may resume or requeue on it
 
     def _agree_and_commit(self, comm: Comm, host: str, status: Any) -> list[str]:
-        """Exchange every rank's outcome; rank 0 checks what it sees and commits. The errors, on all ranks."""
-        everyone = comm.all_gather_object((host, status))  # a failed rank sends its error text
-        errors = [s for _, s in everyone if isinstance(s, str)]
-        if not errors and comm.rank == 0:
-            errors = _unseen(self.tmp, everyone, host)
-        if not errors and comm.rank == 0:
-            try:
-                files = {
-                    name: {"size": size, "sha256": digest} for _, s in everyone for name, size, digest in s
-                }
-                _write({**self.meta, "files": files}, self.tmp / META)
-                _commit(self.tmp, self.target)
-            except Exception as err:  # noqa: BLE001
-                errors.append(f"rank 0: {type(err).__name__}: {err} (host {host})")
-        if comm.world_size > 1:  # rank 0's commit outcome reaches everyone
-            errors = [e for rank_errors in comm.all_gather_object(errors) for e in rank_errors]
+        """Rank 0 gathers every rank's outcome, checks what it sees and commits; its verdict goes to
+        every rank. The errors, on all ranks. Only rank 0 receives the ``N`` file lists (``meta.pt``
+        lists every file); the others receive the errors alone, so nothing a rank other than 0
+        receives grows with the world size."""
+        everyone = comm.gather_object((host, status), dst=0)  # a failed rank sends its error text
+        errors: list[str] = []
+        if everyone is not None:  # rank 0
+            errors = [s for _, s in everyone if isinstance(s, str)]
+            if not errors:
+                errors = _unseen(self.tmp, everyone, host)
+            if not errors:
+                try:
+                    files = {
+                        name: {"size": size, "sha256": digest}
+                        for _, s in everyone
+                        for name, size, digest in s
+                    }
+                    _write({**self.meta, "files": files}, self.tmp / META)
+                    _commit(self.tmp, self.target)
+                except Exception as err:  # noqa: BLE001
+                    errors.append(f"rank 0: {type(err).__name__}: {err} (host {host})")
+        if comm.world_size > 1:  # rank 0's verdict reaches everyone
+            errors = comm.broadcast_object(errors, src=0)
         return errors
 
 
+SIZE_CHECKS = 256
+"""Files whose size rank 0 checks before a commit: all of them up to this many, else the first file
+of each host (evenly spread over the hosts, this many at most). The presence of every file is
+checked by one listing of the directory whatever their number."""
+
+
+def size_checked(everyone: list[tuple[str, Any]]) -> list[tuple[int, str, int]]:
+    """``(rank, file name, size)`` of the files whose size rank 0 checks at a commit (see
+    :data:`SIZE_CHECKS`), from every rank's ``(host, [(name, size, sha256), ...])``."""
+    files = [(rank, name, size) for rank, (_, written) in enumerate(everyone) for name, size, _ in written]
+    if len(files) <= SIZE_CHECKS:
+        return files
+    first_of_host: dict[str, tuple[int, str, int]] = {}
+    for rank, (host, written) in enumerate(everyone):
+        if written and host not in first_of_host:
+            first_of_host[host] = (rank, written[0][0], written[0][1])
+    hosts = list(first_of_host.values())
+    return hosts[:: max(1, math.ceil(len(hosts) / SIZE_CHECKS))]
+
+
 def _unseen(tmp: Path, everyone: list[tuple[str, Any]], host: str) -> list[str]:
-    """Rank 0's check that every rank's files are there at their sizes: what it cannot see, as errors."""
-    unseen = []
-    for rank, (rank_host, files) in enumerate(everyone):
-        for name, size, _ in files:
-            file = tmp / name
-            found = file.stat().st_size if file.is_file() else None
-            if found != size:
-                state = "missing" if found is None else f"{found} bytes instead of {size}"
-                unseen.append(
-                    f"rank {rank} (host {rank_host}) wrote {name}, rank 0 (host {host}) sees it {state}"
-                )
+    """Rank 0's check that it sees the other ranks' files: what it cannot see, as errors.
+
+    Every file is looked for in one listing of ``tmp`` (a node-local disk on any node leaves that
+    node's files out of it); sizes are compared for the files :func:`size_checked` picks (all of
+    them up to :data:`SIZE_CHECKS`). So rank 0 makes a bounded number of metadata calls whatever
+    the number of ranks: on a parallel file system a ``stat`` per file costs it ~1 ms each (seconds
+    at thousands of ranks), while a listing returns many names per call. Every byte of a file is
+    checked (size and sha256) when it is loaded.
+    """
+    try:
+        listed = {entry.name for entry in os.scandir(tmp)}
+    except OSError as err:
+        return [f"rank 0 (host {host}) cannot list {tmp}: {err}"]
+    unseen = [
+        f"rank {rank} (host {rank_host}) wrote {name}, rank 0 (host {host}) sees it missing"
+        for rank, (rank_host, files) in enumerate(everyone)
+        for name, _, _ in files
+        if name not in listed
+    ]
+    for rank, name, size in size_checked(everyone):
+        found = (tmp / name).stat().st_size if name in listed else size
+        if found != size:
+            unseen.append(
+                f"rank {rank} (host {everyone[rank][0]}) wrote {name}, rank 0 (host {host}) sees it "
+                f"{found} bytes instead of {size}"
+            )
     if unseen:
         unseen.append(
             f"rank 0 cannot see the other ranks' files in {tmp.parent}: the checkpoint directory must be "

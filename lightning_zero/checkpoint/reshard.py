@@ -90,25 +90,30 @@ def check_compatible(engine: ShardEngine, meta: dict[str, Any], path: Path) -> l
     return problems
 
 
-def _needed_ranks(engine: ShardEngine, layout: _SavedLayout) -> set[int]:
-    ranks: set[int] = set()
+def files_per_bucket(engine: ShardEngine, meta: dict[str, Any]) -> list[set[int]]:
+    """For each bucket of this rank's plan, the saved ranks whose shard files hold what this rank
+    loads into it (a resume on ``M`` ranks of a checkpoint of ``N``: about ``ceil(N/M) + 1`` at most,
+    since a rank's part of a bucket is a contiguous range of the saved one, in the same order)."""
+    layout = _SavedLayout(meta)
+    out = []
     for bucket in engine.plan.buckets:
+        ranks: set[int] = set()
         for seg in engine.plan.segments(bucket, engine.comm.rank):
             name = engine.plan.params[seg.param_index].name
             if name in layout.by_name:
                 ranks.update(r for r, *_ in layout.pieces(name, seg.param_start, seg.param_end))
-    return ranks
+        out.append(ranks)
+    return out
 
 
 def preflight(engine: ShardEngine, path: Path, meta: dict[str, Any]) -> None:
     """Check, on every rank, what this rank will read; raise the union of problems everywhere."""
     problems = check_compatible(engine, meta, path)
     if not problems:
-        layout = _SavedLayout(meta)
-        names = [shard_name(r, layout.world_size) for r in sorted(_needed_ranks(engine, layout))]
+        needed = set().union(*files_per_bucket(engine, meta))
+        names = [shard_name(r, int(meta["plan"]["world_size"])) for r in sorted(needed)]
         problems = verify_files(path, meta, names)
-    everyone = engine.world.all_gather_object(problems)
-    found = sorted({p for rank_problems in everyone for p in rank_problems})
+    found = sorted(engine.world.union_of(problems))
     if found:
         raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(found))
 

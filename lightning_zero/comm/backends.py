@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.comm.recorder import Recorder
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
@@ -73,6 +75,11 @@ class Backend(ABC):
     watched = False
     """``Work.wait()`` does not raise when a peer fails (NCCL): the collective watchdog
     (:mod:`lightning_zero.comm.watchdog`) watches this backend's collectives."""
+
+    def own_recorder(self, role: str, ordered: bool) -> Recorder | None:
+        """Where a backend that is not :attr:`recorded` records its collectives itself (a simulated
+        rank's in-memory sequence); ``None``: nowhere."""
+        return None
 
     def timeout_s(self) -> float | None:
         """The process group's timeout in seconds (``None``: unknown)."""
@@ -130,6 +137,12 @@ class Backend(ABC):
     @abstractmethod
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Implemented by each backend."""
+
+    def gather_object(self, obj: Any, dst: int) -> list[Any] | None:
+        """Every rank's ``obj`` in rank order on rank ``dst`` (``None`` elsewhere); by default through
+        :meth:`all_gather_object` (which every backend has; :class:`Native` gathers to ``dst`` only)."""
+        everyone = self.all_gather_object(obj)
+        return everyone if self.rank == dst else None
 
     @abstractmethod
     def new_group(self, backend: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
@@ -243,6 +256,11 @@ class Native(Backend):
         box = [obj]
         dist.broadcast_object_list(box, src=self._global(src), group=self.group)
         return box[0]
+
+    def gather_object(self, obj: Any, dst: int) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=self._global(dst), group=self.group)
+        return out
 
     def new_group(self, backend: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
         ranks = [self._global(r) for r in range(self.world_size)]

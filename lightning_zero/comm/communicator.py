@@ -58,7 +58,7 @@ class Comm:
         self.role = role or ("world" if group is None else "group")
         self.ordered = ordered
         self._recorder: Recorder | None = (
-            None
+            self.backend.own_recorder(self.role, ordered)
             if not self.backend.recorded
             else recorder_for(
                 self.backend.global_rank(),
@@ -377,6 +377,34 @@ class Comm:
         return self._run(
             f"broadcast of a Python object from rank {src}", self.backend.broadcast_object, obj, src
         )
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's picklable ``obj`` in rank order on rank ``dst``, ``None`` on the others
+        (blocking). Where only one rank needs everyone's word, this keeps what each rank receives
+        and unpickles independent of the world size (an all-gather's grows with it)."""
+        self._record(f"gather_object_to_{dst}", -1)
+        return self._run(f"gather of Python objects to rank {dst}", self.backend.gather_object, obj, dst)
+
+    def union_of(self, problems: list[str], root: int = 0) -> list[str]:
+        """Every rank's ``problems`` (lines of text), each distinct line once in rank order, on every
+        rank: gathered on ``root``, then broadcast (two collectives, on all ranks). What a rank
+        receives is the union, not ``world_size`` lists: nothing per rank grows with the world
+        size except on ``root``."""
+        everyone = self.gather_object(problems, dst=root)
+        # elsewhere its own list is passed: ignored by a real broadcast, the union of N equal ranks' in
+        # a simulated one (where a rank receives what it passes)
+        union = problems if everyone is None else list(dict.fromkeys(p for rank in everyone for p in rank))
+        return list(self.broadcast_object(union, src=root))
+
+    def same_everywhere(self, values: list[int]) -> bool:
+        """Whether every rank passed the same integers (blocking, on all ranks): one all-reduce of
+        ``2 len(values)`` int64s (the maximum of ``v`` and of ``-v``), whatever the world size."""
+        if self.world_size == 1:
+            return True
+        both = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=self.device)
+        self.wait(self.all_reduce(both, op="max", control=True, what="agreement check"))
+        top, neg = both.tolist()[: len(values)], both.tolist()[len(values) :]
+        return all(a == -b for a, b in zip(top, neg, strict=True))
 
     def new_group(self, backend: str, timeout: timedelta | None = None) -> Comm:
         """A :class:`Comm` over the same ranks on a new process group, for background work that must

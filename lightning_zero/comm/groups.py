@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.recorder import Entry
+from lightning_zero.comm.simulated import Peer, Simulated
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -72,19 +74,26 @@ class CommGroups:
 
     @classmethod
     def simulated(
-        cls, rank: int, world_size: int, shard_group_size: int | None = None, device: str = "cpu"
+        cls,
+        rank: int,
+        world_size: int,
+        shard_group_size: int | None = None,
+        device: str = "cpu",
+        peer: Peer | None = None,
+        log: list[Entry] | None = None,
     ) -> CommGroups:
         """Rank ``rank`` of a simulated world of ``world_size`` ranks in this process
         (:mod:`lightning_zero.comm.simulated`): flat sharding, or ``shard_group_size`` ranks per shard
-        group laid out as :func:`hybrid_mesh` lays them (groups of consecutive ranks).
+        group laid out as :func:`hybrid_mesh` lays them (groups of consecutive ranks). ``peer``: what
+        another rank sends in an object collective; ``log``: a list every group of this rank appends
+        its collectives to, in the order issued (the order check).
 
         Raises:
             ValueError: a rank outside the world, or a group size that does not divide it.
         """
-        from lightning_zero.comm.simulated import Simulated
-
         dev = torch.device(device)
-        world = Comm(None, Simulated(rank, world_size, dev, "simulated world"), role="world")
+        world_backend = Simulated(rank, world_size, dev, "simulated world", peer=peer, log=log)
+        world = Comm(None, world_backend, role="world")
         g = world_size if shard_group_size is None else shard_group_size
         if g < 1 or world_size % g:
             raise ValueError(
@@ -92,10 +101,12 @@ class CommGroups:
             )
         if g == world_size:
             return cls(world, Comm.single(dev), world)
-        shard = Comm(None, Simulated(rank % g, g, dev, "simulated shard"), role="shard")
-        across = Simulated(rank // g, world_size // g, dev, "simulated replicas")
-        replicas = Comm(None, across, role="replicas")
-        return cls(shard, replicas, world)
+        base, replicas_n = rank - rank % g, world_size // g
+        shard_ranks = range(base, base + g)
+        shard = Simulated(rank % g, g, dev, "simulated shard", shard_ranks, peer, log)
+        across_ranks = range(rank % g, world_size, g)
+        across = Simulated(rank // g, replicas_n, dev, "simulated replicas", across_ranks, peer, log)
+        return cls(Comm(None, shard, role="shard"), Comm(None, across, role="replicas"), world)
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> CommGroups:

@@ -130,6 +130,24 @@ class Recorder:
         _LOG.write(self.directory, self.rank, entry)
 
 
+class ListRecorder(Recorder):
+    """Records into a list in memory instead of a log file: the sequence of one simulated rank
+    (:mod:`lightning_zero.comm.simulated`), whose groups all append to the same list, in the order
+    the rank issues their collectives; compare such lists with :func:`compare_ranks`."""
+
+    def __init__(
+        self, entries: list[Entry], rank: int, group: Sequence[int], role: str, ordered: bool, name: str = ""
+    ) -> None:
+        super().__init__("", rank, group, role, ordered, name)
+        self.entries = entries
+
+    def record(self, op: str, numel: int, dtype: object, ordered: bool = True) -> None:
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.entries.append(
+            Entry(self.role, self.group, op, numel, dtype_name, self.ordered and ordered, self.name)
+        )
+
+
 def recorder_for(
     rank: int, group: Sequence[int], role: str, ordered: bool = True, name: str = ""
 ) -> Recorder | None:
@@ -172,13 +190,19 @@ def _first_difference(
     return None
 
 
-def compare_ranks(launch: str, ranks: Mapping[int, list[Entry]], prefix_only: bool = False) -> list[str]:
-    """The violations of the two rules (module docstring) in one launch's logs, each named."""
+def compare_ranks(
+    launch: str, ranks: Mapping[int, list[Entry]], prefix_only: bool = False, sampled: bool = False
+) -> list[str]:
+    """The violations of the two rules (module docstring) in one launch's logs, each named.
+
+    ``sampled``: ``ranks`` holds some ranks of the world only (simulated ones): a group is compared
+    among its members found there (otherwise a member without a log issued nothing)."""
     problems: list[str] = []
     groups = {(e.role, e.group, e.name) for entries in ranks.values() for e in entries}  # a communicator each
     for role, group, name in sorted(groups, key=lambda g: (g[1], g[0], g[2])):
         key = (role, group, name)
-        members = {r: [e for e in ranks.get(r, []) if (e.role, e.group, e.name) == key] for r in group}
+        present = [r for r in group if r in ranks or not sampled]
+        members = {r: [e for e in ranks.get(r, []) if (e.role, e.group, e.name) == key] for r in present}
         per_group = {r: [(e.op, e.numel, e.dtype) for e in seq] for r, seq in members.items()}
 
         def say_op(item: tuple[str, int, str], role: str = role, group: tuple[int, ...] = group) -> str:

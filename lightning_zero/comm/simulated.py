@@ -9,7 +9,9 @@ rank sends** (the data-parallel case of identical replicas on identical batches)
   * ``all_gather``: this rank's input in every chunk of the output;
   * ``all_to_all``: the chunk this rank sends to itself, from every sender;
   * ``broadcast``/``broadcast_object``: this rank's value stands for the source's;
-  * ``all_gather_object``/``gather``: ``N`` copies of this rank's value.
+  * ``all_gather_object``/``gather``/``gather_object``: ``N`` copies of this rank's value, or, with a
+    ``peer`` function, ``peer(value, k)`` for each rank ``k != r``: what rank ``k`` would send, made
+    from this rank's (e.g. a checkpoint's file list naming rank ``k``'s shard file).
 
 So the real engine, optimizer and checkpoint code run as rank ``r`` of ``N`` in one process: shapes,
 padding, plans, the number and kind of collectives, the elements and bytes counted (the
@@ -21,11 +23,18 @@ is this rank's shard again: right in shape, not in value.
 What it cannot show: bandwidth and latency (a collective here is a local copy or a multiplication),
 stragglers and their waits, the differences between ranks (different batches, a failing rank),
 anything a peer computes, and a second process group (``new_group`` is refused).
+
+Order check: given a list (``log``), every collective this rank issues on any of its simulated groups
+is appended to it as an :class:`~lightning_zero.comm.recorder.Entry` (role, the group's global
+ranks, op, size, dtype), in the order issued; the lists of several simulated ranks compare with
+:func:`~lightning_zero.comm.recorder.compare_ranks`, the rule NCCL needs (the collective-order
+recorder's, whose log files a simulated rank never writes to).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -33,6 +42,10 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm.backends import Backend, Done
+from lightning_zero.comm.recorder import Entry, ListRecorder, Recorder
+
+Peer = Callable[[Any, int], Any]
+"""``peer(obj, k)``: what rank ``k`` would send in an object collective where this rank sends ``obj``."""
 
 
 class Simulated(Backend):
@@ -42,11 +55,34 @@ class Simulated(Backend):
     """Not sent to the collective-order recorder, which compares the sequences of real processes:
     the simulated ranks are all this one."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, name: str = "simulated") -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        name: str = "simulated",
+        global_ranks: Sequence[int] | None = None,
+        peer: Peer | None = None,
+        log: list[Entry] | None = None,
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"a simulated rank must be in 0..{world_size - 1} (world_size), got {rank}")
         super().__init__(None, rank, world_size, device)
         self._name = name
+        self._global = list(range(world_size)) if global_ranks is None else list(global_ranks)
+        self._peer = peer
+        self.log = log
+
+    def own_recorder(self, role: str, ordered: bool) -> Recorder | None:
+        if self.log is None:
+            return None
+        return ListRecorder(self.log, self.global_rank(), self._global, role, ordered, self._name)
+
+    def global_rank(self) -> int:
+        return self._global[self.rank]
+
+    def global_ranks(self) -> list[int]:
+        return list(self._global)
 
     def group_name(self) -> str:
         return self._name
@@ -83,7 +119,13 @@ class Simulated(Backend):
             self.all_gather_tensor(out, tensor)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj] + [copy.deepcopy(obj) for _ in range(self.world_size - 1)]
+        return [obj if k == self.rank else self._from(obj, k) for k in range(self.world_size)]
+
+    def gather_object(self, obj: Any, dst: int) -> list[Any] | None:
+        return self.all_gather_object(obj) if self.rank == dst else None
+
+    def _from(self, obj: Any, rank: int) -> Any:
+        return copy.deepcopy(obj) if self._peer is None else self._peer(obj, rank)
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         return obj

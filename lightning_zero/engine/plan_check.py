@@ -1,8 +1,11 @@
 """Start-up check that every rank built the same bucket plan (a mismatch would hang or corrupt).
 
-Two control collectives, both fixed-size so they cannot themselves hang on a mismatch: an
-all-gather of each rank's plan fingerprint and size; if any differ, every rank raises the same
-error naming the ranks and the first differing bucket line of rank 0's and the rank's own plan.
+One fixed-size control all-reduce (the maximum of each rank's plan fingerprint and size and of their
+negatives: equal on every rank iff the maximum of ``v`` is minus the maximum of ``-v``), so what a rank
+sends and receives does not grow with the world size and cannot itself hang on a mismatch. Only if
+they differ: an all-gather of the fingerprints and sizes and of the plans' descriptions, and every
+rank raises the same error naming the ranks and the first differing bucket line of rank 0's and the
+rank's own plan.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ def check_same_plan(plan: BucketPlan, comm: Comm) -> None:
         return
     lines = plan.describe()
     mine = [plan.fingerprint(), len(plan.params), sum(p.numel for p in plan.params)]
-    everyone = comm.all_gather_ints(mine)
-    if all(row == everyone[0] for row in everyone):
+    if comm.same_everywhere(mine):  # one all-reduce whatever the world size; details only on a mismatch
         return
+    everyone = comm.all_gather_ints(mine)
     descriptions: list[list[str] | None] = comm.all_gather_object(lines)
     reference = descriptions[0] or []
     details = []

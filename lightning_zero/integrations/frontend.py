@@ -47,6 +47,7 @@ from lightning_zero.engine.deferred_init import (
     materialize,
 )
 from lightning_zero.engine.parameters import sharded_engine
+from lightning_zero.layout.buckets import fingerprint
 from lightning_zero.optim import ShardedAdamW
 from lightning_zero.optim.twin import make_twin, repoint_scheduler
 
@@ -296,8 +297,9 @@ class ZeroFrontEnd:
             (n, t) for n, t in tensors if n not in ignored and id(t) not in sharded
         ]
         comm = Comm()
-        if check_same:
-            layouts = comm.all_gather_object([(n, tuple(t.shape), str(t.dtype)) for n, t in named])
+        mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
+        if check_same and not comm.same_everywhere([fingerprint(map(repr, mine))]):  # O(1) unless they differ
+            layouts = comm.all_gather_object(mine)
             for rank, layout in enumerate(layouts):
                 if layout != layouts[0]:
                     differ = next((a, b) for a, b in itertools.zip_longest(layout, layouts[0]) if a != b)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -100,8 +100,13 @@ class BucketPlan:
 
     def fingerprint(self) -> int:
         """A 63-bit hash of :meth:`describe`, equal on every rank iff the plans are equal."""
-        digest = hashlib.sha256("\n".join(self.describe()).encode()).digest()
-        return int.from_bytes(digest[:8], "little") >> 1
+        return fingerprint(self.describe())
+
+
+def fingerprint(lines: Iterable[str]) -> int:
+    """A 63-bit hash of ``lines`` (sha256; the same in every process, unlike ``hash``)."""
+    digest = hashlib.sha256("\n".join(lines).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def plan_buckets(

@@ -78,6 +78,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         deferred_init: stage 3, ``module`` built on the meta device: initialize it unit by unit on
             this device from this generator state (:mod:`lightning_zero.engine.deferred_init`; call
             its ``check_deferred(module)`` first; every rank must pass the same state).
+        groups: instead of ``process_group`` or ``device_mesh``: the groups themselves
+            (:class:`~lightning_zero.comm.CommGroups`), e.g. ``CommGroups.simulated(r, N)``, which
+            runs this optimizer as rank ``r`` of ``N`` in one process (:mod:`lightning_zero.comm.simulated`).
 
     Raises:
         ValueError: on an unsupported option, value or parameter; on a plan mismatch between ranks.
@@ -103,6 +106,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         param_names: dict[torch.nn.Parameter, str] | None = None,
         module: torch.nn.Module | None = None,
         deferred_init: DeferredInit | None = None,
+        groups: CommGroups | None = None,
     ) -> None:
         _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults = dict(
@@ -120,12 +124,16 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.config = config or ZeroConfig()
         for group in self.param_groups:
             _check_group(group)
-        if device_mesh is not None and process_group is not None:
-            raise ValueError("pass process_group or device_mesh, not both")
-        if device_mesh is None:
-            groups = CommGroups.flat_over(process_group)
-        else:
-            groups = CommGroups.from_mesh(device_mesh)
+        chosen = {"process_group": process_group, "device_mesh": device_mesh, "groups": groups}
+        given = [name for name, value in chosen.items() if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"pass one of process_group, device_mesh and groups, not {' and '.join(given)}")
+        if groups is None:
+            groups = (
+                CommGroups.flat_over(process_group)
+                if device_mesh is None
+                else CommGroups.from_mesh(device_mesh)
+            )
         if module is not None:
             param_order = module.parameters() if param_order is None else param_order
             param_names = {p: n for n, p in module.named_parameters()} if param_names is None else param_names

@@ -7,12 +7,26 @@ is a single-process AdamW's on the same gradient (every simulated rank's gradien
 from __future__ import annotations
 
 import copy
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from lightning_zero import ZeroConfig
+from lightning_zero import ShardedAdamW, ZeroConfig
+from lightning_zero.checkpoint.format import (
+    SIZE_CHECKS,
+    CheckpointError,
+    read_meta,
+    save_sharded,
+    shard_name,
+    size_checked,
+    verify_files,
+)
+from lightning_zero.checkpoint.reshard import files_per_bucket, load_sharded, preflight
+from lightning_zero.checkpoint.simulated import PeerFiles
 from lightning_zero.comm import Comm, CommGroups
+from lightning_zero.comm.recorder import Entry, compare_ranks
 from lightning_zero.comm.simulated import Simulated
 from lightning_zero.engine.engine import ShardEngine
 from lightning_zero.layout.partition import shard_range
@@ -105,3 +119,159 @@ def test_the_engine_runs_as_rank_r_of_n(rank: int, group: int | None, stage: int
                 torch.testing.assert_close(flat[index], want[index], rtol=1e-6, atol=1e-7)
                 checked += hi - lo
     assert checked > 0
+
+
+def _steps(groups: CommGroups, stage: int, path: Path, steps: int = 2) -> ShardedAdamW:
+    """Two training steps (forward, backward, step) and a checkpoint save, as rank ``r`` of ``N``."""
+    model = _model()
+    units = {"min_unit_numel": 1} if stage == 3 else {}
+    config = ZeroConfig(stage=stage, bucket_cap_mb=0.004, first_bucket_cap_mb=0.002, **units)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, config=config, groups=groups, module=model)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        model(x).pow(2).mean().backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    save_sharded(opt.engine, path, {"global_step": steps}, {}, stage)
+    return opt
+
+
+@pytest.mark.parametrize("group", [None, 8], ids=["flat", "hybrid"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ranks_0_1_half_and_last_of_1024_issue_the_same_collectives(
+    stage: int, group: int | None, tmp_path: Path
+) -> None:
+    """Issue 31, item 4: the collective-order recorder's two rules (per group, and interleaved across
+    groups) hold for simulated ranks 0, 1, N/2 and N-1 of N = 1,024, flat and 128 x 8, through
+    training steps (gradient clipping included) and a checkpoint save."""
+    world = 1024
+    logs: dict[int, list[Entry]] = {}
+    for rank in (0, 1, world // 2, world - 1):
+        log: list[Entry] = []
+        opt = _steps(CommGroups.simulated(rank, world, group, log=log), stage, tmp_path / f"rank{rank}")
+        assert opt.engine.groups.layout == ("1x1024" if group is None else "128x8")
+        logs[rank] = log
+    assert compare_ranks("simulated", logs, sampled=True) == []
+    ops = {(e.role, e.op) for e in logs[0]}
+    assert ("world", "gather_object_to_0") in ops and ("world", "broadcast_object_from_0") in ops
+    assert ("shard" if group else "world", "reduce_scatter" if stage > 1 else "all_reduce_sum") in ops
+    if group is not None:
+        assert any(role == "replicas" for role, _ in ops)
+    if stage == 3:
+        assert sum(e.op == "all_gather" for e in logs[0]) > 2 * len(opt.engine.plan.buckets)
+
+
+def test_the_order_check_sees_a_rank_that_issues_otherwise(tmp_path: Path) -> None:
+    """The check can fail: rank 1023 with another bucket size issues other collectives."""
+    logs = {}
+    for rank, cap in ((0, 0.004), (1023, 1.0)):
+        log: list[Entry] = []
+        model = _model()
+        config = ZeroConfig(stage=2, bucket_cap_mb=cap, first_bucket_cap_mb=0.002)
+        groups = CommGroups.simulated(rank, 1024, log=log)
+        opt = ShardedAdamW(model.parameters(), config=config, groups=groups)
+        model(torch.randn(2, 32)).sum().backward()
+        opt.step()
+        logs[rank] = log
+    problems = compare_ranks("simulated", logs, sampled=True)
+    assert problems and "rank 0 issued reduce_scatter" in problems[0], problems
+
+
+def _trained(groups: CommGroups) -> ShardedAdamW:
+    model = _model()
+    opt = ShardedAdamW(model.parameters(), config=ZeroConfig(bucket_cap_mb=0.004), groups=groups)
+    model(torch.randn(4, 32)).pow(2).mean().backward()
+    opt.step()
+    return opt
+
+
+def _save_as_rank_0(path: Path, step: int, world: int = 1024, peer: Any = None) -> None:
+    peer = peer or PeerFiles(path, world)
+    save_sharded(_trained(CommGroups.simulated(0, world, peer=peer)).engine, path, {"step": step}, {}, 2)
+
+
+def test_rank_0_of_1024_commits_every_file_with_a_bounded_number_of_stats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31, item 3: rank 0's visibility check lists the directory once and checks the sizes of a
+    bounded number of files (the first of each of the 128 hosts here), not one stat per rank."""
+    stats: list[str] = []
+    stat = Path.stat
+
+    def counted(self: Path, *args: Any, **kwargs: Any) -> Any:
+        if self.name.startswith("shard-"):
+            stats.append(self.name)
+        return stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", counted)
+    _save_as_rank_0(tmp_path / "ckpt", 1)
+    during_commit = [s for s in stats if s != "shard-00000-of-01024.pt"]  # its own, read after writing
+    # peers 1..1023 are on hosts node0..node127 (rank 0 on this machine's): the first file of each
+    assert sorted(during_commit) == [shard_name(max(1, 8 * h), 1024) for h in range(128)]
+    meta = read_meta(tmp_path / "ckpt")
+    assert len([name for name in meta["files"] if name.startswith("shard-")]) == 1024
+    assert verify_files(tmp_path / "ckpt", meta) == []
+    assert len(size_checked([("h", [("f", 1, "d")])] * 1024)) == 1  # one host: its first file only
+    assert len(size_checked([(f"h{r}", [("f", 1, "d")]) for r in range(2048)])) == SIZE_CHECKS
+
+
+def _failing_peer(path: Path, rank: int, fault: str) -> Any:
+    files = PeerFiles(path, 1024)
+
+    def peer(obj: Any, k: int) -> Any:
+        out = files(obj, k)
+        if k == rank:
+            [tmp] = path.parent.glob(f".{path.name}.tmp-*")
+            shard = tmp / shard_name(k, 1024)
+            if fault == "missing":
+                shard.unlink()
+            else:
+                shard.unlink()  # a link of rank 0's file: truncate a copy, not rank 0's own bytes
+                shard.write_bytes((tmp / shard_name(0, 1024)).read_bytes()[:100])
+        return out
+
+    return peer
+
+
+@pytest.mark.parametrize(("rank", "fault"), [(700, "missing"), (8, "truncated")])
+def test_a_file_rank_0_cannot_see_fails_the_commit_and_keeps_the_previous(
+    tmp_path: Path, rank: int, fault: str
+) -> None:
+    path = tmp_path / "ckpt"
+    _save_as_rank_0(path, 1)
+    size = read_meta(path)["files"][shard_name(rank, 1024)]["size"]
+    with pytest.raises(CheckpointError) as failed:
+        _save_as_rank_0(path, 2, peer=_failing_peer(path, rank, fault))
+    seen = "missing" if fault == "missing" else f"100 bytes instead of {size}"
+    assert f"rank {rank} (host node{rank // 8}) wrote {shard_name(rank, 1024)}, rank 0" in str(failed.value)
+    assert f"sees it {seen}" in str(failed.value)
+    assert read_meta(path)["lightning"] == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_truncated_file_outside_the_sample_is_caught_when_loaded(tmp_path: Path) -> None:
+    """The limit of the bounded check: rank 9's file (not the first of its host) is not stat-ed at the
+    commit; the load's check (size and sha256 of every file a rank reads) names it."""
+    path = tmp_path / "ckpt"
+    _save_as_rank_0(path, 2, peer=_failing_peer(path, 9, "truncated"))
+    meta = read_meta(path)
+    assert verify_files(path, meta) == [
+        f"{path / shard_name(9, 1024)}: 100 bytes, expected {meta['files'][shard_name(9, 1024)]['size']} "
+        "(truncated or replaced)"
+    ]
+
+
+@pytest.mark.parametrize("new_world", [768, 2048])
+def test_a_resume_on_another_world_opens_at_most_two_files_per_bucket(tmp_path: Path, new_world: int) -> None:
+    """Issue 31's target: N -> 3N/4 and N -> 2N, each rank reads its part of a bucket from at most 2 of
+    the saved shard files (its part is a contiguous range of the saved bucket); the load runs."""
+    path = tmp_path / "ckpt"
+    _save_as_rank_0(path, 1)
+    meta = read_meta(path)
+    for rank in (0, 1, new_world // 2, new_world - 1):
+        engine = _trained(CommGroups.simulated(rank, new_world)).engine
+        needed = files_per_bucket(engine, meta)
+        assert max(len(ranks) for ranks in needed) <= 2, (rank, needed)
+        preflight(engine, path, meta)
+        load_sharded(engine, path, meta)

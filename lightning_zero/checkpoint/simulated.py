@@ -1,0 +1,52 @@
+"""The other ranks of a simulated world at a checkpoint save (:mod:`lightning_zero.comm.simulated`).
+
+A simulated rank writes only its own shard file; the commit on rank 0 then needs every rank's file in
+the temporary directory and every rank's status in its gather. :class:`PeerFiles` stands in for the
+other ``N - 1`` ranks: when the status gather asks what rank ``k`` sends, it gives rank ``k``'s shard
+file, a hard link of this rank's (all ranks' shards have the same size; the bytes are this rank's),
+and its status naming that file, from host ``node<k // ranks_per_node>``. So rank 0's commit runs
+on ``N`` real files and ``N`` statuses (its listing, size checks, ``meta.pt`` of ``N`` entries and
+the atomic rename), and a resume on another simulated world reads real shard files.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning_zero.checkpoint.format import shard_name
+
+
+class PeerFiles:
+    """``peer`` for :meth:`~lightning_zero.comm.CommGroups.simulated` at a save into ``target``."""
+
+    def __init__(self, target: str | os.PathLike[str], world_size: int, ranks_per_node: int = 8) -> None:
+        self.target, self.world_size, self.ranks_per_node = Path(target), world_size, ranks_per_node
+        self.linked = 0
+        """Shard files made for the other ranks so far."""
+
+    def __call__(self, obj: Any, rank: int) -> Any:
+        if not _is_status(obj):
+            return obj
+        _, files = obj
+        [tmp] = self.target.parent.glob(f".{self.target.name}.tmp-*")
+        written = []
+        for name, size, digest in files:
+            if not name.startswith("shard-"):
+                continue  # model_extra.pt: rank 0's alone
+            theirs = shard_name(rank, self.world_size)
+            os.link(tmp / name, tmp / theirs)
+            self.linked += 1
+            written.append((theirs, size, digest))
+        return (f"node{rank // self.ranks_per_node}", written)
+
+
+def _is_status(obj: Any) -> bool:
+    """A save's status: ``(host, [(file name, size, sha256), ...])``."""
+    return (
+        isinstance(obj, tuple)
+        and len(obj) == 2
+        and isinstance(obj[1], list)
+        and all(isinstance(f, tuple) and len(f) == 3 for f in obj[1])
+    )
