@@ -446,6 +446,28 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
+def read_meta_once(path: str | os.PathLike[str], comm: Comm) -> dict[str, Any]:
+    """:func:`read_meta` on rank 0 of ``comm``, broadcast to the others (call on all ranks): one read
+    of ``meta.pt`` from the file system instead of one per rank (it lists every shard file, so it grows
+    with the world size that wrote it, and thousands of ranks would each read it from the same
+    metadata and storage servers at once).
+
+    Raises:
+        CheckpointError: on every rank, rank 0's (the file missing, unreadable or too new).
+    """
+    meta: dict[str, Any] | str | None = None
+    if comm.rank == 0:
+        try:
+            meta = read_meta(path)
+        except CheckpointError as err:
+            meta = str(err)
+    meta = comm.broadcast_object(meta, src=0) if comm.world_size > 1 else meta
+    if isinstance(meta, str):
+        raise CheckpointError(meta)
+    assert meta is not None
+    return meta
+
+
 def verify_files(
     path: str | os.PathLike[str],
     meta: dict[str, Any],

@@ -19,27 +19,38 @@ from lightning_zero.checkpoint.format import shard_name
 
 
 class PeerFiles:
-    """``peer`` for :meth:`~lightning_zero.comm.CommGroups.simulated` at a save into ``target``."""
+    """``peer`` for :meth:`~lightning_zero.comm.CommGroups.simulated` at a save into ``target``, in a
+    world of ``world_size`` ranks, ``ranks_per_node`` on a host; ``shard_group_size``: hybrid
+    sharding, where the first shard group writes the shard files (``shard_group_size`` of them)."""
 
-    def __init__(self, target: str | os.PathLike[str], world_size: int, ranks_per_node: int = 8) -> None:
+    def __init__(
+        self,
+        target: str | os.PathLike[str],
+        world_size: int,
+        ranks_per_node: int = 8,
+        shard_group_size: int | None = None,
+    ) -> None:
         self.target, self.world_size, self.ranks_per_node = Path(target), world_size, ranks_per_node
+        self.files = shard_group_size or world_size
+        """Shard files a checkpoint has: one per rank of the first shard group."""
         self.linked = 0
         """Shard files made for the other ranks so far."""
 
     def __call__(self, obj: Any, rank: int) -> Any:
         if not _is_status(obj):
             return obj
-        _, files = obj
+        host = f"node{rank // self.ranks_per_node}"
+        if rank >= self.files:
+            return (host, [])  # another replica group: it holds the same shards and writes none
         [tmp] = self.target.parent.glob(f".{self.target.name}.tmp-*")
         written = []
-        for name, size, digest in files:
-            if not name.startswith("shard-"):
-                continue  # model_extra.pt: rank 0's alone
-            theirs = shard_name(rank, self.world_size)
-            os.link(tmp / name, tmp / theirs)
-            self.linked += 1
-            written.append((theirs, size, digest))
-        return (f"node{rank // self.ranks_per_node}", written)
+        for name, size, digest in obj[1]:
+            if name.startswith("shard-"):  # model_extra.pt: rank 0's alone
+                theirs = shard_name(rank, self.files)
+                os.link(tmp / name, tmp / theirs)
+                self.linked += 1
+                written.append((theirs, size, digest))
+        return (host, written)
 
 
 def _is_status(obj: Any) -> bool:

@@ -396,6 +396,12 @@ class Comm:
         union = problems if everyone is None else list(dict.fromkeys(p for rank in everyone for p in rank))
         return list(self.broadcast_object(union, src=root))
 
+    def barrier(self, what: str = "barrier") -> None:
+        """Return once every rank has called it (one all-reduce of a single element; blocking).
+        ``what`` names it in a failure."""
+        if self.world_size > 1:
+            self.wait(self.all_reduce(torch.zeros(1, device=self.device), control=True, what=what))
+
     def same_everywhere(self, values: list[int]) -> bool:
         """Whether every rank passed the same integers (blocking, on all ranks): one all-reduce of
         ``2 len(values)`` int64s (the maximum of ``v`` and of ``-v``), whatever the world size."""

@@ -31,6 +31,7 @@ import os
 import socket
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -168,22 +169,27 @@ def _check(
         lightning_zero=lightning_zero.__version__,
     )
     world = Comm()
-    views = [RankView(**v) for v in world.all_gather_object(asdict(mine))]
-    problems = check_views(views)
-    problems += check_checkpoint_dir(world, args.checkpoint_dir, host)
-    timeout = timedelta(seconds=args.timeout)
-    layout, groups, layout_problems = choose_layout(world, views, args.shard_group_size, device.type, timeout)
-    problems += layout_problems
+    gathered = world.gather_object(asdict(mine))  # rank 0 alone receives every rank's view
+    views = None if gathered is None else [RankView(**v) for v in gathered]
+    problems = [] if views is None else check_views(views)
+    problems += check_checkpoint_dir(world, args.checkpoint_dir, host, devices)
+    problems = world.broadcast_object(problems, src=0)  # every rank goes on (or not) alike
+    layout, groups = "", None
+    if not problems:
+        timeout = timedelta(seconds=args.timeout)
+        layout, groups, layout_problems = choose_layout(
+            world, mine, views, args.shard_group_size, device.type, timeout
+        )
+        problems = world.broadcast_object(layout_problems, src=0)
     sizes = (
         [float(s) for s in args.sizes_mb.split(",")]
         if args.sizes_mb
         else _DEFAULT_SIZES_MB.get(device.type, [1.0])
     )
     rows = measure(world, groups, sizes, device) if not problems else []
-    problems = world.broadcast_object(problems if world.rank == 0 else None, src=0)
-    if world.rank == 0:
+    if views is not None:
         report(views, layout, rows, problems, args.checkpoint_dir, device, time.perf_counter() - start)
-    world.all_gather_object(None)  # nobody leaves before rank 0 has printed
+    world.barrier("the end of preflight")  # nobody leaves before rank 0 has printed
     return 1 if problems else 0
 
 
@@ -191,11 +197,12 @@ def check_views(views: list[RankView]) -> list[str]:
     """Rank 0's checks of what every rank reported (see the module docstring)."""
     problems = []
     first = views[0]
-    for key in ("world_size", "devices", "num_nodes", "main_address", "main_port", "torch", "lightning_zero"):
+    keys = ("world_size", "devices", "num_nodes", "main_address", "main_port", "shard_group_size")
+    for key in (*keys, "torch", "lightning_zero"):
         values = {getattr(v, key) for v in views}
         if len(values) > 1:
-            seen = ", ".join(
-                f"rank {v.rank}: {getattr(v, key)}" for v in views if getattr(v, key) != getattr(first, key)
+            seen = _listed(
+                [f"rank {v.rank}: {getattr(v, key)}" for v in views if getattr(v, key) != getattr(first, key)]
             )
             problems.append(f"{key} differs between ranks: rank 0 has {getattr(first, key)!r}; {seen}")
     expected = first.devices * first.num_nodes
@@ -204,9 +211,14 @@ def check_views(views: list[RankView]) -> list[str]:
             f"{len(views)} ranks joined, devices={first.devices} x num_nodes={first.num_nodes} = "
             f"{expected} expected"
         )
-    ranks = sorted(v.rank for v in views)
-    if ranks != list(range(len(views))):
-        problems.append(f"global ranks are not 0..{len(views) - 1} once each: {ranks}")
+    counts = Counter(v.rank for v in views)
+    if sorted(counts) != list(range(len(views))):
+        twice = sorted(r for r, n in counts.items() if n > 1)
+        absent = sorted(set(range(len(views))) - set(counts))
+        problems.append(
+            f"global ranks are not 0..{len(views) - 1} once each: more than once "
+            f"{_listed(list(map(str, twice))) or 'none'}; never {_listed(list(map(str, absent))) or 'none'}"
+        )
     hosts: dict[str, list[int]] = {}
     for v in views:
         hosts.setdefault(v.host, []).append(v.rank)
@@ -214,7 +226,7 @@ def check_views(views: list[RankView]) -> list[str]:
     if len(hosts) > 1 and uneven:  # one host may stand for several "nodes" (tests, a workstation)
         problems.append(
             "hosts do not each run devices="
-            f"{first.devices} ranks: " + "; ".join(f"{h}: ranks {r}" for h, r in uneven.items())
+            f"{first.devices} ranks: " + _listed([f"{h}: ranks {r}" for h, r in uneven.items()], "; ")
         )
     local = {(v.host, v.node_rank, v.local_rank) for v in views}
     if len(local) != len(views):
@@ -222,8 +234,19 @@ def check_views(views: list[RankView]) -> list[str]:
     return problems
 
 
-def check_checkpoint_dir(world: Comm, directory: str | None, host: str) -> list[str]:
-    """Every rank writes a probe into ``directory`` and looks for everyone's (rank 0 gets the problems)."""
+def _listed(items: list[str], sep: str = ", ", most: int = 8) -> str:
+    """``items`` joined, the first ``most`` of them and how many more (a problem names the ranks that
+    differ, not thousands of them)."""
+    more = f"{sep}and {len(items) - most} more" if len(items) > most else ""
+    return sep.join(items[:most]) + more
+
+
+def check_checkpoint_dir(world: Comm, directory: str | None, host: str, devices: int = 1) -> list[str]:
+    """Every rank writes a probe into ``directory``; rank 0 lists it once and looks for every rank's
+    probe, and every other rank looks for the probe of one rank on another node (``devices`` ranks
+    on: the next node's when ranks are numbered node by node). So each rank makes a bounded number
+    of metadata calls whatever the world size (not a listing of ``N`` probes each: ``N^2`` entries
+    read from a shared file system's metadata server). Rank 0 gets the problems."""
     if directory is None:
         return []
     token = world.broadcast_object(uuid.uuid4().hex[:12] if world.rank == 0 else None, src=0)
@@ -234,22 +257,30 @@ def check_checkpoint_dir(world: Comm, directory: str | None, host: str) -> list[
         (probe_dir / f"rank{world.rank}").write_text(host)
     except OSError as err:
         error = f"rank {world.rank} (host {host}) cannot write into {directory}: {err}"
-    world.all_gather_object(None)  # every probe written before anyone looks
-    seen = {int(p.name[4:]) for p in probe_dir.glob("rank*")} if probe_dir.is_dir() else set()
-    missing = sorted(set(range(world.world_size)) - seen)
-    reports = world.all_gather_object((host, error, missing, directory))
-    problems = [e for _, e, _, _ in reports if e]
-    for rank, (rank_host, _, unseen, rank_directory) in enumerate(reports):
+    world.barrier("the checkpoint directory's probes")  # every probe written before anyone looks
+    peer = (world.rank + max(devices, 1)) % world.world_size
+    if peer == world.rank:
+        peer = (world.rank + 1) % world.world_size
+    if world.rank == 0:
+        seen = {entry.name for entry in os.scandir(probe_dir)} if probe_dir.is_dir() else set()
+        missing = [r for r in range(world.world_size) if f"rank{r}" not in seen]
+    else:
+        missing = [] if (probe_dir / f"rank{peer}").is_file() else [peer]
+    reports = world.gather_object((host, error, missing, directory))
+    problems = []
+    for rank, (rank_host, rank_error, unseen, rank_directory) in enumerate(reports or []):
+        if rank_error:
+            problems.append(rank_error)
         if unseen:
             problems.append(
                 f"rank {rank} (host {rank_host}) cannot see the probe files of ranks {unseen} in "
                 f"{rank_directory}: it is not on storage shared by all nodes (every rank writes its shard of "
                 "a checkpoint there); use a shared file system path"
             )
-    world.all_gather_object(None)  # every rank has looked
+    world.barrier("the checkpoint directory's check")  # every rank has looked
     try:
         (probe_dir / f"rank{world.rank}").unlink(missing_ok=True)
-        world.all_gather_object(None)
+        world.barrier("the checkpoint directory's clean-up")
         if world.rank == 0 or missing:
             probe_dir.rmdir()
     except OSError:
@@ -258,26 +289,29 @@ def check_checkpoint_dir(world: Comm, directory: str | None, host: str) -> list[
 
 
 def choose_layout(
-    world: Comm, views: list[RankView], size: str | None, device_type: str, timeout: timedelta
+    world: Comm,
+    mine: RankView,
+    views: list[RankView] | None,
+    size: str | None,
+    device_type: str,
+    timeout: timedelta,
 ) -> tuple[str, CommGroups | None, list[str]]:
-    """The layout a ``shard_group_size`` gives on these ranks: its description, its groups (created
-    with ``timeout``, so a measurement inside or across groups cannot outwait ``--timeout``), problems."""
-    first = views[0]
-    if len({v.shard_group_size for v in views}) > 1:
-        told = ", ".join(f"rank {v.rank}: {v.shard_group_size}" for v in views)
-        return "", None, [f"shard_group_size differs between ranks ({told}): every rank must shard alike"]
+    """The layout a ``shard_group_size`` gives on these ranks, every rank told the same one
+    (:func:`check_views`): its description, its groups (created with ``timeout``, so a measurement
+    inside or across groups cannot outwait ``--timeout``), problems (rank 0, which has every rank's
+    view in ``views``, checks that each group stays on one host; the others pass ``None``)."""
     if size is None or size == "None":
-        return f"flat: every bucket split over all {len(views)} ranks", CommGroups.flat_over(), []
-    group = first.devices if size == "auto" else int(size) if str(size).isdigit() else -1
+        return f"flat: every bucket split over all {world.world_size} ranks", CommGroups.flat_over(), []
+    group = mine.devices if size == "auto" else int(size) if str(size).isdigit() else -1
     try:
         mesh = hybrid_mesh(group, device_type, timeout)
     except ValueError as err:
         return "", None, [str(err).replace(f"shard_group_size={group!r}", f"shard_group_size={size}")]
     groups = CommGroups.flat_over() if mesh is None else CommGroups.from_mesh(mesh)
-    replicas = len(views) // group
+    replicas = world.world_size // group
     members = [list(range(r * group, (r + 1) * group)) for r in range(replicas)]
-    host_of = {v.rank: v.host for v in views}
-    spanning = [m for m in members if len({host_of[r] for r in m}) > 1]
+    host_of = {v.rank: v.host for v in views or []}
+    spanning = [m for m in members if len({host_of[r] for r in m}) > 1] if views else []
     problems = []
     if size == "auto" and spanning:
         problems.append(
@@ -343,10 +377,52 @@ def measure(
                     torch.cuda.synchronize(device)
                 if i:
                     times.append(time.perf_counter() - began)
-            seconds = max(row[0] for row in world.all_gather_floats([sum(times) / len(times)]))  # the slowest
+            slowest = torch.tensor([sum(times) / len(times)], dtype=torch.float64, device=world.device)
+            world.wait(world.all_reduce(slowest, op="max", control=True))
+            seconds = slowest.item()
             algbw, busbw = bandwidths(kind, comm.world_size, numel * 4, seconds)
             rows.append((kind, label, comm.world_size, numel * 4 / 2**20, seconds * 1e3, algbw, busbw))
     return rows
+
+
+ROWS_IN_FULL = 64
+"""Up to this many ranks, the table has a row per rank; beyond, a row per host, the first and last
+:data:`HOSTS_SHOWN` hosts (a table of thousands of rows is not read)."""
+HOSTS_SHOWN = 4
+
+
+def rank_table(views: list[RankView]) -> list[str]:
+    """The table of ranks: one row per rank up to :data:`ROWS_IN_FULL` ranks; beyond, one per host
+    (its ranks, node ranks and local ranks, as ranges), the first and last :data:`HOSTS_SHOWN`."""
+    ordered = sorted(views, key=lambda v: v.rank)
+    if len(ordered) <= ROWS_IN_FULL:
+        lines = [f"{'rank':>5} {'host':<24}{'node':>5}{'local':>6}{'world':>6}"]
+        lines += [
+            f"{v.rank:>5} {v.host:<24}{v.node_rank:>5}{v.local_rank:>6}{v.world_size:>6}" for v in ordered
+        ]
+        return lines
+    hosts: dict[str, list[RankView]] = {}
+    for v in ordered:
+        hosts.setdefault(v.host, []).append(v)
+    lines = [f"{'host':<24}{'ranks':>14}{'node':>12}{'local':>10}"]
+    rows = list(hosts.items())
+    shown = rows if len(rows) <= 2 * HOSTS_SHOWN else rows[:HOSTS_SHOWN] + rows[-HOSTS_SHOWN:]
+    for i, (host, members) in enumerate(shown):
+        if len(shown) < len(rows) and i == HOSTS_SHOWN:
+            lines.append(f"... {len(rows) - 2 * HOSTS_SHOWN} more hosts")
+        cells = [_span([getattr(v, key) for v in members]) for key in ("rank", "node_rank", "local_rank")]
+        lines.append(f"{host:<24}{cells[0]:>14}{cells[1]:>12}{cells[2]:>10}")
+    return lines
+
+
+def _span(values: list[int]) -> str:
+    """``"a-b"`` for consecutive integers, ``"a"`` for one, else the distinct values (up to 4)."""
+    distinct = sorted(set(values))
+    if len(distinct) == 1:
+        return str(distinct[0])
+    if distinct == list(range(distinct[0], distinct[-1] + 1)):
+        return f"{distinct[0]}-{distinct[-1]}"
+    return ",".join(map(str, distinct[:4])) + (",..." if len(distinct) > 4 else "")
 
 
 def report(
@@ -365,9 +441,8 @@ def report(
         f"main {views[0].main_address}:{views[0].main_port}, torch {views[0].torch}, "
         f"lightning-zero {views[0].lightning_zero}"
     )
-    print(f"{'rank':>5} {'host':<24}{'node':>5}{'local':>6}{'world':>6}")
-    for v in sorted(views, key=lambda v: v.rank):
-        print(f"{v.rank:>5} {v.host:<24}{v.node_rank:>5}{v.local_rank:>6}{v.world_size:>6}")
+    for line in rank_table(views):
+        print(line)
     if directory is not None:
         print(
             f"checkpoint directory {directory}: "

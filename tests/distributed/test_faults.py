@@ -63,8 +63,8 @@ def _run(fault: str, tmp: Path) -> dict[int, dict]:
     [
         ("kill_mid_step", "reduce-scatter"),
         ("hang_mid_step", "reduce-scatter"),
-        ("kill_mid_async_save", "all-gather of a Python object"),
-        ("kill_mid_save", "all-gather of a Python object"),
+        ("kill_mid_async_save", "gather of Python objects to rank 0"),
+        ("kill_mid_save", "gather of Python objects to rank 0"),
         ("kill_mid_load", "all-gather"),
         ("hang_mid_load", "all-gather"),
     ],

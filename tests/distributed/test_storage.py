@@ -16,7 +16,7 @@ import pytest
 
 from lightning_zero.checkpoint import read_meta, verify_files
 from tests.distributed.harness import run_ranks
-from tests.distributed.workers_ckpt import node_local_save, stale_size_save
+from tests.distributed.workers_ckpt import meta_read_once, node_local_save, stale_size_save
 
 
 @pytest.mark.parametrize("redirect", [False, True], ids=["mount_namespace", "redirected_writes"])
@@ -64,3 +64,13 @@ def test_a_shard_rank_0_sees_at_the_wrong_size_fails_and_keeps_the_previous(tmp_
     assert results[0]["step"] == 2, "the previous checkpoint must stay the committed one"
     meta = read_meta(root / "ckpt")
     assert meta["lightning"]["global_step"] == 2 and verify_files(root / "ckpt", meta) == []
+
+
+def test_meta_pt_is_read_by_rank_0_alone_and_its_error_reaches_every_rank(tmp_path: Path) -> None:
+    """``meta.pt`` lists every shard file (it grows with the world size): rank 0 reads it and broadcasts
+    it (issue 31); a checkpoint without one fails on every rank with rank 0's error."""
+    results = run_ranks(meta_read_once, 3, str(tmp_path), timeout_s=120)
+    assert [r["reads"] for r in results] == [2, 0, 0]
+    assert all(r["step"] == 2 for r in results)
+    for result in results:
+        assert f"{tmp_path / 'absent' / 'meta.pt'} does not exist" in result["error"]

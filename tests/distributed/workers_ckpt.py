@@ -208,3 +208,30 @@ def stale_size_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
         "left": sorted(p.name for p in root_path.iterdir()),
         "step": read_meta(root_path / "ckpt")["lightning"]["global_step"] if rank == 0 else None,
     }
+
+
+def meta_read_once(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """``read_meta_once`` of a checkpoint and of a directory without ``meta.pt``: which ranks read the
+    file (only rank 0 may), what each got."""
+    import lightning_zero.checkpoint.format as checkpoint_format
+    from lightning_zero.comm import Comm
+
+    _saved_at_step_2(rank, world_size, Path(root))
+    reads = []
+    original = checkpoint_format.read_meta
+
+    def counted(path: Any) -> Any:
+        reads.append(str(path))
+        return original(path)
+
+    checkpoint_format.read_meta = counted  # type: ignore[assignment]
+    try:
+        meta = checkpoint_format.read_meta_once(Path(root) / "ckpt", Comm())
+        try:
+            checkpoint_format.read_meta_once(Path(root) / "absent", Comm())
+            error = None
+        except CheckpointError as err:
+            error = str(err)
+    finally:
+        checkpoint_format.read_meta = original  # type: ignore[assignment]
+    return {"reads": len(reads), "step": meta["lightning"]["global_step"], "error": error}

@@ -42,10 +42,11 @@ from lightning_zero.checkpoint.format import (
     WEIGHTS_ONLY,
     CheckpointError,
     is_sharded_checkpoint,
-    read_meta,
+    read_meta_once,
     save_sharded,
 )
 from lightning_zero.checkpoint.reshard import load_sharded, preflight
+from lightning_zero.comm import Comm
 from lightning_zero.integrations.arguments import check_sharded_path, local_path
 from lightning_zero.integrations.frontend import ZeroFrontEnd
 
@@ -128,7 +129,7 @@ class FabricCheckpointing(DDPStrategy):
         if not is_sharded_checkpoint(path):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         path = Path(path)
-        meta = read_meta(path)
+        meta = read_meta_once(path, Comm())  # one read of meta.pt, not one per rank
         saved = dict(meta["lightning"])
         keys = saved.pop(FABRIC_KEYS, None) or {}
         params_only = bool(saved.pop(WEIGHTS_ONLY, False))

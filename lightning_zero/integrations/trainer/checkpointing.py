@@ -40,11 +40,12 @@ from lightning_zero.checkpoint.format import (
     WEIGHTS_ONLY,
     CheckpointError,
     is_sharded_checkpoint,
-    read_meta,
+    read_meta_once,
     save_sharded,
     weights_extras,
 )
 from lightning_zero.checkpoint.reshard import ShardFiles, load_sharded, read_full_param, weights_key
+from lightning_zero.comm import Comm
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import check_sharded_path, local_path
 from lightning_zero.integrations.frontend import ZeroFrontEnd
@@ -170,7 +171,7 @@ class ShardedCheckpointing(DDPStrategy):
         if not is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = Path(checkpoint_path)
-        meta = read_meta(path)
+        meta = read_meta_once(path, Comm())  # one read of meta.pt, not one per rank
         checkpoint = _as_trainer_checkpoint(meta["lightning"])
         checkpoint["state_dict"] = torch.load(path / EXTRA, map_location="cpu", weights_only=True)
         if not checkpoint.pop(WEIGHTS_ONLY, False):
