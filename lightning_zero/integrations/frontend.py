@@ -256,10 +256,12 @@ class ZeroFrontEnd:
                 it differently; before any work, on every rank.
         """
         comm = Comm()
-        flags = [f for (f,) in comm.all_gather_ints([int(is_deferred(module))])]
-        if not any(flags):
+        mine = int(is_deferred(module))
+        same = comm.same_everywhere([mine])  # one all-reduce; every rank's flag only if they differ
+        if same and not mine:
             return None
-        if not all(flags):
+        if not same:
+            flags = [f for (f,) in comm.all_gather_ints([mine])]
             raise DeferredInitError(
                 f"ranks {[r for r, f in enumerate(flags) if f]} built the model on the meta device and ranks "
                 f"{[r for r, f in enumerate(flags) if not f]} did not: every rank must build it the same way"

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.distributed.harness import run_ranks
+from tests.distributed.workers import deferred_flags
 from tests.launch import launch_env, run_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,3 +86,19 @@ def test_a_checkpoint_resumes_into_a_model_built_on_the_meta_device(runs: dict[s
     assert not torch.equal(
         runs["resume3"]["end"]["model.head.weight"], runs["deferred3"]["end"]["model.head.weight"]
     )
+
+
+@pytest.mark.parametrize(
+    ("meta_ranks", "expected"),
+    [([], ["eager"] * 3), ([0, 1, 2], ["deferred"] * 3), ([1], None)],
+    ids=["none", "all", "one"],
+)
+def test_ranks_that_build_the_model_differently_fail_alike(meta_ranks: list[int], expected: Any) -> None:
+    """One all-reduce decides (issue 31: nothing that grows with the world size unless ranks differ);
+    ranks that differ get every rank's flag and the same error, naming them."""
+    results = run_ranks(deferred_flags, 3, meta_ranks, timeout_s=120)
+    if expected is not None:
+        assert results == expected
+    else:
+        message = "ranks [1] built the model on the meta device and ranks [0, 2] did not"
+        assert all(message in r for r in results), results

@@ -481,3 +481,18 @@ def stage3_state_dict(rank: int, world_size: int) -> dict[str, Any]:
         ),
         "moved": max((full[k] - v).abs().max().item() for k, v in BlockNet().double().state_dict().items()),
     }
+
+
+def deferred_flags(rank: int, world_size: int, meta_ranks: list[int]) -> str | None:
+    """``ZeroFrontEnd.deferred_init`` of a Linear built on the meta device by ``meta_ranks`` and eagerly
+    by the others: the error text, ``"deferred"`` or ``"eager"``."""
+    from lightning_zero.engine.deferred_init import DeferredInitError
+    from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions
+
+    with torch.device("meta" if rank in meta_ranks else "cpu"):
+        model = torch.nn.Linear(4, 4)
+    try:
+        found = ZeroFrontEnd(ZeroOptions(config=ZeroConfig(stage=3))).deferred_init(model, torch.device("cpu"))
+    except DeferredInitError as err:
+        return str(err)
+    return "eager" if found is None else "deferred"
