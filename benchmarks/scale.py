@@ -157,7 +157,7 @@ def step_figures(
     }
 
 
-def checkpoint_figures(opt: ShardedAdamW, stage: int, target: Path) -> dict[str, float]:
+def checkpoint_figures(opt: ShardedAdamW, stage: int, target: Path, peer: PeerFiles) -> dict[str, float]:
     """Rank 0's save into ``target`` (the other ranks' files come from the simulated world's
     :class:`PeerFiles`) and the time of its commit; ``meta.pt``'s size."""
     commit_s: list[float] = []
@@ -177,7 +177,8 @@ def checkpoint_figures(opt: ShardedAdamW, stage: int, target: Path) -> dict[str,
         total = time.perf_counter() - began
     finally:
         checkpoint_format.StagedSave._agree_and_commit = agree  # type: ignore[method-assign]  # noqa: SLF001
-    meta = read_meta(target)
+    meta = read_meta(target)  # the commit's time without the simulation's (the other ranks' files made)
+    commit_s[0] -= peer.seconds
     shard_files = [n for n in meta["files"] if n.startswith("shard-")]
     return {
         "save_s": total,
@@ -295,50 +296,63 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {int(memory) / 2**20:.0f} GiB"
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def row(args: argparse.Namespace, world: int, group: int | None, stage: int) -> dict[str, Any]:
+    """One row: ``world`` simulated ranks, ``group`` ranks per shard group (``None``: flat), ``stage``."""
     config = model_config(args.narrow)
     torch.manual_seed(0)
     plain = GPT(config)
-    rows = []
     build(
-        config, 3, args.narrow, CommGroups.simulated(0, args.ranks[0])
-    )  # one-time costs out of the first row
+        config, stage, args.narrow, CommGroups.simulated(0, world, group)
+    )  # one-time costs out of the figures
+    tmp = args.tmp / f"lz-scale-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    peer = PeerFiles(tmp / "ckpt", world, PER_NODE, group)
+    groups = CommGroups.simulated(0, world, group, peer=peer)
+    model, opt, setup_s, python_bytes = build(config, stage, args.narrow, groups)
+    memory = opt.engine.memory()
+    out: dict[str, Any] = {
+        "ranks": world,
+        "layout": f"1x{world}" if group is None else f"{world // group}x{group}",
+        "stage": stage,
+        "parameters": sum(p.numel() for p in plain.parameters()),
+        "tensors": len(list(plain.parameters())),
+        "buckets": len(opt.engine.plan.buckets),
+        "units": 0 if opt.engine.units is None else len(opt.engine.units.units),
+        "padding": sum(b.padding for b in opt.engine.plan.buckets),
+        "setup_s": setup_s,
+        "python_mb": python_bytes / 2**20,
+        "state_mb": (memory.state_bytes + memory.grad_shard_bytes) / 2**20,
+        **step_figures(config, model, opt, plain, args.steps),
+    }
+    try:
+        out.update(checkpoint_figures(opt, stage, tmp / "ckpt", peer))
+        for name, new_world in (("3N/4", 3 * world // 4), ("2N", 2 * world)):
+            resume = resume_figures(config, stage, args.narrow, tmp / "ckpt", new_world, group)
+            out.update({f"resume {name} {k}": v for k, v in resume.items()})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every row, each in a process of its own (a long-lived process drifts: the same plain model's
+    step took twice as long late in one process as early), then the cluster tools."""
+    rows = []
     for world in args.ranks:
         for group in (None, PER_NODE):
             for stage in (1, 2, 3):
                 layout = f"1x{world}" if group is None else f"{world // group}x{group}"
                 print(f"N={world} {layout} stage {stage} ...", flush=True)
-                tmp = args.tmp / f"lz-scale-{os.getpid()}"
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-                peer = PeerFiles(tmp / "ckpt", world, PER_NODE, group)
-                groups = CommGroups.simulated(0, world, group, peer=peer)
-                model, opt, setup_s, python_bytes = build(config, stage, args.narrow, groups)
-                memory = opt.engine.memory()
-                row: dict[str, Any] = {
-                    "ranks": world,
-                    "layout": layout,
-                    "stage": stage,
-                    "buckets": len(opt.engine.plan.buckets),
-                    "units": 0 if opt.engine.units is None else len(opt.engine.units.units),
-                    "setup_s": setup_s,
-                    "python_mb": python_bytes / 2**20,
-                    "state_mb": (memory.state_bytes + memory.grad_shard_bytes) / 2**20,
-                    **step_figures(config, model, opt, plain, args.steps),
-                }
-                try:
-                    row.update(checkpoint_figures(opt, stage, tmp / "ckpt"))
-                    for name, new_world in (("3N/4", 3 * world // 4), ("2N", 2 * world)):
-                        resume = resume_figures(config, stage, args.narrow, tmp / "ckpt", new_world, group)
-                        row.update({f"resume {name} {k}": v for k, v in resume.items()})
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                rows.append(row)
-                del model, opt
-                gc.collect()
+                command = [sys.executable, __file__, "--row", f"{world},{group or 0},{stage}"]
+                command += ["--narrow", str(args.narrow), "--steps", str(args.steps), "--tmp", str(args.tmp)]
+                done = subprocess.run(command, capture_output=True, text=True, check=False)
+                if done.returncode:
+                    raise RuntimeError(f"row N={world} {layout} stage {stage} failed:\n{done.stderr[-3000:]}")
+                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
                 print(
                     "   ",
-                    {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()},
+                    {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()},
                     flush=True,
                 )
     cluster = {
@@ -353,8 +367,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "model": (
-            f"llama_1b / {args.narrow}: {sum(p.numel() for p in plain.parameters()) / 1e6:.1f} M parameters, "
-            f"{len(list(plain.parameters()))} tensors, {rows[0]['buckets']} buckets, {rows[2]['units']} units"
+            f"llama_1b / {args.narrow}: {rows[0]['parameters'] / 1e6:.1f} M parameters, "
+            f"{rows[0]['tensors']} tensors, {rows[0]['buckets']} buckets, {rows[2]['units']} units"
         ),
         "rows": rows,
         "cluster": cluster,
@@ -374,8 +388,11 @@ COLUMNS = [
     ("meta_bytes", "meta.pt KiB", "{}"),
     ("commit_s", "commit s", "{:.3f}"),
     ("shard_files", "files", "{}"),
+    ("padding", "padding", "{:,}"),
     ("resume 3N/4 files_per_bucket", "3N/4 files/bucket", "{}"),
+    ("resume 3N/4 files", "3N/4 files", "{}"),
     ("resume 2N files_per_bucket", "2N files/bucket", "{}"),
+    ("resume 2N files", "2N files", "{}"),
 ]
 
 
@@ -435,7 +452,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--ranks", default="64,1024,8192", help="simulated world sizes, comma-separated (multiples of 8)"
+        "--ranks", default="64,1024,8192", help="simulated world sizes, comma-separated (multiples of 32)"
     )
     parser.add_argument(
         "--narrow", type=int, default=8, help="divide llama_1b's widths and vocabulary by this"
@@ -444,13 +461,18 @@ def main() -> None:
     parser.add_argument(
         "--tmp", type=Path, default=Path("/dev/shm"), help="where checkpoints are written (tmpfs)"
     )
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # N,G,stage: one row, printed as JSON
     parser.add_argument("--out", type=Path, help="directory for scale.json, scale.png and the sbatch script")
     args = parser.parse_args()
     args.ranks = [int(n) for n in args.ranks.split(",")]
-    bad = [n for n in args.ranks if n % PER_NODE or n < 2 * PER_NODE]
-    if bad:
-        parser.error(f"--ranks must be multiples of {PER_NODE} of at least {2 * PER_NODE}, got {bad}")
+    bad = [n for n in args.ranks if n % (4 * PER_NODE)]
+    if bad:  # 3N/4 must hold whole nodes too
+        parser.error(f"--ranks must be multiples of {4 * PER_NODE}, got {bad}")
     torch.set_num_threads(1)
+    if args.row:
+        world, group, stage = (int(x) for x in args.row.split(","))
+        print(json.dumps(row(args, world, group or None, stage)))
+        return
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     result = run(args)

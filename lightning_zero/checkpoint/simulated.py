@@ -12,6 +12,7 @@ the atomic rename), and a resume on another simulated world reads real shard fil
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,17 @@ class PeerFiles:
         """Shard files a checkpoint has: one per rank of the first shard group."""
         self.linked = 0
         """Shard files made for the other ranks so far."""
+        self.seconds = 0.0
+        """Time spent making them (the simulation's, not the save's)."""
 
     def __call__(self, obj: Any, rank: int) -> Any:
+        began = time.perf_counter()
+        try:
+            return self._status(obj, rank)
+        finally:
+            self.seconds += time.perf_counter() - began
+
+    def _status(self, obj: Any, rank: int) -> Any:
         if not _is_status(obj):
             return obj
         host = f"node{rank // self.ranks_per_node}"

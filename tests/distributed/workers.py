@@ -492,7 +492,8 @@ def deferred_flags(rank: int, world_size: int, meta_ranks: list[int]) -> str | N
     with torch.device("meta" if rank in meta_ranks else "cpu"):
         model = torch.nn.Linear(4, 4)
     try:
-        found = ZeroFrontEnd(ZeroOptions(config=ZeroConfig(stage=3))).deferred_init(model, torch.device("cpu"))
+        front = ZeroFrontEnd(ZeroOptions(config=ZeroConfig(stage=3)))
+        found = front.deferred_init(model, torch.device("cpu"))
     except DeferredInitError as err:
         return str(err)
     return "eager" if found is None else "deferred"
