@@ -92,7 +92,7 @@ def check_compatible(engine: ShardEngine, meta: dict[str, Any], path: Path) -> l
 
 def files_per_bucket(engine: ShardEngine, meta: dict[str, Any]) -> list[set[int]]:
     """For each bucket of this rank's plan, the saved ranks whose shard files hold what this rank
-    loads into it (a resume on ``M`` ranks of a checkpoint of ``N``: about ``ceil(N/M) + 1`` at most,
+    loads into it (a resume on ``M`` ranks of a checkpoint of ``N``: ``ceil(N/M) + 1`` at most,
     since a rank's part of a bucket is a contiguous range of the saved one, in the same order)."""
     layout = _SavedLayout(meta)
     out = []
