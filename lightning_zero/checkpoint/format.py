@@ -226,7 +226,10 @@ class StagedSave:
         if everyone is not None:  # rank 0
             errors = [s for _, s in everyone if isinstance(s, str)]
             if not errors:
-                errors = _unseen(self.tmp, everyone, host)
+                try:  # nothing may leave rank 0 before the broadcast the others wait in
+                    errors = _unseen(self.tmp, everyone, host)
+                except OSError as err:
+                    errors = [f"rank 0 (host {host}) cannot check {self.tmp}: {type(err).__name__}: {err}"]
             if not errors:
                 try:
                     files = {

@@ -397,17 +397,23 @@ class Comm:
         return list(self.broadcast_object(union, src=root))
 
     def barrier(self, what: str = "barrier") -> None:
-        """Return once every rank has called it (one all-reduce of a single element; blocking).
-        ``what`` names it in a failure."""
+        """Return once every rank has called it: one all-reduce of a single element, its result read
+        on the host (on NCCL, waiting for the handle only orders the stream; the read blocks the
+        host too). ``what`` names it in a failure."""
         if self.world_size > 1:
-            self.wait(self.all_reduce(torch.zeros(1, device=self.device), control=True, what=what))
+            flag = torch.zeros(1, device=self.device)
+            self.wait(self.all_reduce(flag, control=True, what=what))
+            flag.item()
 
     def same_everywhere(self, values: list[int]) -> bool:
         """Whether every rank passed the same integers (blocking, on all ranks): one all-reduce of
-        ``2 len(values)`` int64s (the maximum of ``v`` and of ``-v``), whatever the world size."""
+        ``2 len(values)`` int64s (the maximum of ``v`` and of ``-v``), whatever the world size. The
+        values are compared modulo ``2**62`` (so that no value can fail to convert on one rank alone,
+        before the collective the others entered)."""
         if self.world_size == 1:
             return True
-        both = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=self.device)
+        reduced = [v % 2**62 for v in values]
+        both = torch.tensor(reduced + [-v for v in reduced], dtype=torch.int64, device=self.device)
         self.wait(self.all_reduce(both, op="max", control=True, what="agreement check"))
         top, neg = both.tolist()[: len(values)], both.tolist()[len(values) :]
         return all(a == -b for a, b in zip(top, neg, strict=True))

@@ -27,6 +27,7 @@ come.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import time
@@ -261,11 +262,7 @@ def check_checkpoint_dir(world: Comm, directory: str | None, host: str, devices:
     peer = (world.rank + max(devices, 1)) % world.world_size
     if peer == world.rank:
         peer = (world.rank + 1) % world.world_size
-    if world.rank == 0:
-        seen = {entry.name for entry in os.scandir(probe_dir)} if probe_dir.is_dir() else set()
-        missing = [r for r in range(world.world_size) if f"rank{r}" not in seen]
-    else:
-        missing = [] if (probe_dir / f"rank{peer}").is_file() else [peer]
+    missing = _unseen_probes(probe_dir, world.rank, world.world_size, peer)
     reports = world.gather_object((host, error, missing, directory))
     problems = []
     for rank, (rank_host, rank_error, unseen, rank_directory) in enumerate(reports or []):
@@ -278,14 +275,27 @@ def check_checkpoint_dir(world: Comm, directory: str | None, host: str, devices:
                 "a checkpoint there); use a shared file system path"
             )
     world.barrier("the checkpoint directory's check")  # every rank has looked
-    try:
+    # every rank reaches each collective whatever its file system says (a read-only mount, a path
+    # under a file): a rank that raised here would leave the others waiting
+    with contextlib.suppress(OSError):
         (probe_dir / f"rank{world.rank}").unlink(missing_ok=True)
-        world.barrier("the checkpoint directory's clean-up")
-        if world.rank == 0 or missing:
+    world.barrier("the checkpoint directory's clean-up")
+    if world.rank == 0 or missing:
+        with contextlib.suppress(OSError):  # another rank's node-local copy, or already gone
             probe_dir.rmdir()
-    except OSError:
-        pass  # another rank's node-local copy, or already gone
     return problems
+
+
+def _unseen_probes(probe_dir: Path, rank: int, world_size: int, peer: int) -> list[int]:
+    """The ranks whose probe this rank looks for and cannot see: rank 0 every rank's (one listing),
+    another rank its ``peer``'s. A directory it cannot read hides them all (never raises)."""
+    try:
+        if rank == 0:
+            seen = {entry.name for entry in os.scandir(probe_dir)} if probe_dir.is_dir() else set()
+            return [r for r in range(world_size) if f"rank{r}" not in seen]
+        return [] if (probe_dir / f"rank{peer}").is_file() else [peer]
+    except OSError:
+        return list(range(world_size)) if rank == 0 else [peer]
 
 
 def choose_layout(

@@ -63,6 +63,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[int, 
             ["--shard-group-size", "auto"],
             {r: ["--checkpoint-dir", str(private if r == 3 else shared / "c")] for r in range(4)},
         ),
+        "dir_under_a_file": _torchrun_like(  # rank 1 cannot create its directory
+            ["--shard-group-size", "auto"],
+            {
+                r: ["--checkpoint-dir", str(_a_file(tmp) / "sub" if r == 1 else shared / "d")]
+                for r in range(4)
+            },
+        ),
         "layout_differs": _torchrun_like(
             [], {r: ["--shard-group-size", "4" if r == 2 else "2"] for r in range(4)}
         ),
@@ -98,6 +105,18 @@ def test_a_checkpoint_directory_one_rank_cannot_share_is_named(runs: dict) -> No
     _failed_everywhere(runs, "node_local_dir", "cannot see the probe files of ranks [3]")
     _failed_everywhere(runs, "node_local_dir", "rank 3 (host")
     _failed_everywhere(runs, "node_local_dir", "cannot see the probe files of ranks [1]")
+
+
+def _a_file(tmp: Path) -> Path:
+    (tmp / "a_file").write_text("not a directory")
+    return tmp / "a_file"
+
+
+def test_a_checkpoint_directory_one_rank_cannot_create_ends_every_rank_with_its_name(runs: dict) -> None:
+    """Rank 1's path lies under a regular file: its mkdir, look-up and clean-up all fail (ENOTDIR),
+    and every rank still ends, naming it (none waits in a collective the other skipped)."""
+    _failed_everywhere(runs, "dir_under_a_file", "rank 1 (host")
+    _failed_everywhere(runs, "dir_under_a_file", "cannot write into")
 
 
 def test_a_layout_that_differs_on_one_rank_is_named(runs: dict) -> None:

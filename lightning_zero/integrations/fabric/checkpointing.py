@@ -42,6 +42,7 @@ from lightning_zero.checkpoint.format import (
     WEIGHTS_ONLY,
     CheckpointError,
     is_sharded_checkpoint,
+    read_meta,
     read_meta_once,
     save_sharded,
 )
@@ -129,7 +130,9 @@ class FabricCheckpointing(DDPStrategy):
         if not is_sharded_checkpoint(path):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         path = Path(path)
-        meta = read_meta_once(path, Comm())  # one read of meta.pt, not one per rank
+        # a load into the sharded model or optimizer is collective anyway: one read of meta.pt, not
+        # one per rank; any other (e.g. fabric.load_raw into a plain module, maybe on one rank) none
+        meta = read_meta_once(path, Comm()) if self._into_shards(state) else read_meta(path)
         saved = dict(meta["lightning"])
         keys = saved.pop(FABRIC_KEYS, None) or {}
         params_only = bool(saved.pop(WEIGHTS_ONLY, False))
@@ -173,6 +176,13 @@ class FabricCheckpointing(DDPStrategy):
             else:
                 state[key] = saved.pop(key)
         return saved
+
+    def _into_shards(self, state: Any) -> bool:
+        """Whether ``state`` holds the sharded model or optimizer (loading it is a collective)."""
+        if not self._zero.bound():
+            return False
+        held = state.values() if isinstance(state, dict) else [state]
+        return any(obj is self._module or obj is self._zero.optimizer for obj in held)
 
     def _load_module(
         self, path: Path, meta: dict[str, Any], module: torch.nn.Module, strict: bool, with_optimizer: bool
