@@ -33,7 +33,9 @@ with its error and the next one runs):
   4. ``sync_debug``, ``watchdog``, ``max_connections`` (``benchmarks/gpu_nccl_checks.py``): steps of
      every stage under ``torch.cuda.set_sync_debug_mode("error")``; a collective stuck behind a
      kernel ending as ``CommError`` (and a main thread blocked behind it ending with status 75) within
-     the timeout; stage 3 with ``CUDA_DEVICE_MAX_CONNECTIONS=1``. ~1 minute.
+     the timeout, and ``Comm.barrier`` holding the host behind a 1 s kernel (``barrier_host_blocked_s``
+     >= ~1: preflight's probe check relies on it); stage 3 with ``CUDA_DEVICE_MAX_CONNECTIONS=1``.
+     ~1 minute.
 
 GPU time, estimated for one H200 (no GPU run recorded yet): ~4 minutes in all. ``train`` makes 12
 fits of 20 steps of 8×1024 tokens; compute is ~25 ms (125M) and ~70 ms (350M) a step, so each fit

@@ -138,16 +138,31 @@ def stuck_comm(device: str, seconds: float) -> tuple[Any, Any]:
     return Comm(None, backend, role="replicas"), backend
 
 
+BARRIER_KERNEL_S = 1.0
+
+
+def barrier_blocks(device: str) -> dict[str, Any]:
+    """``Comm.barrier`` behind an all-reduce whose kernel runs ``BARRIER_KERNEL_S``: on CUDA the host
+    must wait for it (waiting for a handle only orders the stream; preflight's probe check relies
+    on the barrier), so ``barrier_host_blocked_s`` is at least ~1 s there; on CPU the injected
+    collective has no kernel and it is ~0."""
+    comm, _ = stuck_comm(device, BARRIER_KERNEL_S)
+    start = time.monotonic()
+    comm.barrier("injected barrier")
+    return {"barrier_host_blocked_s": time.monotonic() - start, "barrier_kernel_s": BARRIER_KERNEL_S}
+
+
 def part_watchdog(device: str) -> dict[str, Any]:
     from lightning_zero.comm import CommError
     from lightning_zero.comm.watchdog import Watchdog
 
     timeout = WATCHDOG_TIMEOUT_S
+    out_barrier = barrier_blocks(device)
     comm, backend = stuck_comm(device, 10 * timeout)
     comm.watch(Watchdog(CommError, poll_s=0.2, exit_after=None), timeout)
     tensor = torch.ones(4, device=device)
     start = time.monotonic()
-    out: dict[str, Any] = {"timeout_s": timeout, "raised": None}
+    out: dict[str, Any] = {"timeout_s": timeout, "raised": None, **out_barrier}
     try:
         comm.wait(comm.all_reduce(tensor, what="injected all-reduce"))  # returns at once on CUDA
         while time.monotonic() - start < 6 * timeout:  # the host goes on (next forward, backward, ...)

@@ -19,7 +19,9 @@ Per ``N`` (flat, and hybrid ``N/8 x 8``) and stage (1-3), as simulated rank 0:
     hooks; tensors are not Python allocations), beside the sharded state's bytes (tensors);
   * **per step**: elements sent and collectives issued, and the host time of our code: a step's wall
     time minus the same forward and backward on a plain copy of the model (the median of ``--steps``
-    after a warm-up; the model's compute is excluded, a simulated collective is a local copy);
+    after a warm-up; the model's compute is excluded, a simulated collective is a local copy), and
+    the number of Python calls into ``lightning_zero`` in a step (``cProfile``; setup's too): the
+    same figure without the machine's noise;
   * **checkpoint** (``--tmp``, default ``/dev/shm``): rank 0's save of ``N`` shard files (the others'
     are hard links made when the status gather asks for them: :class:`PeerFiles`), the time of its
     commit (gather, listing and size checks, ``meta.pt``, rename), the size of ``meta.pt``;
@@ -35,10 +37,12 @@ script of the largest ``N``.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
 import platform
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -123,6 +127,21 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor, vocab: int) -> torch.Ten
     return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
 
 
+def our_calls(fn: Any) -> int:
+    """Python function calls into ``lightning_zero`` while ``fn()`` runs (``cProfile``'s count): the
+    host work of our code in a figure that, unlike its time, has no noise."""
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        fn()
+    finally:
+        profile.disable()
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    return sum(
+        calls for (file, _, _), (_, calls, *_) in stats.items() if f"{os.sep}lightning_zero{os.sep}" in file
+    )
+
+
 def step_figures(
     config: GPTConfig, model: torch.nn.Module, opt: ShardedAdamW, plain: torch.nn.Module, steps: int
 ) -> dict[str, float]:
@@ -149,9 +168,19 @@ def step_figures(
             ours.append(sharded - bare)
             theirs.append(bare)
     unique = {id(c): c for c in comms}.values()
-    return {
+    figures = {
         "elements_per_step": engine.comm_stats.elements_sent + engine.replica_comm_stats.elements_sent,
         "collectives_per_step": sum(c.stats.collectives for c in unique),
+    }
+
+    def one_step() -> None:
+        _loss(model, tokens, config.vocab_size).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return {
+        **figures,
+        "our_calls_per_step": our_calls(one_step),
         "host_ms_per_step": 1e3 * statistics.median(ours),
         "model_ms_per_step": 1e3 * statistics.median(theirs),
     }
@@ -309,6 +338,7 @@ def row(args: argparse.Namespace, world: int, group: int | None, stage: int) -> 
     tmp.mkdir(parents=True)
     peer = PeerFiles(tmp / "ckpt", world, PER_NODE, group)
     groups = CommGroups.simulated(0, world, group, peer=peer)
+    setup_calls = our_calls(lambda: build(config, stage, args.narrow, CommGroups.simulated(0, world, group)))
     model, opt, setup_s, python_bytes = build(config, stage, args.narrow, groups)
     memory = opt.engine.memory()
     out: dict[str, Any] = {
@@ -321,6 +351,7 @@ def row(args: argparse.Namespace, world: int, group: int | None, stage: int) -> 
         "units": 0 if opt.engine.units is None else len(opt.engine.units.units),
         "padding": sum(b.padding for b in opt.engine.plan.buckets),
         "setup_s": setup_s,
+        "setup_calls": setup_calls,
         "python_mb": python_bytes / 2**20,
         "state_mb": (memory.state_bytes + memory.grad_shard_bytes) / 2**20,
         **step_figures(config, model, opt, plain, args.steps),
@@ -380,11 +411,13 @@ COLUMNS = [
     ("layout", "layout", "{}"),
     ("stage", "stage", "{}"),
     ("setup_s", "setup s", "{:.2f}"),
+    ("setup_calls", "setup calls", "{:,}"),
     ("python_mb", "Python MiB", "{:.2f}"),
     ("state_mb", "state MiB", "{:.2f}"),
     ("elements_per_step", "elements/step", "{:,}"),
     ("collectives_per_step", "collectives", "{}"),
     ("host_ms_per_step", "host ms/step", "{:.1f}"),
+    ("our_calls_per_step", "our calls/step", "{:,}"),
     ("meta_bytes", "meta.pt KiB", "{}"),
     ("commit_s", "commit s", "{:.3f}"),
     ("shard_files", "files", "{}"),

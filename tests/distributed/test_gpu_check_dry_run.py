@@ -81,6 +81,7 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
     assert dog["raised"] is not None and "injected all-reduce of 4 elements" in dog["raised"], dog
     assert dog["timeout_s"] <= dog["seconds_to_comm_error"] <= dog["timeout_s"] + 2.0, dog
     assert dog["aborts"] == 1, dog
+    assert dog["barrier_kernel_s"] == 1.0 and dog["barrier_host_blocked_s"] < 0.5, dog  # no kernel on CPU
     assert dog["blocked_child_exit_status"] == 75, dog
     assert dog["blocked_child_seconds"] <= 3 * dog["timeout_s"] + 15, dog  # a child's start included
     connections = report["max_connections"]
