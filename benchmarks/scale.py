@@ -2,7 +2,8 @@
 tools run as rank ``r`` of ``N`` in a simulated world (:mod:`lightning_zero.comm.simulated`), and
 every cost that could grow with ``N`` is measured against it.
 
-    python benchmarks/scale.py [--ranks 64,1024,8192] [--narrow 8] [--steps 5] [--out DIR]
+    python benchmarks/scale.py [--ranks 64,1024,8192] [--narrow 8] [--steps 9] [--out DIR]
+    python benchmarks/scale.py --from-json DIR/scale.json [--out DIR]   # the table and plot again
 
 The model is the recipe's ``llama_1b`` (``conf/model/llama_1b.yaml``: 22 blocks, grouped-query
 attention, untied 32,000-token vocabulary) at reduced width: ``d_model``, ``mlp_hidden`` and the
@@ -448,13 +449,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     panels = [
         ("setup_s", "setup (s)"),
+        ("setup_calls", "Python calls into our code at setup"),
         ("host_ms_per_step", "host time of our code per step (ms)"),
+        ("our_calls_per_step", "Python calls into our code per step"),
         ("commit_s", "rank 0's commit (s)"),
         ("meta_bytes", "meta.pt (bytes)"),
         ("python_mb", "Python memory of our structures (MiB)"),
         ("resume 3N/4 files_per_bucket", "files per bucket, resume to 3N/4"),
     ]
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
+    fig, axes = plt.subplots(2, 4, figsize=(18, 7.5))
     for ax, (key, title) in zip(axes.flat, panels, strict=True):
         for layout in ("flat", "hybrid"):
             for stage in (1, 2, 3):
@@ -494,6 +497,9 @@ def main() -> None:
     parser.add_argument(
         "--tmp", type=Path, default=Path("/dev/shm"), help="where checkpoints are written (tmpfs)"
     )
+    parser.add_argument(
+        "--from-json", type=Path, help="print (and with --out, plot) a run's scale.json again"
+    )
     parser.add_argument("--row", help=argparse.SUPPRESS)  # N,G,stage: one row, printed as JSON
     parser.add_argument("--out", type=Path, help="directory for scale.json, scale.png and the sbatch script")
     args = parser.parse_args()
@@ -508,7 +514,22 @@ def main() -> None:
         return
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
+    if args.from_json is not None:  # the table and the plot again, from a run's raw results
+        result = json.loads(args.from_json.read_text())
+        report(result)
+        if args.out is not None:
+            plot(result, args.out / "scale.png")
+        return
     result = run(args)
+    report(result)
+    if args.out is not None:
+        (args.out / "scale.json").write_text(json.dumps(result, indent=1) + "\n")
+        plot(result, args.out / "scale.png")
+        print(f"written: {args.out}/scale.json, scale.png, scale-{max(args.ranks)}.sbatch")
+
+
+def report(result: dict[str, Any]) -> None:
+    """The table and the cluster tools' figures of a run."""
     print()
     print(f"{result['model']}; {result['machine']}; torch {result['torch']}; commit {result['commit']}")
     print(table(result))
@@ -518,11 +539,8 @@ def main() -> None:
             f"{figures['preflight_checks_s'] * 1e3:.1f} ms; sbatch {figures['sbatch_s']:.1f} s "
             f"({figures['sbatch_nodes_line']})"
         )
-    print("\n".join(result["cluster"][max(args.ranks)]["preflight_table"]))
-    if args.out is not None:
-        (args.out / "scale.json").write_text(json.dumps(result, indent=1) + "\n")
-        plot(result, args.out / "scale.png")
-        print(f"written: {args.out}/scale.json, scale.png, scale-{max(args.ranks)}.sbatch")
+    largest = max(result["cluster"], key=int)
+    print("\n".join(result["cluster"][largest]["preflight_table"]))
 
 
 if __name__ == "__main__":
