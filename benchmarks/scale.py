@@ -67,7 +67,7 @@ from lightning_zero.checkpoint.reshard import ShardFiles, files_per_bucket, load
 from lightning_zero.checkpoint.simulated import PeerFiles  # noqa: E402
 from lightning_zero.comm import CommGroups  # noqa: E402
 from lightning_zero.engine.deferred_init import DeferredInit, capture_rng, check_deferred  # noqa: E402
-from lightning_zero.integrations.preflight import RankView, check_views, rank_table  # noqa: E402
+from lightning_zero.integrations.preflight_views import RankView, check_views, rank_table  # noqa: E402
 from recipes.training.model import GPT  # noqa: E402
 from recipes.training.model_config import GPTConfig  # noqa: E402
 

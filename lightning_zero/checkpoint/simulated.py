@@ -34,8 +34,6 @@ class PeerFiles:
         self.target, self.world_size, self.ranks_per_node = Path(target), world_size, ranks_per_node
         self.files = shard_group_size or world_size
         """Shard files a checkpoint has: one per rank of the first shard group."""
-        self.linked = 0
-        """Shard files made for the other ranks so far."""
         self.seconds = 0.0
         """Time spent making them (the simulation's, not the save's)."""
 
@@ -58,7 +56,6 @@ class PeerFiles:
             if name.startswith("shard-"):  # model_extra.pt: rank 0's alone
                 theirs = shard_name(rank, self.files)
                 os.link(tmp / name, tmp / theirs)
-                self.linked += 1
                 written.append((theirs, size, digest))
         return (host, written)
 

@@ -20,11 +20,9 @@ them; everything they do with the sharded engine lives here, once, and imports n
 
 from __future__ import annotations
 
-import importlib
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,8 +32,6 @@ import torch
 from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.checkpoint.reshard import load_sharded, preflight
 from lightning_zero.comm import Comm, hybrid_mesh
-from lightning_zero.comm.groups import is_device_mesh
-from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ShardEngine
 from lightning_zero.engine.deferred_init import (
     DeferredInit,
@@ -47,113 +43,10 @@ from lightning_zero.engine.deferred_init import (
     materialize,
 )
 from lightning_zero.engine.parameters import sharded_engine
+from lightning_zero.integrations.options import ZeroOptions
 from lightning_zero.layout.buckets import fingerprint
 from lightning_zero.optim import ShardedAdamW
 from lightning_zero.optim.twin import make_twin, repoint_scheduler
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ZeroOptions:
-    """The strategies' own arguments (the rest are Lightning's ``DDPStrategy``'s)."""
-
-    config: ZeroConfig
-    """Bucketing, stage, overlap, wire dtype, unused parameters, alignment (validated there)."""
-    log_comm_stats: bool = False
-    """Log per step the time waited on communication and the elements and bytes sent."""
-    sharded_checkpoint: bool = True
-    """Save a directory of per-rank shards; ``False``: one standard file gathered on rank 0."""
-    async_checkpoint: bool = False
-    """Write sharded saves during ``fit`` in the background (Trainer only)."""
-    broadcast_buffers: bool = True
-    """Broadcast module buffers from rank 0 before the forwards where DDP does."""
-    shard_group_size: int | str | None = None
-    """Ranks per shard group (hybrid sharding): ``None`` all ranks (flat), ``"auto"`` the ranks of one
-    node, or a divisor of the world size (checked once it is known)."""
-    device_mesh: Any = None
-    """A torch ``DeviceMesh`` that already exists (1-D: flat over it; 2-D: replicate x shard)."""
-
-    def __post_init__(self) -> None:
-        for name in ("log_comm_stats", "sharded_checkpoint", "async_checkpoint", "broadcast_buffers"):
-            _check_bool(name, getattr(self, name))
-        size = self.shard_group_size
-        positive = isinstance(size, int) and not isinstance(size, bool) and size >= 1
-        if size is not None and size != "auto" and not positive:
-            raise ValueError(
-                f"shard_group_size must be None (shard over all ranks), 'auto' (the ranks of one node) or a "
-                f"positive number of ranks dividing the world size, got {size!r}"
-            )
-        if self.device_mesh is not None:
-            if not is_device_mesh(self.device_mesh):
-                raise ValueError(
-                    "device_mesh must be None or a torch.distributed.device_mesh.DeviceMesh (1-D: flat "
-                    f"sharding over it; 2-D: replicate x shard), got {self.device_mesh!r}"
-                )
-            if size is not None:
-                raise ValueError(
-                    f"pass shard_group_size={size!r} or a device_mesh, not both (the mesh's dim 1 is the "
-                    "shard group)"
-                )
-        if self.config.stage == 3 and not self.sharded_checkpoint:
-            raise ValueError(
-                "sharded_checkpoint=False is not supported at stage 3 (one file gathered on rank 0 would "
-                "need the whole model there); save directories and convert one with `lightning-zero "
-                "consolidate DIR FILE`, which streams parameter by parameter"
-            )
-        if self.async_checkpoint and not self.sharded_checkpoint:
-            raise ValueError("async_checkpoint=True needs sharded_checkpoint=True (directories of shards)")
-
-    @classmethod
-    def from_arguments(cls, arguments: Mapping[str, Any]) -> ZeroOptions:
-        """The options among a strategy's keyword arguments (e.g. its ``locals()``); others are ignored.
-
-        Raises:
-            ValueError: a bad value, named with what would be valid.
-        """
-        settings = {f.name: arguments[f.name] for f in fields(ZeroConfig) if f.name in arguments}
-        if settings.get("unit_modules") is not None:
-            settings["unit_modules"] = resolve_classes("unit_modules", settings["unit_modules"])
-        config = ZeroConfig(**settings)
-        own = {f.name: arguments[f.name] for f in fields(cls) if f.name != "config" and f.name in arguments}
-        return cls(config=config, **own)
-
-    def refuse(self, names: Iterable[str], reason: str) -> None:
-        """Raise if any of ``names`` is set to ``True`` (an option this integration cannot honour)."""
-        for name in names:
-            if getattr(self, name):
-                raise ValueError(f"{name}=True is supported by {reason}; use the default False")
-
-
-def resolve_classes(name: str, value: Any) -> tuple[type, ...]:
-    """Module classes from a list of classes or dotted import paths (``"recipes.training.model.Block"``,
-    what a YAML config can hold).
-
-    Raises:
-        ValueError: naming the argument, its value and the entry that is no importable module class.
-    """
-    entries = [value] if isinstance(value, str | type) else value
-    if not isinstance(entries, Sequence):  # a list, a tuple, or a config's list
-        raise ValueError(f"{name} must be a list of module classes or import paths, got {value!r}")
-    classes = []
-    for entry in entries:
-        cls = entry
-        if isinstance(entry, str):
-            module_name, _, attr = entry.rpartition(".")
-            try:
-                cls = getattr(importlib.import_module(module_name), attr) if module_name else None
-            except (ImportError, AttributeError):
-                cls = None
-        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
-            raise ValueError(
-                f"{name}: {entry!r} is not an importable torch.nn.Module class (a class, or a path like "
-                f"'package.module.Block'), in {value!r}"
-            )
-        classes.append(cls)
-    return tuple(classes)
 
 
 def sharded_of(optimizer: Any) -> ShardedAdamW:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lightning_zero.integrations.preflight import RankView, check_views, rank_table
+from lightning_zero.integrations.preflight_views import RankView, check_views, rank_table
 
 
 def _views(world: int, per_host: int = 8) -> list[RankView]:

@@ -15,13 +15,12 @@ import pytest
 import torch
 
 from lightning_zero import ShardedAdamW, ZeroConfig
+from lightning_zero.checkpoint.commit import SIZE_CHECKS, size_checked
 from lightning_zero.checkpoint.format import (
-    SIZE_CHECKS,
     CheckpointError,
     read_meta,
     save_sharded,
     shard_name,
-    size_checked,
     verify_files,
 )
 from lightning_zero.checkpoint.reshard import files_per_bucket, load_sharded, preflight
