@@ -1,5 +1,6 @@
-"""A simulated world: this process is rank ``r`` of ``N``, and no other rank exists (issue 31's first
-step; nothing uses it unless asked: :meth:`CommGroups.simulated`).
+"""A simulated world: this process is rank ``r`` of ``N``, and no other rank exists (nothing uses it
+unless asked: :meth:`CommGroups.simulated`, ``ShardedAdamW(groups=...)``; ``benchmarks/scale.py``
+measures with it what grows with ``N``).
 
 Every collective completes at once with what ``N`` ranks would deliver **if every rank sent what this
 rank sends** (the data-parallel case of identical replicas on identical batches):
