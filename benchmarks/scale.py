@@ -42,7 +42,6 @@ import cProfile
 import gc
 import json
 import os
-import platform
 import pstats
 import shutil
 import statistics
@@ -60,6 +59,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 import lightning_zero  # noqa: E402
+from benchmarks.record import machine  # noqa: E402
 from lightning_zero import ShardedAdamW, ZeroConfig  # noqa: E402
 from lightning_zero.checkpoint import format as checkpoint_format  # noqa: E402
 from lightning_zero.checkpoint.format import META, read_meta, save_sharded  # noqa: E402
@@ -306,24 +306,6 @@ def cluster_figures(world: int, out: Path | None) -> dict[str, Any]:
         "sbatch_s": sbatch_s,
         "sbatch_nodes_line": next(x for x in sbatch.stdout.splitlines() if x.startswith("#SBATCH --nodes")),
     }
-
-
-def machine() -> str:
-    """CPU model, cores and memory of this machine (Linux)."""
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        platform.machine(),
-    )
-    memory = next(
-        line.split()[1]
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("MemTotal")
-    )
-    return f"{cpu}, {os.cpu_count()} cores, {int(memory) / 2**20:.0f} GiB"
 
 
 def row(args: argparse.Namespace, world: int, group: int | None, stage: int) -> dict[str, Any]:

@@ -495,13 +495,14 @@ def load_rows(args: argparse.Namespace, not_run: dict[str, str]) -> dict[str, li
     return rows
 
 
-def report(args: argparse.Namespace, not_run: dict[str, str]) -> None:
+def report(args: argparse.Namespace, not_run: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+    """Prints the model's table; returns every rank's raw figures of every round, by row."""
     rows = load_rows(args, not_run)
     if not rows:
         print(f"\nGPT {args.model}: no row ran")
         for name, reason in not_run.items():
             print(f"{name:<30}not run: {reason}")
-        return
+        return rows
     params = next(iter(rows.values()))[0]["params"]
     n = args.devices
     ddp = rows.get("ddp")
@@ -531,6 +532,7 @@ def report(args: argparse.Namespace, not_run: dict[str, str]) -> None:
         else:
             print(row_line(name, rows[name], ref, params, n))
     notes(rows, ref, params, n)
+    return rows
 
 
 def row_line(name: str, ranks: list[dict[str, Any]], ref: dict[str, Any], params: int, n: int) -> str:
@@ -657,6 +659,9 @@ def main() -> None:
         help="fix glibc's mmap threshold for every row (e.g. 1048576); default: glibc's dynamic one",
     )
     parser.add_argument("--out", default="benchmarks/results/step_time")
+    parser.add_argument(
+        "--json", type=Path, help="also write every rank's raw figures, by model and row, to this file"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="runs of every strategy, interleaved")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
     parser.add_argument("--only", choices=STRATEGIES, help=argparse.SUPPRESS)
@@ -684,9 +689,14 @@ def main() -> None:
                 if reason:
                     print(f"  not run: {reason}", flush=True)
                     not_run[model][name] = reason
+    raw = {}
     for model in models:
         args.model = model
-        report(args, not_run[model])
+        raw[model] = {"rows": report(args, not_run[model]), "not_run": not_run[model]}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(raw, indent=1) + "\n")
+        print(f"\nraw figures: {args.json}")
 
 
 def launch(cmd: list[str], mmap_threshold: int | None = None) -> str | None:
