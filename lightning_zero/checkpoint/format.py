@@ -185,7 +185,9 @@ class StagedSave:
 
         Raises:
             CheckpointError: on every rank, if any rank failed or rank 0 cannot see a rank's files
-                (the previous checkpoint is kept, and every rank removes its temporary files).
+                (the previous checkpoint is kept, and every rank removes its temporary files). If
+                the collectives fail after rank 0 committed, the message says so (on rank 0) or
+                that it may have (on the ranks whose word had reached it).
         """
         host = socket.gethostname()
         status: Any
@@ -203,23 +205,27 @@ class StagedSave:
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             status = f"rank {comm.rank}: {type(err).__name__}: {err} (host {host})"
         peer_failure: CommError | None = None
+        progress = {"sent": False, "committed": False}
         try:
-            errors = self._agree_and_commit(comm, host, status)
+            errors = self._agree_and_commit(comm, host, status, progress)
         except CommError as err:  # a peer died or hung: no commit without every rank's word
             errors, peer_failure = [str(err)], err
         if errors:
             shutil.rmtree(self.tmp, ignore_errors=True)  # every rank: node-local temporaries too
             raise CheckpointError(
-                f"saving checkpoint {self.target} failed; the previous one (if any) is kept:\n"
+                f"saving checkpoint {self.target} failed; {_outcome(comm.rank, progress, peer_failure)}:\n"
                 + "\n".join(sorted(set(errors), key=errors.index))
             ) from peer_failure  # the cause stays visible: a caller may resume or requeue on it
 
-    def _agree_and_commit(self, comm: Comm, host: str, status: Any) -> list[str]:
+    def _agree_and_commit(self, comm: Comm, host: str, status: Any, progress: dict[str, bool]) -> list[str]:
         """Rank 0 gathers every rank's outcome, checks what it sees and commits; its verdict goes to
         every rank. The errors, on all ranks. Only rank 0 receives the ``N`` file lists (``meta.pt``
         lists every file); the others receive the errors alone, so nothing a rank other than 0
-        receives grows with the world size."""
+        receives grows with the world size. ``progress`` records how far it got (``sent``: the
+        gather returned; ``committed``: rank 0 renamed the directory into place), for the message
+        when the verdict's broadcast fails."""
         everyone = comm.gather_object((host, status), dst=0)  # a failed rank sends its error text
+        progress["sent"] = True
         errors: list[str] = []
         if everyone is not None:  # rank 0
             errors = [s for _, s in everyone if isinstance(s, str)]
@@ -237,11 +243,23 @@ class StagedSave:
                     }
                     _write({**self.meta, "files": files}, self.tmp / META)
                     commit_directory(self.tmp, self.target)
+                    progress["committed"] = True
                 except Exception as err:  # noqa: BLE001
                     errors.append(f"rank 0: {type(err).__name__}: {err} (host {host})")
         if comm.world_size > 1:  # rank 0's verdict reaches everyone
             errors = comm.broadcast_object(errors, src=0)
         return errors
+
+
+def _outcome(rank: int, progress: dict[str, bool], peer_failure: CommError | None) -> str:
+    """What a failed save left at its target, as far as this rank knows: the new checkpoint when rank 0
+    committed before its verdict failed to reach the others; unknown to another rank whose word had
+    reached rank 0 when the collectives failed; otherwise the previous one."""
+    if progress["committed"]:
+        return "rank 0 committed the new one, but its verdict did not reach every rank"
+    if peer_failure is not None and rank != 0 and progress["sent"]:
+        return "rank 0 may have committed the new one before the verdict failed (its meta.pt tells)"
+    return "the previous one (if any) is kept"
 
 
 def stage_save(
@@ -347,28 +365,6 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{file} has format version {version!r}; this lightning-zero reads versions "
             f"<= {FORMAT_VERSION} (upgrade lightning-zero)"
         )
-    return meta
-
-
-def read_meta_once(path: str | os.PathLike[str], comm: Comm) -> dict[str, Any]:
-    """:func:`read_meta` on rank 0 of ``comm``, broadcast to the others (call on all ranks): one read
-    of ``meta.pt`` from the file system instead of one per rank (it lists every shard file, so it grows
-    with the world size that wrote it, and thousands of ranks would each read it from the same
-    metadata and storage servers at once).
-
-    Raises:
-        CheckpointError: on every rank, rank 0's (the file missing, unreadable or too new).
-    """
-    meta: dict[str, Any] | str | None = None
-    if comm.rank == 0:
-        try:
-            meta = read_meta(path)
-        except CheckpointError as err:
-            meta = str(err)
-    meta = comm.broadcast_object(meta, src=0) if comm.world_size > 1 else meta
-    if isinstance(meta, str):
-        raise CheckpointError(meta)
-    assert meta is not None
     return meta
 
 

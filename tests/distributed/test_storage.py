@@ -68,9 +68,16 @@ def test_a_shard_rank_0_sees_at_the_wrong_size_fails_and_keeps_the_previous(tmp_
 
 def test_meta_pt_is_read_by_rank_0_alone_and_its_error_reaches_every_rank(tmp_path: Path) -> None:
     """``meta.pt`` lists every shard file (it grows with the world size): rank 0 reads it and broadcasts
-    it (issue 31); a checkpoint without one fails on every rank with rank 0's error."""
+    it (issue 31); a checkpoint without one fails on every rank with rank 0's error. Whether a path is
+    a sharded checkpoint is decided alike on every rank: a rank that does not see ``meta.pt`` where
+    the others do is named to all of them (alone, it would take the single-file branch and hang)."""
     results = run_ranks(meta_read_once, 3, str(tmp_path), timeout_s=120)
     assert [r["reads"] for r in results] == [2, 0, 0]
     assert all(r["step"] == 2 for r in results)
     for result in results:
         assert f"{tmp_path / 'absent' / 'meta.pt'} does not exist" in result["error"]
+        assert result["sharded"] == [True, False]
+        assert (
+            result["mismatch"] is not None
+            and "rank 2 does not see meta.pt where the other ranks do" in (result["mismatch"])
+        ), result["mismatch"]

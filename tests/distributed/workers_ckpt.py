@@ -212,26 +212,40 @@ def stale_size_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 def meta_read_once(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """``read_meta_once`` of a checkpoint and of a directory without ``meta.pt``: which ranks read the
-    file (only rank 0 may), what each got."""
-    import lightning_zero.checkpoint.format as checkpoint_format
+    file (only rank 0 may), what each got; ``sharded_everywhere`` where every rank sees the
+    checkpoint, where none does, and where the last rank is given a path without ``meta.pt``."""
+    import lightning_zero.checkpoint.collective_read as collective_read
     from lightning_zero.comm import Comm
 
     _saved_at_step_2(rank, world_size, Path(root))
     reads = []
-    original = checkpoint_format.read_meta
+    original = collective_read.read_meta
 
     def counted(path: Any) -> Any:
         reads.append(str(path))
         return original(path)
 
-    checkpoint_format.read_meta = counted  # type: ignore[assignment]
+    collective_read.read_meta = counted  # type: ignore[assignment]
     try:
-        meta = checkpoint_format.read_meta_once(Path(root) / "ckpt", Comm())
+        meta = collective_read.read_meta_once(Path(root) / "ckpt", Comm())
         try:
-            checkpoint_format.read_meta_once(Path(root) / "absent", Comm())
+            collective_read.read_meta_once(Path(root) / "absent", Comm())
             error = None
         except CheckpointError as err:
             error = str(err)
     finally:
-        checkpoint_format.read_meta = original  # type: ignore[assignment]
-    return {"reads": len(reads), "step": meta["lightning"]["global_step"], "error": error}
+        collective_read.read_meta = original  # type: ignore[assignment]
+    sharded = [collective_read.sharded_everywhere(Path(root) / name, Comm()) for name in ("ckpt", "absent")]
+    try:
+        mine = "absent" if rank == world_size - 1 else "ckpt"
+        collective_read.sharded_everywhere(Path(root) / mine, Comm())
+        mismatch = None
+    except CheckpointError as err:
+        mismatch = str(err)
+    return {
+        "reads": len(reads),
+        "step": meta["lightning"]["global_step"],
+        "error": error,
+        "sharded": sharded,
+        "mismatch": mismatch,
+    }

@@ -279,3 +279,35 @@ def test_a_resume_on_another_world_reads_a_bounded_number_of_files_per_bucket(
         assert max(len(ranks) for ranks in needed) <= math.ceil(1024 / new_world) + 1, (rank, needed)
         preflight(engine, path, meta)
         load_sharded(engine, path, meta)
+
+
+@pytest.mark.parametrize(
+    ("rank", "failing", "outcome"),
+    [
+        (0, "broadcast_object", "rank 0 committed the new one, but its verdict did not reach every rank"),
+        (5, "broadcast_object", "rank 0 may have committed the new one before the verdict failed"),
+        (0, "gather_object", "the previous one (if any) is kept"),
+        (5, "gather_object", "the previous one (if any) is kept"),
+    ],
+)
+def test_a_failed_commit_says_what_it_left_at_the_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int, failing: str, outcome: str
+) -> None:
+    """The commit's collectives fail (a peer died): before rank 0's rename the previous checkpoint is
+    kept; after it, rank 0 says the new one is in place, and a rank whose word had reached rank 0
+    says it may be."""
+    path = tmp_path / "ckpt"
+    _save_as_rank_0(path, 1, world=64)
+    original = getattr(Simulated, failing)
+
+    def fails(self: Simulated, obj: Any, src_or_dst: int) -> Any:
+        if isinstance(obj, list) or failing == "gather_object":  # the verdict; not the directory token
+            raise RuntimeError("Connection closed by peer")
+        return original(self, obj, src_or_dst)
+
+    monkeypatch.setattr(Simulated, failing, fails)
+    with pytest.raises(CheckpointError) as failed:
+        opt = _trained(CommGroups.simulated(rank, 64, peer=PeerFiles(path, 64)))
+        save_sharded(opt.engine, path, {"step": 2}, {}, 2)
+    assert f"saving checkpoint {path} failed; {outcome}" in str(failed.value)
+    assert read_meta(path)["lightning"] == {"step": 2 if "committed the new one," in outcome else 1}

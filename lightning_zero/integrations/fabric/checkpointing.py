@@ -35,6 +35,7 @@ from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _Stateful
 from typing_extensions import override
 
+from lightning_zero.checkpoint.collective_read import read_meta_once, sharded_everywhere
 from lightning_zero.checkpoint.consolidate import load_module_checkpoint
 from lightning_zero.checkpoint.format import (
     EXTRA,
@@ -43,7 +44,6 @@ from lightning_zero.checkpoint.format import (
     CheckpointError,
     is_sharded_checkpoint,
     read_meta,
-    read_meta_once,
     save_sharded,
 )
 from lightning_zero.checkpoint.reshard import load_sharded, preflight
@@ -127,12 +127,14 @@ class FabricCheckpointing(DDPStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        if not is_sharded_checkpoint(path):
+        # a load into the sharded model or optimizer is collective anyway: every rank takes the same
+        # branch and meta.pt is read once, not once per rank; any other (e.g. fabric.load_raw into a
+        # plain module, maybe on one rank) makes no collective
+        collective = self._into_shards(state)
+        if not (sharded_everywhere(path, Comm()) if collective else is_sharded_checkpoint(path)):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         path = Path(path)
-        # a load into the sharded model or optimizer is collective anyway: one read of meta.pt, not
-        # one per rank; any other (e.g. fabric.load_raw into a plain module, maybe on one rank) none
-        meta = read_meta_once(path, Comm()) if self._into_shards(state) else read_meta(path)
+        meta = read_meta_once(path, Comm()) if collective else read_meta(path)
         saved = dict(meta["lightning"])
         keys = saved.pop(FABRIC_KEYS, None) or {}
         params_only = bool(saved.pop(WEIGHTS_ONLY, False))

@@ -34,13 +34,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
+from lightning_zero.checkpoint.collective_read import read_meta_once, sharded_everywhere
 from lightning_zero.checkpoint.format import (
     EXTRA,
     FABRIC_KEYS,
     WEIGHTS_ONLY,
     CheckpointError,
-    is_sharded_checkpoint,
-    read_meta_once,
     save_sharded,
     weights_extras,
 )
@@ -168,7 +167,7 @@ class ShardedCheckpointing(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         self.wait_for_checkpoint()
         self._pending_load = None
-        if not is_sharded_checkpoint(checkpoint_path):
+        if not sharded_everywhere(checkpoint_path, Comm()):  # every rank takes the same branch
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = Path(checkpoint_path)
         meta = read_meta_once(path, Comm())  # one read of meta.pt, not one per rank
