@@ -23,7 +23,7 @@ train: install
 	$(PY) -m recipes.pretrain $(ARGS)
 
 test: install
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check lightning_zero recipes tests benchmarks
