@@ -245,8 +245,9 @@ class GPT(L.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
         opt = getattr(self.trainer.strategy, "sharded_optimizer", None)
-        if batch_idx > 0:  # the previous step, up to this batch start: includes a gather left in flight
-            self.step_s.append(now - self._t0)
+        started = getattr(self, "_t0", None)  # None at the first batch of a launch, a resume's too
+        if batch_idx > 0 and started is not None:  # the previous step up to now, any gather in flight
+            self.step_s.append(now - started)
             if opt is not None:
                 opt.engine.flush_timings()
                 self.wait_s.append(opt.engine.comm_wait_s())
