@@ -1,0 +1,206 @@
+"""``docs/performance.md`` is a set of dated reports: every table says where its figures come from.
+
+Above the [History](../../docs/performance.md#history) heading, every table has a provenance line
+above it, after the heading or table before it: the line ``benchmarks/record.py`` prints first::
+
+    Measured DATE at COMMIT on MACHINE; python V, torch V, lightning V[, ...]: `COMMAND`
+
+and links its raw results under ``docs/results/DATE/``, which exist. Where a linked ``.txt`` was
+written by ``record.py`` (it starts with ``Measured``), the page quotes its first line exactly, so
+the page cannot drift from the raw output. The command must name a script in ``benchmarks/``, and
+the commit must be one of this repository's. In the history section every table's section names the
+commit its figures were recorded in (``Recorded in `COMMIT```).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "performance.md"
+PROVENANCE = re.compile(
+    r"Measured (?P<date>\d{4}-\d{2}-\d{2}) at (?P<commit>[0-9a-f]{7,40})(?:\+dirty)? on (?P<machine>[^;]+); "
+    r"python \S+, torch \S+, lightning [^:`]+: `(?P<command>[^`]+)`"
+)
+RECORDED = re.compile(r"Recorded in `(?P<commit>[0-9a-f]{7,40})`")
+LINK = re.compile(r"\]\((?P<target>results/[^)#\s]+)\)")
+HEADING = re.compile(r"^#{2,3} ")
+SCRIPT = re.compile(r"(?:^|\s)python (?P<script>benchmarks/\S+\.py)\b")
+
+
+def _flat(lines: list[str]) -> str:
+    """A section's text with its line breaks as spaces (a provenance line wraps in the source)."""
+    return " ".join(line.strip() for line in lines)
+
+
+def sections(text: str) -> list[tuple[str, list[str]]]:
+    """``(heading, lines)`` for each ``##``/``###`` heading of the page, in order."""
+    found: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        if HEADING.match(line):
+            found.append((line.lstrip("#").strip(), []))
+        elif found:
+            found[-1][1].append(line)
+    return found
+
+
+def _tables_before(lines: list[str], since_last: bool) -> list[list[str]]:
+    """For each table of the section (its first row), the lines above it: back to the section's
+    heading, or (``since_last``) back to the end of the table before it."""
+    found, start = [], 0
+    for i, line in enumerate(lines):
+        if line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|")):
+            found.append(lines[start:i])
+        if line.startswith("|") and since_last:
+            start = i + 1
+    return found
+
+
+def _is_commit(commit: str, root: Path) -> bool | None:
+    """Whether ``commit`` is in the repository at ``root``; None when git cannot tell (no history)."""
+    try:
+        shallow = subprocess.run(
+            ["git", "rev-parse", "--is-shallow-repository"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    if shallow.stdout.strip() == "true":
+        return None
+    known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True)
+    return known.returncode == 0
+
+
+def report_problems(text: str, docs: Path, root: Path) -> list[str]:
+    """Every way the page ``text`` (whose links are relative to ``docs``) fails the rules above."""
+    problems: list[str] = []
+    history = False
+    for heading, lines in sections(text):
+        history = history or heading == "History"
+        flat = _flat(lines)
+        for above in _tables_before(lines, since_last=not history):
+            quoted = _flat(above)
+            if history:
+                if not RECORDED.search(quoted):
+                    problems.append(
+                        f"{heading!r}: a table in the history without 'Recorded in `COMMIT`' above it"
+                    )
+                continue
+            if not PROVENANCE.search(quoted):
+                problems.append(
+                    f"{heading!r}: a table without a provenance line after the table or heading above it"
+                )
+        if history:
+            problems += _commit_problems(heading, [m["commit"] for m in RECORDED.finditer(flat)], root)
+            continue
+        lines_found = list(PROVENANCE.finditer(flat))
+        if not lines_found:
+            continue
+        problems += _commit_problems(heading, [m["commit"] for m in lines_found], root)
+        problems += _raw_problems(heading, flat, lines_found, docs, root)
+    if not history:
+        problems.append("no '## History' section (superseded figures go there)")
+    return problems
+
+
+def _commit_problems(heading: str, commits: list[str], root: Path) -> list[str]:
+    return [
+        f"{heading!r}: commit {c} is not in this repository" for c in commits if _is_commit(c, root) is False
+    ]
+
+
+def _raw_problems(heading: str, flat: str, found: list[re.Match[str]], docs: Path, root: Path) -> list[str]:
+    problems = []
+    for match in found:
+        script = SCRIPT.search(match["command"])
+        if script is None or not (root / script["script"]).is_file():
+            problems.append(f"{heading!r}: the command `{match['command']}` names no script in benchmarks/")
+    links = [docs / m["target"] for m in LINK.finditer(flat)]
+    if not links:
+        problems.append(f"{heading!r}: no link to its raw results under results/")
+    quoted = {" ".join(m.group(0).split()) for m in found}
+    dates = {m["date"] for m in found}
+    for path in links:
+        if not path.is_file():
+            problems.append(f"{heading!r}: raw results {path.relative_to(docs)} do not exist")
+            continue
+        if path.parent.name not in dates:
+            problems.append(
+                f"{heading!r}: raw results {path.relative_to(docs)} are not under its date {sorted(dates)}"
+            )
+        if path.suffix == ".txt":
+            first = path.read_text().splitlines()[0] if path.stat().st_size else ""
+            if first.startswith("Measured ") and " ".join(first.split()) not in quoted:
+                problems.append(
+                    f"{heading!r}: {path.name} was measured as {first!r}, which the page does not quote"
+                )
+    return problems
+
+
+def test_performance_page_is_dated_reports() -> None:
+    assert report_problems(PAGE.read_text(), PAGE.parent, ROOT) == []
+
+
+GOOD_LINE = (
+    "Measured 2026-12-03 at {commit} on AMD EPYC, 2 cores, 24 GiB; python 3.11.7, torch 2.13.0+cpu,\n"
+    "lightning 2.6.6: `python benchmarks/step_time.py --model small`"
+)
+
+
+@pytest.fixture
+def page(tmp_path: Path) -> tuple[Path, str]:
+    """A docs folder with one raw result written by record.py, and a page that quotes it correctly."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    commit = head.stdout.strip() or "0000000"
+    line = GOOD_LINE.format(commit=commit)
+    raw = tmp_path / "results" / "2026-12-03" / "st.txt"
+    raw.parent.mkdir(parents=True)
+    raw.write_text(" ".join(line.split()) + "\nstarted ...\n")
+    text = f"# P\n\n## Step time\n\n{line}\nRaw: [st.txt](results/2026-12-03/st.txt).\n\n| a |\n| --- |\n"
+    text += f"\n## History\n\n### Old\n\nRecorded in `{commit}`.\n\n| b |\n| --- |\n"
+    return tmp_path, text
+
+
+def test_the_rules_hold_for_a_good_page(page: tuple[Path, str]) -> None:
+    docs, text = page
+    assert report_problems(text, docs, ROOT) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda t: t.replace("Measured 2026-12-03", "Measured on 2026-12-03"), "without a provenance line"),
+        (
+            lambda t: t.replace("| a |\n| --- |\n", "| a |\n| --- |\n\nAnd more.\n\n| c |\n| --- |\n"),
+            "without a provenance",
+        ),
+        (lambda t: t.replace("lightning 2.6.6", "lightning 2.6.7"), "which the page does not quote"),
+        (lambda t: t.replace("results/2026-12-03/st.txt", "results/2026-12-03/gone.txt"), "do not exist"),
+        (lambda t: t.replace("Raw: [st.txt](results/2026-12-03/st.txt).", ""), "no link to its raw results"),
+        (lambda t: t.replace("benchmarks/step_time.py", "benchmarks/no_such.py"), "names no script"),
+        (lambda t: t.replace("Recorded in", "Written in"), "without 'Recorded in"),
+        (lambda t: t.replace("## History", "## Older"), "no '## History' section"),
+    ],
+)
+def test_each_rule_fails_a_page_that_breaks_it(
+    page: tuple[Path, str], change: Callable[[str], str], expected: str
+) -> None:
+    docs, text = page
+    problems = report_problems(change(text), docs, ROOT)
+    assert any(expected in p for p in problems), problems
+
+
+def test_an_unknown_commit_is_named(page: tuple[Path, str]) -> None:
+    docs, text = page
+    if _is_commit("HEAD", ROOT) is None:
+        pytest.skip("no git history in this checkout: commits cannot be looked up")
+    text = re.sub(r"Recorded in `[0-9a-f]+`", "Recorded in `deadbee`", text)
+    assert any("commit deadbee is not in this repository" in p for p in report_problems(text, docs, ROOT))
