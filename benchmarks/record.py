@@ -9,12 +9,16 @@ whole output (stdout and stderr, interleaved as printed), and a footer (exit sta
 load average at the end); ``NAME.json`` gets the same facts as fields (the output stays in the
 text). The header's first line is the provenance line ``docs/performance.md`` quotes for the
 report. Existing files are never overwritten (``--force`` replaces them); the exit status is the
-command's.
+command's (128 + N for a command killed by signal N).
 
 A benchmark's figures are only as good as the conditions they were measured under: the load
-average is recorded because this project's machines are shared, and a commit with uncommitted
-changes to tracked files that can change a figure (any outside ``docs/`` and ``tests/``) is marked
-``+dirty``.
+average is recorded because this project's machines are shared, and a commit with changes that can
+change a figure (uncommitted or new files anywhere outside ``docs/``) is marked ``+dirty``. The
+commit is this checkout's: run the benchmarks of the checkout that holds this script.
+
+While the command runs, its output goes to ``NAME.txt.partial`` as well, so a run that is killed
+keeps what it printed; a file of the same name that appears during the run (the benchmark's own
+``--json``, say) is not replaced: the output then stays in the ``.partial`` file.
 """
 
 from __future__ import annotations
@@ -50,14 +54,14 @@ def machine() -> str:
 
 
 def commit() -> str:
-    """The checkout's short commit, ``+dirty`` if tracked files outside ``docs/`` and ``tests/`` differ
-    from it; ``unknown`` outside git."""
+    """The checkout's short commit, ``+dirty`` if files outside ``docs/`` differ from it or are new
+    (untracked, not ignored); ``unknown`` outside git."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
         changed = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs", ":!tests"],
+            ["git", "status", "--porcelain", "--", ".", ":!docs"],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -118,7 +122,8 @@ def main() -> int:
     if "/" in args.name or not args.name.strip("."):
         parser.error(f"--name {args.name!r} must be a plain file name stem (no '/'), e.g. step_time_small")
     text, raw = args.out / f"{args.name}.txt", args.out / f"{args.name}.json"
-    existing = [str(p) for p in (text, raw) if p.exists()]
+    partial = args.out / f"{args.name}.txt.partial"  # the output so far, kept if this run is killed
+    existing = [str(p) for p in (text, raw, partial) if p.exists()]
     if existing and not args.force:
         parser.error(f"{', '.join(existing)} already exist: choose another --name, or --force to replace")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -128,28 +133,44 @@ def main() -> int:
         f"started {facts['started_utc']}, load average " + loads(facts["load_average_start"]),
         "",
     ]
-    lines: list[str] = []
     began = time.perf_counter()
     print("\n".join(header), flush=True)
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    ) as child:
+    with (
+        partial.open("w") as kept,
+        subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            bufsize=1,
+        ) as child,
+    ):
         assert child.stdout is not None
+        kept.write("\n".join(header) + "\n")
         for line in child.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
-            lines.append(line.rstrip("\n"))
-    facts["exit_status"] = child.returncode
+            kept.write(line)
+            kept.flush()
+    status = child.returncode if child.returncode >= 0 else 128 - child.returncode  # a signal: 128+N
+    facts["exit_status"] = status
     facts["wall_s"] = round(time.perf_counter() - began, 1)
     facts["load_average_end"] = list(os.getloadavg())
-    footer = f"exit status {child.returncode}, {facts['wall_s']} s, load average at the end " + " ".join(
-        f"{x:.2f}" for x in facts["load_average_end"]
+    footer = f"exit status {status}, {facts['wall_s']} s, load average at the end " + loads(
+        facts["load_average_end"]
     )
     print(footer)
-    text.write_text("\n".join([*header, *lines, "", footer]) + "\n")
+    with partial.open("a") as kept:
+        kept.write("\n" + footer + "\n")
+    clash = [str(p) for p in (text, raw) if p.exists()] if not args.force else []
+    if clash:  # e.g. the benchmark itself wrote NAME.json: keep both, name where ours went
+        print(f"not replacing {', '.join(clash)} (written during the run): the output stays in {partial}")
+        return status or 1
     raw.write_text(json.dumps(facts, indent=1) + "\n")
+    partial.replace(text)
     print(f"recorded: {text}, {raw}")
-    return child.returncode
+    return status
 
 
 if __name__ == "__main__":

@@ -46,18 +46,24 @@ def sharded_everywhere(path: str | os.PathLike[str], comm: Comm) -> bool:
     looks for ``meta.pt`` (one ``stat``), one all-reduce compares the answers; only on a mismatch are
     the ranks that do not see it gathered, to be named.
 
+    It catches a rank given a path without ``meta.pt`` while the others have one, or a checkpoint
+    on storage some nodes do not share; not two ranks given two different complete checkpoints.
+
     Raises:
-        CheckpointError: on every rank, if some ranks see ``path/meta.pt`` and others do not (a
-            path that is not on storage every node shares, or another path per rank), naming the
-            ranks that do not.
+        CheckpointError: on every rank, if some ranks see ``path/meta.pt`` and others do not, or a
+            rank could not look (an ``OSError`` other than "not found", named with its rank).
     """
-    here = is_sharded_checkpoint(path)
-    if comm.same_everywhere([int(here)]):
+    try:  # never raise before the collective the other ranks enter
+        here, why = is_sharded_checkpoint(path), ""
+    except OSError as err:  # EACCES, EIO, ESTALE: this rank cannot tell
+        here, why = False, f" ({type(err).__name__}: {err})"
+    if comm.same_everywhere([int(here), int(bool(why))]) and not why:  # alike on every rank
         return here
-    blind = comm.union_of([] if here else [str(comm.rank)])
+    blind = comm.union_of([] if here else [f"{comm.rank}{why}"])
     named = ", ".join(blind[:NAMED]) + (f" and {len(blind) - NAMED} more" if len(blind) > NAMED else "")
     who = f"rank {named} does" if len(blind) == 1 else f"ranks {named} do"
+    others = " where the other ranks do" if len(blind) < comm.world_size else ""
     raise CheckpointError(
-        f"{path}: {who} not see {META} where the other ranks do: give every rank the same checkpoint "
-        "path, on storage that every node shares"
+        f"{path}: {who} not see {META}{others}: give every rank the same checkpoint path, on storage "
+        "that every node shares"
     )

@@ -1,6 +1,7 @@
 """The two steps of a checkpoint's commit that touch the file system on rank 0
 (:class:`~lightning_zero.checkpoint.format.StagedSave`): checking that it sees every rank's files,
-with a bounded number of metadata calls, and putting the temporary directory in place atomically."""
+with a bounded number of metadata calls, and putting the temporary directory in place atomically;
+and what a failed commit tells each rank about what it left at the target."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import math
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from lightning_zero.comm.handles import CommError
 
 SIZE_CHECKS = 256
 """Files whose size rank 0 checks before a commit: all of them up to this many, else the first file
@@ -79,12 +83,15 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(ctypes.get_errno(), f"renameat2({a}, {b}, RENAME_EXCHANGE) failed")
 
 
-def commit_directory(tmp: Path, target: Path) -> None:
-    """Put ``tmp`` at ``target``, atomically where the OS allows.
+def commit_directory(tmp: Path, target: Path, renamed: Callable[[], None] | None = None) -> None:
+    """Put ``tmp`` at ``target``, atomically where the OS allows; ``renamed()`` is called once the
+    new directory is in place (a failure after that, syncing the parent or deleting the old one,
+    leaves the new checkpoint committed: the caller must not report the old one as kept).
 
     A new path is a rename. An existing one (directory, file or symlink) is swapped with ``tmp`` in
     one ``renameat2(RENAME_EXCHANGE)`` and then deleted, so ``target`` is never missing; without
-    that call the old one is moved aside first (a short window with neither under ``target``).
+    that call the old one is moved aside first (a short window with neither under ``target``; if
+    the second rename fails, the old one is moved back).
     """
     if not (target.exists() or target.is_symlink()):
         tmp.rename(target)
@@ -94,7 +101,13 @@ def commit_directory(tmp: Path, target: Path) -> None:
     else:
         old = target.parent / f".{target.name}.old-{uuid.uuid4().hex}"
         target.rename(old)
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except OSError:
+            old.rename(target)  # the previous checkpoint back in place
+            raise
+    if renamed is not None:
+        renamed()
     fd = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -105,3 +118,23 @@ def commit_directory(tmp: Path, target: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
+
+
+IN_PLACE = "the new checkpoint is in place, but "
+"""How rank 0's error begins when it failed after putting the new directory at its target."""
+
+
+def save_outcome(
+    rank: int, progress: dict[str, bool], peer_failure: CommError | None, errors: list[str]
+) -> str:
+    """What a failed save left at its target, as far as this rank knows: the new checkpoint when rank 0
+    had put it in place (its verdict then failed to reach the others, or syncing or deleting the old
+    one failed); unknown to another rank whose word had reached rank 0 when the collectives failed;
+    otherwise the previous one."""
+    if progress["committed"] or any(IN_PLACE in e for e in errors):
+        if peer_failure is not None:
+            return "rank 0 committed the new one, but its verdict did not reach every rank"
+        return "rank 0 put the new one in place, then failed"
+    if peer_failure is not None and rank != 0 and progress["sent"]:
+        return "rank 0 may have committed the new one before the verdict failed (its meta.pt tells)"
+    return "the previous one (if any) is kept"

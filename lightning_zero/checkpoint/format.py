@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero.checkpoint.commit import commit_directory, unseen_files
+from lightning_zero.checkpoint.commit import IN_PLACE, commit_directory, save_outcome, unseen_files
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.handles import CommError
 from lightning_zero.engine.engine import ShardEngine
@@ -211,9 +211,13 @@ class StagedSave:
         except CommError as err:  # a peer died or hung: no commit without every rank's word
             errors, peer_failure = [str(err)], err
         if errors:
-            shutil.rmtree(self.tmp, ignore_errors=True)  # every rank: node-local temporaries too
+            if not (peer_failure is not None and comm.rank != 0 and progress["sent"]):
+                # every rank: node-local temporaries too; but not while rank 0 may still be committing
+                # this (shared) directory: its verdict never arrived
+                shutil.rmtree(self.tmp, ignore_errors=True)
             raise CheckpointError(
-                f"saving checkpoint {self.target} failed; {_outcome(comm.rank, progress, peer_failure)}:\n"
+                f"saving checkpoint {self.target} failed; "
+                f"{save_outcome(comm.rank, progress, peer_failure, errors)}:\n"
                 + "\n".join(sorted(set(errors), key=errors.index))
             ) from peer_failure  # the cause stays visible: a caller may resume or requeue on it
 
@@ -242,24 +246,13 @@ class StagedSave:
                         for name, size, digest in s
                     }
                     _write({**self.meta, "files": files}, self.tmp / META)
-                    commit_directory(self.tmp, self.target)
-                    progress["committed"] = True
+                    commit_directory(self.tmp, self.target, renamed=lambda: progress.update(committed=True))
                 except Exception as err:  # noqa: BLE001
-                    errors.append(f"rank 0: {type(err).__name__}: {err} (host {host})")
+                    after = IN_PLACE if progress["committed"] else ""
+                    errors.append(f"rank 0: {after}{type(err).__name__}: {err} (host {host})")
         if comm.world_size > 1:  # rank 0's verdict reaches everyone
             errors = comm.broadcast_object(errors, src=0)
         return errors
-
-
-def _outcome(rank: int, progress: dict[str, bool], peer_failure: CommError | None) -> str:
-    """What a failed save left at its target, as far as this rank knows: the new checkpoint when rank 0
-    committed before its verdict failed to reach the others; unknown to another rank whose word had
-    reached rank 0 when the collectives failed; otherwise the previous one."""
-    if progress["committed"]:
-        return "rank 0 committed the new one, but its verdict did not reach every rank"
-    if peer_failure is not None and rank != 0 and progress["sent"]:
-        return "rank 0 may have committed the new one before the verdict failed (its meta.pt tells)"
-    return "the previous one (if any) is kept"
 
 
 def stage_save(

@@ -30,7 +30,7 @@ PROVENANCE = re.compile(
 RECORDED = re.compile(r"Recorded in `(?P<commit>[0-9a-f]{7,40})`")
 LINK = re.compile(r"\]\((?P<target>results/[^)#\s]+)\)")
 HEADING = re.compile(r"^#{2,3} ")
-SCRIPT = re.compile(r"(?:^|\s)python (?P<script>benchmarks/\S+\.py)\b")
+SCRIPT = re.compile(r"(?:^|[\s/])(?P<script>benchmarks/[\w/.-]+\.py)\b")  # any launcher before it
 
 
 def _flat(lines: list[str]) -> str:
@@ -75,8 +75,10 @@ def _is_commit(commit: str, root: Path) -> bool | None:
         return None
     if shallow.stdout.strip() == "true":
         return None
-    known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True)
-    return known.returncode == 0
+    known = subprocess.run(
+        ["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=root, capture_output=True
+    )
+    return known.returncode == 0  # in this branch's history, not merely an object in the repository
 
 
 def report_problems(text: str, docs: Path, root: Path) -> list[str]:
@@ -128,6 +130,7 @@ def _raw_problems(heading: str, flat: str, found: list[re.Match[str]], docs: Pat
         problems.append(f"{heading!r}: no link to its raw results under results/")
     quoted = {" ".join(m.group(0).split()) for m in found}
     dates = {m["date"] for m in found}
+    headers: set[str] = set()
     for path in links:
         if not path.is_file():
             problems.append(f"{heading!r}: raw results {path.relative_to(docs)} do not exist")
@@ -138,10 +141,18 @@ def _raw_problems(heading: str, flat: str, found: list[re.Match[str]], docs: Pat
             )
         if path.suffix == ".txt":
             first = path.read_text().splitlines()[0] if path.stat().st_size else ""
-            if first.startswith("Measured ") and " ".join(first.split()) not in quoted:
-                problems.append(
-                    f"{heading!r}: {path.name} was measured as {first!r}, which the page does not quote"
-                )
+            if first.startswith("Measured "):
+                headers.add(" ".join(first.split()))
+                if " ".join(first.split()) not in quoted:
+                    problems.append(
+                        f"{heading!r}: {path.name} was measured as {first!r}, which the page does not quote"
+                    )
+    # where the section links raw output record.py wrote, each line it quotes must be one of those
+    problems += [
+        f"{heading!r}: the line {line!r} quotes no raw output it links"
+        for line in quoted - headers
+        if headers
+    ]
     return problems
 
 
@@ -187,6 +198,12 @@ def test_the_rules_hold_for_a_good_page(page: tuple[Path, str]) -> None:
         (lambda t: t.replace("Raw: [st.txt](results/2026-12-03/st.txt).", ""), "no link to its raw results"),
         (lambda t: t.replace("benchmarks/step_time.py", "benchmarks/no_such.py"), "names no script"),
         (lambda t: t.replace("Recorded in", "Written in"), "without 'Recorded in"),
+        (
+            lambda t: t.replace(
+                "\n\n| a |", "\n\n" + t.split("\n\n")[2].replace("small", "large") + "\n\n| a |"
+            ),
+            "quotes no raw output it links",
+        ),
         (lambda t: t.replace("## History", "## Older"), "no '## History' section"),
     ],
 )

@@ -311,3 +311,68 @@ def test_a_failed_commit_says_what_it_left_at_the_target(
         save_sharded(opt.engine, path, {"step": 2}, {}, 2)
     assert f"saving checkpoint {path} failed; {outcome}" in str(failed.value)
     assert read_meta(path)["lightning"] == {"step": 2 if "committed the new one," in outcome else 1}
+    # a rank whose verdict never came leaves the shared temporary directory: rank 0 may be renaming it
+    kept = [p.name for p in tmp_path.glob(".ckpt.tmp-*")]
+    assert bool(kept) == (rank != 0 and failing == "broadcast_object"), kept
+
+
+def test_a_commit_that_fails_after_its_rename_says_the_new_one_is_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Syncing the parent directory fails after rank 0 swapped the new checkpoint in: the error says
+    the new one is in place (it is), not that the previous one is kept."""
+    import lightning_zero.checkpoint.commit as commit
+
+    path = tmp_path / "ckpt"
+    _save_as_rank_0(path, 1, world=64)
+
+    sync = commit.os.fsync
+
+    def no_sync(fd: int) -> None:  # fails for the checkpoint's parent directory alone
+        if commit.os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path):
+            raise OSError(5, "Input/output error")
+        sync(fd)
+
+    monkeypatch.setattr(commit.os, "fsync", no_sync)
+    with pytest.raises(CheckpointError) as failed:
+        _save_as_rank_0(path, 2, world=64)
+    assert "failed; rank 0 put the new one in place, then failed" in str(failed.value)
+    assert "rank 0: the new checkpoint is in place, but OSError" in str(failed.value)
+    assert read_meta(path)["lightning"] == {"step": 2}
+
+
+def test_a_failed_second_rename_puts_the_previous_checkpoint_back(tmp_path: Path) -> None:
+    """Without renameat2 the old directory is moved aside first; if the new one then cannot be renamed
+    into place, the old one goes back, so the target is never left missing."""
+    import lightning_zero.checkpoint.commit as commit
+
+    target, tmp = tmp_path / "ckpt", tmp_path / ".ckpt.tmp"
+    target.mkdir()
+    (target / "old").write_text("previous")
+    original = commit._exchange
+    commit._exchange = lambda a, b: False  # type: ignore[assignment]
+    try:
+        with pytest.raises(OSError):
+            commit.commit_directory(tmp, target)  # tmp does not exist: the second rename fails
+    finally:
+        commit._exchange = original  # type: ignore[assignment]
+    assert (target / "old").read_text() == "previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_rank_that_cannot_look_for_meta_pt_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OSError other than "not found" (a permission or I/O error) on one rank must not raise
+    before the collective the others enter: the rank joins it, and every rank raises, naming it."""
+    import lightning_zero.checkpoint.collective_read as collective_read
+
+    def cannot(path: Any) -> bool:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(collective_read, "is_sharded_checkpoint", cannot)
+    groups = CommGroups.simulated(3, 8)
+    with pytest.raises(
+        CheckpointError, match=r"rank 3 \(PermissionError: \[Errno 13\] Permission denied\) does"
+    ):
+        collective_read.sharded_everywhere(tmp_path, groups.world)
