@@ -63,6 +63,27 @@ def wait_for_job(job_id: str, deadline_s: float) -> str:
     raise AssertionError(f"job {job_id} still {state} after {deadline_s} s (cancelled)")
 
 
+WAITING = ("PENDING", "CONFIGURING", "RUNNING")  # CONFIGURING: allocated, node not yet ready (busy slurmd)
+
+
+def wait_until_complete(job_id: str, checkpoint: Path, log: Path, deadline_s: float) -> None:
+    """Poll until ``checkpoint`` is complete while the job is still waiting or running; any other state
+    (the first attempt ended, or is being requeued, before it got there) fails with the state, its
+    reason and the job's log."""
+    end = time.monotonic() + deadline_s
+    while not is_complete(checkpoint):
+        info = _job_info(job_id)  # empty when scontrol timed out on a busy slurmctld: poll again
+        state = re.search(r"JobState=(\w+)", info)
+        reason = re.search(r"Reason=(\S+)", info)
+        tail = log.read_text()[-3000:] if log.exists() else f"(no {log.name} yet)"
+        assert state is None or state.group(1) in WAITING, (
+            f"job {job_id} is {state.group(1)} (reason {reason.group(1) if reason else '?'}) "
+            f"before {checkpoint.name}:\n{tail}"
+        )
+        assert time.monotonic() < end, f"job {job_id}: no {checkpoint.name} in {deadline_s} s:\n{tail}"
+        time.sleep(1)
+
+
 SLURM_TWO_TASKS = ["cluster=slurm", "cluster.partition=debug", "cluster.nodes=1", "trainer.devices=2"]
 
 
@@ -245,12 +266,7 @@ def test_requeue_resumes_from_its_checkpoint_and_finishes(slurm: None, tmp_path:
     job_id = submit_generated([*SLURM_TWO_TASKS, *common, "run_name=requeue"], tmp_path)
     run_dir = tmp_path / "requeue"
     log = run_dir / f"slurm-{job_id}.out"
-    deadline = time.monotonic() + 240
-    while not is_complete(run_dir / "checkpoints" / f"step{2 * every:06d}.ckpt"):  # part-way
-        assert time.monotonic() < deadline, f"the job never reached step {2 * every}"
-        state = _job_info(job_id)
-        assert "JobState=RUNNING" in state or "JobState=PENDING" in state, log.read_text()[-3000:]
-        time.sleep(1)
+    wait_until_complete(job_id, run_dir / "checkpoints" / f"step{2 * every:06d}.ckpt", log, 240)  # part-way
     subprocess.run(["scancel", "--signal=USR1", job_id], check=True)  # every task of the job's steps
     # SLURM holds a requeued job for ~2 minutes before it is eligible: the reference runs meanwhile
     deadline = time.monotonic() + 120
@@ -326,11 +342,7 @@ def test_a_killed_rank_requeues_the_job_which_resumes_and_finishes(slurm: None, 
     job_id = submit_generated(overrides, tmp_path)
     run_dir = tmp_path / "peer_failure"
     log = run_dir / f"slurm-{job_id}.out"
-    deadline = time.monotonic() + 240
-    while not is_complete(run_dir / "checkpoints" / f"step{2 * every:06d}.ckpt"):
-        assert time.monotonic() < deadline, f"the job never reached step {2 * every}"
-        assert "JobState=RUNNING" in _job_info(job_id) or "JobState=PENDING" in _job_info(job_id)
-        time.sleep(1)
+    wait_until_complete(job_id, run_dir / "checkpoints" / f"step{2 * every:06d}.ckpt", log, 240)
     pids = _job_pids(job_id, task=1)
     assert len(pids) == 1, f"rank 1's process was not found: {pids}"
     os.kill(pids[0], signal.SIGKILL)
