@@ -188,7 +188,7 @@ def estimate(
         )
         print(
             f"  (zero3 includes {units}; the root's parameters, gathered for the whole step, come on top; "
-            "it sends 1.5x stage 2's elements)"
+            "it sends up to 1.5x stage 2's elements: the root and the last unit are gathered once)"
         )
 
 

@@ -8,8 +8,10 @@ rank's shard — at these moments:
   * **forward**: a pre-hook on the unit's module gathers it (waiting only for its own buckets) and
     launches the gather of the next ``prefetch_units`` units in the order the last forward ran them
     (registration order on the first step), so the next unit's gather overlaps this one's forward.
-    After the forward, with ``reshard_after_forward`` (the default) the unit is freed at once; the
-    root never is (the loss and the first backward need it at once). A forward without gradients
+    After the forward, with ``reshard_after_forward`` (the default) the unit is freed at once, but for
+    two: the root, and the unit that ran last in the last forward (an output layer, a final block):
+    the loss and the first backward need them at once, so they stay gathered (FSDP keeps its root
+    so; torchtitan does not reshard its last block by hand). A forward without gradients
     (evaluation) frees every unit after it, root included.
   * **backward**: a hook on the unit's outputs (``register_multi_grad_hook``, fires before the
     unit's backward) gathers it again if it was freed, and prefetches the unit that ran before it
@@ -25,10 +27,14 @@ rank's shard — at these moments:
     (:mod:`lightning_zero.engine.unit_requests`).
 
 So at most ``1 + prefetch_units`` units (plus the root) hold full parameters at once with
-``reshard_after_forward``; without it every unit stays gathered from its forward to its backward
-(ZeRO-2's parameter memory, one gather per step fewer). Elements sent per step: one all-gather of
-every unit in forward, another of every unit but the root in backward (with
-``reshard_after_forward``), one reduce-scatter of the gradients: ``(3Ψ - Ψ_root)(N-1)/N``.
+``reshard_after_forward`` (the last unit held through the loss is one of them: nothing comes after
+it to prefetch); without it every unit stays gathered from its forward to its backward (ZeRO-2's
+parameter memory, one gather per step fewer). Elements sent per step: one all-gather of every unit
+in forward, another of every unit but the root and the last in backward (with
+``reshard_after_forward``), one reduce-scatter of the gradients: ``(3Ψ - Ψ_root - Ψ_last)(N-1)/N``.
+The last unit is the one that ran last in the previous forward (registration order before the
+first); should a forward end elsewhere, that unit is held until its backward, the end of backward or
+the optimizer step frees it, and the unit that did run last is gathered again for its backward.
 
 The backward hook is registered on the tensors requiring grad in the unit's output: the leaves of its
 pytree (tensors, tuples, lists, dicts, named tuples, registered types), and inside them the fields of
@@ -236,6 +242,11 @@ class UnitGather:
             else:
                 self.gather(unit, wait=False, quantized=quantized)
 
+    def last_in_forward(self) -> int | None:
+        """The unit that ran last in the last forward (registration order before the first), kept
+        gathered after its forward with ``reshard_after_forward``: its backward comes first."""
+        return self._order[-1] if self._order else None
+
     # ---- hooks ------------------------------------------------------------------------------
 
     def _pre_forward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
@@ -279,7 +290,7 @@ class UnitGather:
                 return
             mode = self.units[unit].quantized  # what this forward ran on: its backward gathers that
             torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward(unit, mode), mode="any")
-            if self.reshard_after_forward and unit != 0:
+            if self.reshard_after_forward and unit not in (0, self.last_in_forward()):
                 self.free(unit)
 
         return hook

@@ -157,6 +157,61 @@ def test_stage3_at_world_size_one_equals_adamw_and_frees_every_unit_between_step
         ShardedAdamW(_trainable(model), config=ZeroConfig(stage=3))
 
 
+class _HeadFirst(nn.Module):
+    """The output layer registered before the blocks it follows: registration order is not forward order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(13, 5)
+        self.inp = nn.Linear(7, 13)
+        self.blocks = nn.ModuleList(Block(13) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        for block in self.blocks:
+            h = block(h, True)
+        return self.out(h)
+
+
+def test_the_unit_that_ran_last_stays_gathered_for_its_backward_and_is_learnt_from_the_forward() -> None:
+    """With ``reshard_after_forward`` every unit is freed after its forward but the one that ran last
+    in the previous forward (registration order before the first): it is held through the loss, its
+    backward needs it at once. Here the output layer is registered first, so the first step holds the
+    last block (registered last) and the output layer is gathered again for its backward; from the
+    second step on the output layer is held. Each backward frees both; evaluation frees every unit.
+    Every step equals AdamW."""
+    torch.manual_seed(0)
+    model, reference = _HeadFirst().double(), _HeadFirst().double()
+    reference.load_state_dict(model.state_dict())
+    config = ZeroConfig(stage=3, min_unit_numel=0)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, config=config, module=model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    units = opt.engine.units
+    names = {units.units[u].name: u for u in range(1, len(units.units))}
+    assert list(names) == ["out", "inp", "blocks.0", "blocks.1", "blocks.2"]
+    held_after_forward = []
+    for _ in range(3):
+        x = torch.randn(4, 7, dtype=torch.float64)
+        loss = model(x).pow(2).mean()
+        held_after_forward.append([n for n, u in names.items() if units.gathered(u)])
+        loss.backward()
+        assert not any(units.gathered(u) for u in names.values()), "the backward frees every unit"
+        opt.step()
+        opt.zero_grad()
+        reference(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with opt.engine.full_parameters():
+            for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+    # step 1 guesses the registration order: "out" prefetched "inp" (after it there), held until backward
+    assert held_after_forward == [["inp", "blocks.2"], ["out"], ["out"]]
+    assert units.last_in_forward() == names["out"]
+    with torch.no_grad():
+        model(torch.randn(2, 7, dtype=torch.float64))
+    assert not any(units.gathered(u) for u in names.values()), "a forward without gradients frees every unit"
+
+
 class _CallsNoOutputForward(BlockNet):
     """Uses the output layer's parameters without calling its forward."""
 
