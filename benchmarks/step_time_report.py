@@ -162,8 +162,9 @@ def notes(rows: dict[str, list[dict[str, Any]]], ref: dict[str, Any], params: in
         if name.startswith("zero3"):
             own = ranks[0]["min_elements"]
             print(
-                f"{name}: its schedule's elements per step, (2Ψ + Ψ gathered again in backward)(N−1)/N = "
-                f"{own / 1e6:.2f}M; sent {ranks[0]['elements_sent'] / own:.2f}x that"
+                f"{name}: its schedule's elements per step, (2Ψ + every unit but the root and the last "
+                f"gathered again in backward)(N−1)/N = {own / 1e6:.2f}M; "
+                f"sent {ranks[0]['elements_sent'] / own:.2f}x that"
             )
     hybrid(rows, params)
     wires(rows)

@@ -188,7 +188,8 @@ def estimate(
         )
         print(
             f"  (zero3 includes {units}; the root's parameters, gathered for the whole step, come on top; "
-            "it sends up to 1.5x stage 2's elements: the root and the last unit are gathered once)"
+            "it sends up to 1.5x stage 2's elements: the root is gathered once per step, the last unit "
+            "once per micro-batch, every other unit twice)"
         )
 
 

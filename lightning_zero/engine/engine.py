@@ -323,6 +323,8 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
                 "lightning_zero.unshard(model) ended stage 3 for this model: its sharded optimizer no "
                 "longer steps it (the gradient hooks are gone); build a new optimizer over the plain module"
             )
+        if self.units is not None:  # stage 3: between steps only the shards are held, whatever ran
+            self.units.free_all()  # (a forward with no backward, a skipped step, an idle one)
         if self.reducer.idle:
             self.reducer.reset()
             return
@@ -341,7 +343,6 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         self.state.adopt_external_writes()
         self.state.count_steps(used_mask)
         if self.units is not None:  # stage 3: the next forward gathers each unit from the shards
-            self.units.free_all()
             for b in range(len(self.plan.buckets)):
                 self.state.update_bucket(b, self.param_groups, used_mask)
             self.reducer.reset()

@@ -100,7 +100,8 @@ class EngineFigures:
     def min_elements_per_step(self) -> int:
         """The elements a rank must send per step at stage 2 or 3: ``2·Ψ·(N−1)/N`` (padded Ψ), plus at
         stage 3 with ``reshard_after_forward`` the backward's second gather of every unit but the root
-        and the one that ran last in forward (both stay gathered from their forward to their backward)."""
+        and the one that ran last in the last forward (both stay gathered from their forward to their
+        backward): a step whose forward ends at another unit sends that unit's gather once more."""
         numel = 2 * sum(b.padded_numel for b in self.plan.buckets)
         if self.units is not None and self.config.reshard_after_forward:
             kept = (0, self.units.last_in_forward())

@@ -11,8 +11,10 @@ rank's shard — at these moments:
     After the forward, with ``reshard_after_forward`` (the default) the unit is freed at once, but for
     two: the root, and the unit that ran last in the last forward (an output layer, a final block):
     the loss and the first backward need them at once, so they stay gathered (FSDP keeps its root
-    so; torchtitan does not reshard its last block by hand). A forward without gradients
-    (evaluation) frees every unit after it, root included.
+    so; torchtitan does not reshard its last block by hand). Should another unit's forward start
+    after it (the guess was wrong: the order changed), or a new forward begin before its backward,
+    that unit is freed at once. A forward without gradients (evaluation) frees each unit it runs
+    after it, root included. A unit's prefetch skips units that already ran in this forward.
   * **backward**: a hook on the unit's outputs (``register_multi_grad_hook``, fires before the
     unit's backward) gathers it again if it was freed, and prefetches the unit that ran before it
     in forward. When every parameter of the unit has delivered its gradient (the reducer, whose
@@ -33,8 +35,10 @@ parameter memory, one gather per step fewer). Elements sent per step: one all-ga
 in forward, another of every unit but the root and the last in backward (with
 ``reshard_after_forward``), one reduce-scatter of the gradients: ``(3Ψ - Ψ_root - Ψ_last)(N-1)/N``.
 The last unit is the one that ran last in the previous forward (registration order before the
-first); should a forward end elsewhere, that unit is held until its backward, the end of backward or
-the optimizer step frees it, and the unit that did run last is gathered again for its backward.
+first); where a forward ends elsewhere, the unit that did run last is gathered again for its backward,
+so the figure assumes the forward order of the step before. Between its forward and its backward the
+last unit's parameters hold their values, as the root's do (elsewhere they are placeholders); a
+write there is lost when the unit is freed, as at any gathered unit without a write-back.
 
 The backward hook is registered on the tensors requiring grad in the unit's output: the leaves of its
 pytree (tensors, tuples, lists, dicts, named tuples, registered types), and inside them the fields of
@@ -67,17 +71,14 @@ outside its unit's forward gets a gradient from those NaN values, which raises h
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import numbers
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.engine.grad_outputs import grad_outputs
 from lightning_zero.engine.quantize import pack, unpack_rows
 from lightning_zero.engine.unit_requests import UnitRequests
 from lightning_zero.layout.buckets import Bucket, BucketPlan
@@ -132,6 +133,7 @@ class UnitGather:
         ]
         self._order: list[int] = [u for u in range(1, len(self.units))]  # forward order, last step's
         self._running: list[int] = []  # forward order of this step so far
+        self._kept: int | None = None  # the last unit, held from its forward to its backward
         self._callback_queued = False
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for unit, module in zip(self.units, layout.modules, strict=True):
@@ -204,6 +206,15 @@ class UnitGather:
         for bucket in state.buckets:
             self.flat.free(bucket)
         state.quantized = False
+        if unit == self._kept:
+            self._kept = None
+
+    def _release_kept(self, running: int) -> None:
+        """``running``'s forward starts (outside backward): a unit held for its backward since an earlier
+        forward is freed, as the others were after theirs (it ran before ``running``, or that forward
+        gets no backward); a later backward gathers it again."""
+        if self._kept is not None and self._kept != running:
+            self.free(self._kept)
 
     def free_all(self) -> None:
         """Release every unit (the state between optimizer steps)."""
@@ -225,6 +236,7 @@ class UnitGather:
         """Gather the root unit before a step function that uses it without calling its forward
         (Lightning calls ``training_step``, not ``forward``); starts this step's forward order."""
         self._running = []
+        self._release_kept(0)
         training = torch.is_grad_enabled()
         self.gather(0, quantized=training)
         self.units[0].forward_quantized = self.units[0].quantized
@@ -237,6 +249,8 @@ class UnitGather:
             return
         start = 0 if after == 0 else order.index(after) + 1
         for unit in order[start : start + self.prefetch_units]:
+            if quantized is not None and unit in self._running:  # it ran in this forward already
+                continue
             if quantized is None:
                 self.gather(unit, wait=False, quantized=self.units[unit].forward_quantized, strict=True)
             else:
@@ -260,6 +274,7 @@ class UnitGather:
             if _in_backward():  # recomputation for activation checkpointing: the forward's values
                 self.gather(unit, quantized=state.forward_quantized, strict=True)
                 return
+            self._release_kept(unit)
             training = torch.is_grad_enabled()  # evaluation computes on exact parameters
             self.gather(unit, quantized=training)
             state.forward_quantized = state.quantized
@@ -281,7 +296,7 @@ class UnitGather:
             if unit == 0:
                 self._order = list(self._running)
             try:
-                outputs = _grad_outputs(output, self.units[unit].name) if torch.is_grad_enabled() else []
+                outputs = grad_outputs(output, self.units[unit].name) if torch.is_grad_enabled() else []
             except TypeError:
                 self.free(unit)
                 raise
@@ -290,7 +305,11 @@ class UnitGather:
                 return
             mode = self.units[unit].quantized  # what this forward ran on: its backward gathers that
             torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward(unit, mode), mode="any")
-            if self.reshard_after_forward and unit not in (0, self.last_in_forward()):
+            if not self.reshard_after_forward or unit == 0:
+                return
+            if unit == self.last_in_forward():
+                self._kept = unit  # its backward comes first: freed once its gradients arrived
+            else:
                 self.free(unit)
 
         return hook
@@ -361,45 +380,6 @@ class UnitGather:
             handle.remove()
         self._hooks.clear()
         self.requests.remove_hooks()
-
-
-_PLAIN = (type(None), bool, numbers.Number, str, bytes, enum.Enum, torch.dtype, torch.device, torch.layout)
-"""Output values that hold no tensor."""
-
-
-def _grad_outputs(output: object, unit: str) -> list[torch.Tensor]:
-    """The tensors requiring grad in a unit's forward output: the leaves of its pytree, and within them
-    the fields of dataclasses and the items of mappings, lists and tuples that pytree does not know.
-
-    Raises:
-        TypeError: the output holds another object: tensors inside it could not be hooked, and the
-            unit's backward would run on freed parameters.
-    """
-    found: list[torch.Tensor] = []
-    pending: list[object] = [output]
-    seen: set[int] = set()
-    while pending:
-        for leaf in tree_flatten(pending.pop())[0]:
-            if isinstance(leaf, torch.Tensor):
-                if leaf.requires_grad:
-                    found.append(leaf)
-            elif isinstance(leaf, _PLAIN) or id(leaf) in seen:
-                continue
-            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-                seen.add(id(leaf))
-                pending.append([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
-            elif isinstance(leaf, (Mapping, list, tuple)):
-                seen.add(id(leaf))
-                pending.append(list(leaf.values()) if isinstance(leaf, Mapping) else list(leaf))
-            else:
-                kind = type(leaf)
-                raise TypeError(
-                    f"stage 3: unit {unit!r} returned a {kind.__module__}.{kind.__qualname__} from its "
-                    "forward (with gradients on), whose tensors its backward hook cannot find, so its "
-                    "backward would run on freed parameters. Return tensors, or tuples, lists, dicts, "
-                    "named tuples or dataclasses of them (or register the type with torch.utils._pytree)"
-                )
-    return found
 
 
 def _in_backward() -> bool:

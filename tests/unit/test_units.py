@@ -158,58 +158,99 @@ def test_stage3_at_world_size_one_equals_adamw_and_frees_every_unit_between_step
 
 
 class _HeadFirst(nn.Module):
-    """The output layer registered before the blocks it follows: registration order is not forward order."""
+    """The output layer registered before the blocks it follows (registration order is not forward
+    order), and a second head registered there too that replaces it where ``aux`` says."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.aux = nn.Linear(13, 5)
         self.out = nn.Linear(13, 5)
         self.inp = nn.Linear(7, 13)
         self.blocks = nn.ModuleList(Block(13) for _ in range(3))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, aux: bool = False) -> torch.Tensor:
         h = torch.relu(self.inp(x))
         for block in self.blocks:
             h = block(h, True)
-        return self.out(h)
+        return (self.aux if aux else self.out)(h)
+
+
+def _stage3_twins() -> tuple[_HeadFirst, _HeadFirst, ShardedAdamW, torch.optim.AdamW, dict[str, int], list]:
+    """A stage-3 model and its AdamW twin; the units by name; a list that each gather appends its unit to."""
+    torch.manual_seed(0)
+    model, reference = _HeadFirst().double(), _HeadFirst().double()
+    reference.load_state_dict(model.state_dict())
+    config = ZeroConfig(stage=3, min_unit_numel=0, find_unused_parameters=True)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, config=config, module=model)
+    units = opt.engine.units
+    names = {units.units[u].name: u for u in range(1, len(units.units))}
+    assert list(names) == ["aux", "out", "inp", "blocks.0", "blocks.1", "blocks.2"]
+    launched: list[int] = []
+    launch = units._launch
+
+    def counted(bucket: Any, quantized: bool) -> Any:
+        launched.append(bucket.unit)
+        return launch(bucket, quantized)
+
+    units._launch = counted  # type: ignore[method-assign]
+    return model, reference, opt, torch.optim.AdamW(reference.parameters(), lr=1e-2), names, launched
+
+
+def _step(model: nn.Module, opt: Any, x: torch.Tensor, aux: bool, after_forward: Any = None) -> None:
+    loss = model(x, aux).pow(2).mean()
+    if after_forward is not None:
+        after_forward()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def test_the_unit_that_ran_last_stays_gathered_for_its_backward_and_is_learnt_from_the_forward() -> None:
     """With ``reshard_after_forward`` every unit is freed after its forward but the one that ran last
-    in the previous forward (registration order before the first): it is held through the loss, its
-    backward needs it at once. Here the output layer is registered first, so the first step holds the
-    last block (registered last) and the output layer is gathered again for its backward; from the
-    second step on the output layer is held. Each backward frees both; evaluation frees every unit.
-    Every step equals AdamW."""
-    torch.manual_seed(0)
-    model, reference = _HeadFirst().double(), _HeadFirst().double()
-    reference.load_state_dict(model.state_dict())
-    config = ZeroConfig(stage=3, min_unit_numel=0)
-    opt = ShardedAdamW(model.parameters(), lr=1e-2, config=config, module=model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    in the previous forward (registration order before the first): it is held through the loss and
+    gathered once per step instead of twice. Step 1 guesses the last block (registered last), which
+    is freed when the output layer starts after it, and the output layer prefetches nothing (the unit
+    registered after it already ran); from step 2 on the output layer is held. When
+    the head changes (steps 3 and 5) the new one is gathered again for its backward, and is held from
+    the step after. Each backward frees every unit; every step equals AdamW."""
+    model, reference, opt, ref_opt, names, launched = _stage3_twins()
     units = opt.engine.units
-    names = {units.units[u].name: u for u in range(1, len(units.units))}
-    assert list(names) == ["out", "inp", "blocks.0", "blocks.1", "blocks.2"]
-    held_after_forward = []
-    for _ in range(3):
+    held: list[list[str]] = []
+    heads = [False, False, True, True, False]  # aux on steps 3 and 4
+    for step, aux in enumerate(heads):
         x = torch.randn(4, 7, dtype=torch.float64)
-        loss = model(x).pow(2).mean()
-        held_after_forward.append([n for n, u in names.items() if units.gathered(u)])
-        loss.backward()
+        launched.clear()
+        _step(model, opt, x, aux, lambda: held.append([n for n, u in names.items() if units.gathered(u)]))
         assert not any(units.gathered(u) for u in names.values()), "the backward frees every unit"
-        opt.step()
-        opt.zero_grad()
-        reference(x).pow(2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        head = "aux" if aux else "out"
+        repeated = step > 0 and heads[step - 1] == aux
+        assert launched.count(names[head]) == (1 if repeated else 2), (step, launched)
+        for block in ("inp", "blocks.0", "blocks.1", "blocks.2"):
+            assert launched.count(names[block]) == 2, (step, block, launched)
+        assert (head in held[-1]) == repeated and len(held[-1]) <= 1, (step, held)
+        _step(reference, ref_opt, x, aux)
         with opt.engine.full_parameters():
             for a, b in zip(model.parameters(), reference.parameters(), strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
-    # step 1 guesses the registration order: "out" prefetched "inp" (after it there), held until backward
-    assert held_after_forward == [["inp", "blocks.2"], ["out"], ["out"]]
     assert units.last_in_forward() == names["out"]
+
+
+def test_a_held_unit_is_freed_by_a_new_forward_and_by_the_step() -> None:
+    """The last unit held after a forward with gradients that gets no backward: the next forward frees
+    it as it starts (evaluation here, which frees each unit it runs), and an optimizer step with no
+    backward behind it leaves only shards, as every step does."""
+    model, _, opt, _, names, _ = _stage3_twins()
+    units = opt.engine.units
+    x = torch.randn(4, 7, dtype=torch.float64)
+    _step(model, opt, x, False)  # the output layer ran last: held from now on
+    model(x)  # with gradients, no backward
+    assert [n for n, u in names.items() if units.gathered(u)] == ["out"]
     with torch.no_grad():
-        model(torch.randn(2, 7, dtype=torch.float64))
-    assert not any(units.gathered(u) for u in names.values()), "a forward without gradients frees every unit"
+        model(x)
+    assert not any(units.gathered(u) for u in names.values()), "evaluation left a unit gathered"
+    model(x)
+    opt.step()  # no backward since the last step: nothing changes, nothing stays gathered
+    assert not any(units.gathered(u) for u in names.values()), "the step left a unit gathered"
 
 
 class _CallsNoOutputForward(BlockNet):

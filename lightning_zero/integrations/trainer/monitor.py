@@ -13,7 +13,8 @@ batches since the previous log (rank-local values; rank 0's reach the logger):
   * ``zero/elements_sent``: gradient and parameter elements this rank sent per batch (ring cost model);
   * ``zero/bytes_sent``: the same in bytes of the wire dtype (``reduce_dtype="bf16"`` halves the
     gradients' share);
-  * ``zero/elements_sent_vs_min``: elements per optimizer step over the stage-2 minimum ``2·Ψ·(N−1)/N``;
+  * ``zero/elements_sent_vs_min``: elements per optimizer step over the minimum
+    (``ShardEngine.min_elements_per_step``: ``2·Ψ·(N−1)/N``, at stage 3 its gathers too);
   * hybrid sharding (``shard_group_size``): the three above count the traffic inside the shard group
     (``N`` is then ``G``), and ``zero/inter_group_elements_sent``, ``zero/inter_group_bytes_sent`` and
     ``zero/inter_group_elements_vs_min`` (over ``2·(Ψ/G)·(R−1)/R`` per step) the all-reduces across
