@@ -165,6 +165,7 @@ def fit(
     inf_at_step: int | None = None,
     identical_batches: bool = False,
     resume: str | None = None,
+    resume_rank1: str | None = None,
     sharded_checkpoint: bool = True,
     async_checkpoint: bool = False,
     checkpoint_dir: str | None = None,
@@ -181,7 +182,8 @@ def fit(
     """Fit TinyLit; ``batch_size`` is per rank; ``save``: checkpoint path written at the end; ``csv_dir``:
     log to CSV there, with the strategy's communication figures; ``precision="16-mixed-cpu"``: fp16 autocast
     with a GradScaler on CPU (Lightning itself maps "16-mixed" to bf16 there); ``inf_at_step``: rank 1's loss
-    is inf at that step; ``identical_batches``: see :func:`repeated_dataset`; ``resume``: ``ckpt_path``;
+    is inf at that step; ``identical_batches``: see :func:`repeated_dataset`; ``resume``:
+    ``ckpt_path`` (rank 1's is ``resume_rank1`` where given: a rank handed another path);
     ``checkpoint_dir``: a ModelCheckpoint there every 2 steps (top 2 by step, ``save_last``);
     ``skip_nonfinite_steps``, ``shard_group_size``: the strategy's; ``user_mesh``: a 2-D device mesh the
     "user" builds, passed as the strategy's ``device_mesh``; ``nan_at``, ``skip_step``: see
@@ -237,6 +239,8 @@ def fit(
         plugins=plugins,
     )
     model = TinyLit(unused_every, batch_size, inf_at_step, identical_batches, nan_at, skip_step)
+    if resume_rank1 is not None and int(os.environ.get("LOCAL_RANK", "0")) == 1:  # one node
+        resume = resume_rank1
     trainer.fit(model, ckpt_path=resume)
     if save:
         trainer.save_checkpoint(save)

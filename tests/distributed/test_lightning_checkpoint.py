@@ -24,6 +24,7 @@ from tests.distributed.test_lightning_parity import ROOT, launch, max_diff
 from tests.launch import launch_env, run_script
 
 GLOBAL = 12  # rows of the repeated dataset: the global batch at every step
+ERROR = {"expect_error": True}  # the case records the error every rank raised (tests/distributed/lit_fit.py)
 
 
 def case(devices: int, **kw: object) -> dict:
@@ -75,6 +76,8 @@ def launches(root: Path) -> list[list[tuple[str, dict[str, Any]]]]:
         ("stale_two", case(2, steps=3, save=p["stale"] + "/same.ckpt")),
         ("killed_resumed", case(2, steps=4, resume=str(root / "killed" / "last.ckpt"))),
         ("killed_uninterrupted", case(2, steps=4)),
+        # rank 0 handed a sharded checkpoint, rank 1 a directory without meta.pt
+        ("split_resume", case(2, steps=4, resume=p["half"] + ".ckpt", resume_rank1=p["stale"], **ERROR)),
     ]
     one = [
         ("validated", {"validate_ckpt": p["v"] + ".ckpt"}),  # first: a fresh process, as a user's
@@ -177,3 +180,14 @@ def test_validate_loads_a_sharded_checkpoint_without_an_optimizer(fits: tuple[Pa
     """trainer.validate(ckpt_path=dir) under "zero": no optimizer, whole parameters read from the shards
     (the fixture's last launch: a fresh TinyLit, one device, validated first)."""
     assert max_diff(fits[1]["validated"], fits[1]["validated_source"]) == 0.0
+
+
+def test_a_rank_given_another_ckpt_path_ends_every_rank_naming_it(fits: tuple[Path, dict]) -> None:
+    """``trainer.fit(ckpt_path=...)`` where rank 1's path holds no ``meta.pt`` and rank 0's is a sharded
+    checkpoint: the ranks decide together whether it is one, and every rank raises ``CheckpointError``
+    naming rank 1, instead of rank 1 taking Lightning's single-file branch while rank 0 reads shards."""
+    result = fits[1]["split_resume"]
+    assert len(result["every_rank"]) == 2, result
+    for message in result["every_rank"]:
+        assert message.startswith("CheckpointError: "), message
+        assert f"rank 1 does not see {META} where the other ranks do" in message, message
