@@ -84,7 +84,8 @@ class ZeroConfig:
 
     reshard_after_forward: bool = True
     """Stage 3: free each unit's full parameters after its forward and gather them again for its
-    backward (the root's stay, and those of the unit that ran last, whose backward comes first).
+    backward (the root's stay, and those of the unit that ran last in the previous forward, whose
+    backward comes first).
     ``False`` keeps them from forward to backward: one all-gather per step fewer, ZeRO-2's parameter
     memory at the peak."""
     prefetch_units: int = 1

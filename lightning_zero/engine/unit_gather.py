@@ -242,14 +242,18 @@ class UnitGather:
         self.units[0].forward_quantized = self.units[0].quantized
         self._prefetch(0, self._order, training)
 
-    def _prefetch(self, after: int, order: Sequence[int], quantized: bool | None) -> None:
+    def _prefetch(
+        self, after: int, order: Sequence[int], quantized: bool | None, skip_ran: bool = False
+    ) -> None:
         """Launch the gathers of the ``prefetch_units`` units that follow ``after`` in ``order`` (the
-        first ones after the root); ``quantized=None`` (backward): each in the mode its forward ran."""
+        first ones after the root); ``quantized=None`` (backward): each in the mode its forward ran.
+        ``skip_ran`` (``after`` runs for the first time in this forward): not the units that already
+        ran in it (``order`` was a wrong guess there); a repeated pass prefetches as the first did."""
         if after != 0 and after not in order:
             return
         start = 0 if after == 0 else order.index(after) + 1
         for unit in order[start : start + self.prefetch_units]:
-            if quantized is not None and unit in self._running:  # it ran in this forward already
+            if skip_ran and unit in self._running:
                 continue
             if quantized is None:
                 self.gather(unit, wait=False, quantized=self.units[unit].forward_quantized, strict=True)
@@ -266,19 +270,22 @@ class UnitGather:
     def _pre_forward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
         @torch.compiler.disable
         def hook(module: torch.nn.Module, args: object) -> None:
+            first = unit != 0 and unit not in self._running
             if unit == 0:
                 self._running = []
-            elif unit not in self._running and not _in_backward():
+            elif first and not _in_backward():
                 self._running.append(unit)
             state = self.units[unit]
             if _in_backward():  # recomputation for activation checkpointing: the forward's values
                 self.gather(unit, quantized=state.forward_quantized, strict=True)
                 return
+            if unit == self._kept:  # running again: held until this call's post-forward decides anew,
+                self._kept = None  # never freed by a unit it calls
             self._release_kept(unit)
             training = torch.is_grad_enabled()  # evaluation computes on exact parameters
             self.gather(unit, quantized=training)
             state.forward_quantized = state.quantized
-            self._prefetch(unit, self._order, training)
+            self._prefetch(unit, self._order, training, skip_ran=first)
 
         return hook
 

@@ -175,12 +175,14 @@ class _HeadFirst(nn.Module):
         return (self.aux if aux else self.out)(h)
 
 
-def _stage3_twins() -> tuple[_HeadFirst, _HeadFirst, ShardedAdamW, torch.optim.AdamW, dict[str, int], list]:
+def _stage3_twins(
+    prefetch_units: int = 1,
+) -> tuple[_HeadFirst, _HeadFirst, ShardedAdamW, torch.optim.AdamW, dict[str, int], list]:
     """A stage-3 model and its AdamW twin; the units by name; a list that each gather appends its unit to."""
     torch.manual_seed(0)
     model, reference = _HeadFirst().double(), _HeadFirst().double()
     reference.load_state_dict(model.state_dict())
-    config = ZeroConfig(stage=3, min_unit_numel=0, find_unused_parameters=True)
+    config = ZeroConfig(stage=3, min_unit_numel=0, find_unused_parameters=True, prefetch_units=prefetch_units)
     opt = ShardedAdamW(model.parameters(), lr=1e-2, config=config, module=model)
     units = opt.engine.units
     names = {units.units[u].name: u for u in range(1, len(units.units))}
@@ -222,9 +224,11 @@ def test_the_unit_that_ran_last_stays_gathered_for_its_backward_and_is_learnt_fr
         launched.clear()
         _step(model, opt, x, aux, lambda: held.append([n for n, u in names.items() if units.gathered(u)]))
         assert not any(units.gathered(u) for u in names.values()), "the backward frees every unit"
-        head = "aux" if aux else "out"
+        head, other = ("aux", "out") if aux else ("out", "aux")
         repeated = step > 0 and heads[step - 1] == aux
         assert launched.count(names[head]) == (1 if repeated else 2), (step, launched)
+        # where the head changed, the other one was prefetched once (the order said it came next)
+        assert launched.count(names[other]) == (0 if repeated else 1), (step, launched)
         for block in ("inp", "blocks.0", "blocks.1", "blocks.2"):
             assert launched.count(names[block]) == 2, (step, block, launched)
         assert (head in held[-1]) == repeated and len(held[-1]) <= 1, (step, held)
@@ -237,20 +241,69 @@ def test_the_unit_that_ran_last_stays_gathered_for_its_backward_and_is_learnt_fr
 
 def test_a_held_unit_is_freed_by_a_new_forward_and_by_the_step() -> None:
     """The last unit held after a forward with gradients that gets no backward: the next forward frees
-    it as it starts (evaluation here, which frees each unit it runs), and an optimizer step with no
-    backward behind it leaves only shards, as every step does."""
-    model, _, opt, _, names, _ = _stage3_twins()
+    it as it starts (one that never runs it, without prefetching, so that nothing gathers it again),
+    and an optimizer step with no backward behind it leaves only shards, as every step does."""
+    model, _, opt, _, names, _ = _stage3_twins(prefetch_units=0)
     units = opt.engine.units
     x = torch.randn(4, 7, dtype=torch.float64)
     _step(model, opt, x, False)  # the output layer ran last: held from now on
     model(x)  # with gradients, no backward
     assert [n for n, u in names.items() if units.gathered(u)] == ["out"]
-    with torch.no_grad():
-        model(x)
-    assert not any(units.gathered(u) for u in names.values()), "evaluation left a unit gathered"
+    model(x, aux=True)  # the other head: "out" is not run, and freed as this forward starts
+    assert not any(units.gathered(u) for u in names.values()), "a new forward left the held unit gathered"
     model(x)
     opt.step()  # no backward since the last step: nothing changes, nothing stays gathered
     assert not any(units.gathered(u) for u in names.values()), "the step left a unit gathered"
+
+
+class _Shared(nn.Linear):
+    """A unit run on its own and inside the head."""
+
+
+class _Head(nn.Module):
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.shared, self.proj = shared, nn.Linear(13, 13)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.tanh(self.shared(h)))
+
+
+class _Reentered(nn.Module):
+    """The head, the unit that runs last, runs twice per forward and each time calls another unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.shared = nn.Linear(7, 13), _Shared(13, 13)
+        self.head = _Head(self.shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.head(self.shared(torch.relu(self.inp(x)))))
+
+
+def test_the_held_unit_running_again_is_not_freed_by_a_unit_it_calls() -> None:
+    """The unit held since its first call runs again in the same forward and calls another unit there:
+    it stays gathered through that call (its own post-forward decides anew); every step equals AdamW."""
+    torch.manual_seed(0)
+    model, reference = _Reentered().double(), _Reentered().double()
+    reference.load_state_dict(model.state_dict())
+    # no prefetch: "shared" would launch "head"'s gather again, hiding a free (whose gather, on a
+    # device, the head's next op would not wait for)
+    config = ZeroConfig(stage=3, min_unit_numel=0, unit_modules=(_Shared, _Head), prefetch_units=0)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, config=config, module=model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    units = opt.engine.units
+    assert [units.units[u].name for u in range(1, len(units.units))] == ["shared", "head"]
+    for _ in range(3):
+        x = torch.randn(4, 7, dtype=torch.float64)
+        for net, optimizer in ((model, opt), (reference, ref_opt)):
+            net(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with opt.engine.full_parameters():
+            for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+    assert units.last_in_forward() == 2
 
 
 class _CallsNoOutputForward(BlockNet):
@@ -271,7 +324,8 @@ def test_a_unit_whose_parameters_are_used_without_its_forward_is_an_error_naming
 
 
 class _Checkpointed(BlockNet):
-    """Each block under activation checkpointing: its forward runs again inside backward."""
+    """Each block and the output layer (the last unit, held from its forward to its backward) under
+    activation checkpointing: their forwards run again inside backward."""
 
     def __init__(self, reentrant: bool) -> None:
         super().__init__()
@@ -283,7 +337,7 @@ class _Checkpointed(BlockNet):
             h = torch.utils.checkpoint.checkpoint(
                 block, h, use_extra and i == 1, use_reentrant=self.reentrant
             )
-        return self.out(h)
+        return torch.utils.checkpoint.checkpoint(self.out, h, use_reentrant=self.reentrant)
 
 
 @pytest.fixture
