@@ -65,8 +65,9 @@ def gathered(module: torch.nn.Module, writeback: bool = False) -> Iterator[torch
     """Inside, ``module``'s parameters hold their full values, though a stage-3 model keeps them sharded
     (after ``fit`` under ``"zero3"``, during it in a callback or hook, or with a stage-3
     ``ShardedAdamW``): the units holding ``module``'s parameters are gathered (``module`` is the model
-    or any submodule of it: a block gathers its own unit only), then freed at the exit. Writes inside
-    are lost at the exit unless ``writeback``: then each rank keeps its slice of what the parameters
+    or any submodule of it: a block gathers its own unit only), then freed at the exit (but a unit
+    gathered already at the entry, such as the root during a step). Writes inside are lost at the
+    exit, where the unit is freed, unless ``writeback``: then each rank keeps its slice of what the parameters
     hold at the exit (write the same values on every rank, e.g. a broadcast) and the optimizer's fp32
     masters follow. Below stage 3 the parameter gathers in flight complete; for a module no engine
     shards, nothing happens. A collective: call it on every rank, with the same ``module``.
@@ -144,13 +145,16 @@ class ParameterAccess:
     @contextmanager
     def gathered_parameters(self, params: set[int], writeback: bool = False) -> Iterator[None]:
         """:meth:`full_parameters` for the units holding the planned parameters whose ids are in
-        ``params`` (stage 3; below it every gather in flight completes). All ranks, the same ``params``."""
+        ``params`` (stage 3; below it every gather in flight completes). All ranks, the same ``params``.
+        A unit gathered already at the entry (the root during a step, a unit between its forward and
+        its backward) stays gathered at the exit; the others are freed."""
         if self.units is None:
             self.wait_for_params()
             yield
             return
         layout = self.units.layout
         units = sorted({layout.of_param[i] for i, p in enumerate(self.params_in_order) if id(p) in params})
+        held = {u for u in units if self.units.gathered(u)}  # the same on every rank: the same schedule
         self.units.gather_units(units)
         try:
             yield
@@ -159,7 +163,8 @@ class ParameterAccess:
                 self.state.refresh_master()
         finally:
             for unit in units:
-                self.units.free(unit)
+                if unit not in held:
+                    self.units.free(unit)
 
     def publish_shards(self) -> None:
         """After this rank's parameter shards were written (a checkpoint load): the full parameters

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import lightning_zero
 from lightning_zero import ShardedAdamW, ZeroConfig
 from lightning_zero.layout.buckets import ParamSpec, plan_buckets
 from lightning_zero.layout.flat import FlatParams
@@ -254,6 +255,30 @@ def test_a_held_unit_is_freed_by_a_new_forward_and_by_the_step() -> None:
     model(x)
     opt.step()  # no backward since the last step: nothing changes, nothing stays gathered
     assert not any(units.gathered(u) for u in names.values()), "the step left a unit gathered"
+
+
+def test_gathered_keeps_a_unit_that_was_gathered_at_its_entry() -> None:
+    """``lightning_zero.gathered`` between a forward and its backward: the held output layer stays
+    gathered at the exit (its backward gathers nothing more), a block it gathered is freed; the step
+    equals AdamW's."""
+    model, reference, opt, ref_opt, names, launched = _stage3_twins()
+    units = opt.engine.units
+    x = torch.randn(4, 7, dtype=torch.float64)
+    _step(model, opt, x, False)  # the output layer ran last: held from now on
+    _step(reference, ref_opt, x, False)
+    launched.clear()
+    loss = model(x).pow(2).mean()
+    with lightning_zero.gathered(model.out), lightning_zero.gathered(model.blocks[0]):
+        checksum = model.out.weight.sum() + model.blocks[0].fc.weight.sum()
+    assert checksum.isfinite()
+    assert [n for n, u in names.items() if units.gathered(u)] == ["out"], "the held unit was freed"
+    loss.backward()
+    opt.step()
+    assert launched.count(names["out"]) == 1 and launched.count(names["blocks.0"]) == 3, launched
+    _step(reference, ref_opt, x, False)
+    with opt.engine.full_parameters():
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
 
 
 class _Shared(nn.Linear):
