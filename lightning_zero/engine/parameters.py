@@ -65,12 +65,13 @@ def gathered(module: torch.nn.Module, writeback: bool = False) -> Iterator[torch
     """Inside, ``module``'s parameters hold their full values, though a stage-3 model keeps them sharded
     (after ``fit`` under ``"zero3"``, during it in a callback or hook, or with a stage-3
     ``ShardedAdamW``): the units holding ``module``'s parameters are gathered (``module`` is the model
-    or any submodule of it: a block gathers its own unit only), then freed at the exit (but a unit
-    gathered already at the entry, such as the root during a step). Writes inside are lost at the
-    exit, where the unit is freed, unless ``writeback``: then each rank keeps its slice of what the parameters
-    hold at the exit (write the same values on every rank, e.g. a broadcast) and the optimizer's fp32
-    masters follow. Below stage 3 the parameter gathers in flight complete; for a module no engine
-    shards, nothing happens. A collective: call it on every rank, with the same ``module``.
+    or any submodule of it: a block gathers its own unit only), then freed at the exit (a unit
+    gathered already at the entry, such as the root during a step, is gathered again from the shards
+    as it was held). Writes inside are lost at the exit unless ``writeback``: then each rank keeps its
+    slice of what the parameters hold at the exit (write the same values on every rank, e.g. a
+    broadcast) and the optimizer's fp32 masters follow. Below stage 3 the parameter gathers in flight
+    complete; for a module no engine shards, nothing happens. A collective: call it on every rank,
+    with the same ``module``.
 
     Yields:
         ``module`` itself.
@@ -146,25 +147,33 @@ class ParameterAccess:
     def gathered_parameters(self, params: set[int], writeback: bool = False) -> Iterator[None]:
         """:meth:`full_parameters` for the units holding the planned parameters whose ids are in
         ``params`` (stage 3; below it every gather in flight completes). All ranks, the same ``params``.
-        A unit gathered already at the entry (the root during a step, a unit between its forward and
-        its backward) stays gathered at the exit; the others are freed."""
+        At the exit a unit is freed, but one gathered already at the entry (the root during a step, a
+        unit between its forward and its backward), which is gathered again from the shards as it was
+        held (int8 rows where its forward ran on them): the backward that follows needs it, and writes
+        inside reach it only through ``writeback``. On an exception every unit is freed (no collective
+        on a path one rank may take alone)."""
         if self.units is None:
             self.wait_for_params()
             yield
             return
         layout = self.units.layout
         units = sorted({layout.of_param[i] for i, p in enumerate(self.params_in_order) if id(p) in params})
-        held = {u for u in units if self.units.gathered(u)}  # the same on every rank: the same schedule
+        held = {u: self.units.units[u].quantized for u in units if self.units.gathered(u)}  # every rank alike
         self.units.gather_units(units)
         try:
             yield
             if writeback:
                 self.flat.keep_own_slices([b for u in units for b in self.units.units[u].buckets])
                 self.state.refresh_master()
-        finally:
+        except BaseException:
             for unit in units:
-                if unit not in held:
-                    self.units.free(unit)
+                self.units.free(unit)
+            raise
+        for unit in units:
+            if unit in held:
+                self.units.refill(unit, quantized=held[unit])
+            else:
+                self.units.free(unit)
 
     def publish_shards(self) -> None:
         """After this rank's parameter shards were written (a checkpoint load): the full parameters

@@ -209,6 +209,14 @@ class UnitGather:
         if unit == self._kept:
             self._kept = None
 
+    def refill(self, unit: int, quantized: bool) -> None:
+        """Gather ``unit`` again from the shards, from int8 rows where ``quantized`` (as it was held
+        before a block that read or wrote its full values); a unit held for its backward stays so."""
+        kept = self._kept
+        self.free(unit)
+        self.gather(unit, quantized=quantized)
+        self._kept = kept
+
     def _release_kept(self, running: int) -> None:
         """``running``'s forward starts (outside backward): a unit held for its backward since an earlier
         forward is freed, as the others were after theirs (it ran before ``running``, or that forward
