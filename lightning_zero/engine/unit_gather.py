@@ -14,7 +14,8 @@ rank's shard — at these moments:
     so; torchtitan does not reshard its last block by hand). Should another unit's forward start
     after it (the guess was wrong: the order changed), or a new forward begin before its backward,
     that unit is freed at once. A forward without gradients (evaluation) frees each unit it runs
-    after it, root included. A unit's prefetch skips units that already ran in this forward.
+    after it, root included. A unit's prefetch on its first run in a forward skips the units that
+    already ran in it.
   * **backward**: a hook on the unit's outputs (``register_multi_grad_hook``, fires before the
     unit's backward) gathers it again if it was freed, and prefetches the unit that ran before it
     in forward. When every parameter of the unit has delivered its gradient (the reducer, whose
