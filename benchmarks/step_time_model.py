@@ -226,9 +226,8 @@ def collectives_alone_s(opt: Any, repeats: int = 3) -> float:
             if replicas.world_size > 1:
                 replicas.wait(replicas.all_reduce(grad))
             full = torch.empty(bucket.padded_numel)  # stage 3's full buffers hold no storage here
-            # stage 3 gathers every unit but the root and the last one again in backward
-            again = stage == 3 and opt.config.reshard_after_forward
-            gathers = 2 if again and bucket.unit not in (0, engine.units.last_in_forward()) else 1
+            again = stage == 3 and not engine.units.held_through_backward(bucket.unit)  # gathered in backward
+            gathers = 2 if again else 1
             for _ in range(gathers):
                 comm.wait(comm.all_gather(full, engine.flat.shard(bucket)))
         times.append(time.perf_counter() - start)

@@ -85,9 +85,8 @@ class ZeroConfig:
     reshard_after_forward: bool = True
     """Stage 3: free each unit's full parameters after its forward and gather them again for its
     backward (the root's stay, and those of the unit that ran last in the previous forward, whose
-    backward comes first).
-    ``False`` keeps them from forward to backward: one all-gather per step fewer, ZeRO-2's parameter
-    memory at the peak."""
+    backward comes first). ``False`` keeps them from forward to backward: one all-gather per step
+    fewer, ZeRO-2's parameter memory at the peak."""
     prefetch_units: int = 1
     """Stage 3: how many units ahead (forward order, then backward order) to start gathering while a
     unit computes; with ``reshard_after_forward`` at most ``1 + prefetch_units`` units and the root

@@ -103,9 +103,10 @@ class EngineFigures:
         and the one that ran last in the last forward (both stay gathered from their forward to their
         backward): a step whose forward ends at another unit sends that unit's gather once more."""
         numel = 2 * sum(b.padded_numel for b in self.plan.buckets)
-        if self.units is not None and self.config.reshard_after_forward:
-            kept = (0, self.units.last_in_forward())
-            numel += sum(b.padded_numel for b in self.plan.buckets if b.unit not in kept)
+        if self.units is not None:
+            numel += sum(
+                b.padded_numel for b in self.plan.buckets if not self.units.held_through_backward(b.unit)
+            )
         return numel * (self.comm.world_size - 1) // self.comm.world_size
 
     def min_replica_elements_per_step(self) -> int:

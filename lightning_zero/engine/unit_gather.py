@@ -274,6 +274,11 @@ class UnitGather:
         gathered after its forward with ``reshard_after_forward``: its backward comes first."""
         return self._order[-1] if self._order else None
 
+    def held_through_backward(self, unit: int) -> bool:
+        """Whether ``unit`` stays gathered from its forward to its backward (gathered once per
+        micro-batch): the root, the last unit, and every unit without ``reshard_after_forward``."""
+        return not self.reshard_after_forward or unit in (0, self.last_in_forward())
+
     # ---- hooks ------------------------------------------------------------------------------
 
     def _pre_forward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
@@ -321,12 +326,10 @@ class UnitGather:
                 return
             mode = self.units[unit].quantized  # what this forward ran on: its backward gathers that
             torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward(unit, mode), mode="any")
-            if not self.reshard_after_forward or unit == 0:
-                return
-            if unit == self.last_in_forward():
-                self._kept = unit  # its backward comes first: freed once its gradients arrived
-            else:
+            if not self.held_through_backward(unit):
                 self.free(unit)
+            elif self.reshard_after_forward and unit != 0:  # the last unit: its backward comes first,
+                self._kept = unit  # it is freed once its gradients arrived
 
         return hook
 
