@@ -111,7 +111,9 @@ def estimate_components(
     split into :data:`COMPONENTS`, with the state sharded over ``n`` ranks (the world, or the shard
     group of node-aware sharding). Stage 3 holds ``1 + prefetch_units`` gathered units of
     ``unit_params`` (one block) at once, besides the root's parameters, which this estimate does not
-    know of. The optimizer state of a 16-bit model includes its fp32 master copy."""
+    know of, and the gradients of two units in its buckets (one filling, one in flight) where that is
+    more than the buckets of stages 1 and 2. The optimizer state of a 16-bit model includes its fp32
+    master copy."""
     p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
     separate_master = m_bytes > p_bytes
     in_flight = POOL_SLOTS * bucket_cap_mb * 2**20  # buckets being filled or in flight, transient
@@ -122,7 +124,8 @@ def estimate_components(
             "parameters": params * p_bytes / (n if sharded_params else 1),
             "gradients": params * m_bytes / n,  # the gradient shard, in the master dtype
             "optimizer state": params * optimizer / n,
-            "gradient buckets": in_flight,
+            # stage 3: one unit's gradients fill while the unit before it is in flight
+            "gradient buckets": max(in_flight, 2 * unit_params * m_bytes) if sharded_params else in_flight,
             "gathered units": (1 + prefetch_units) * unit_params * p_bytes if sharded_params else 0.0,
         }
 
@@ -182,7 +185,8 @@ def estimate(
         print("  (stage 1 sends 1.5x stage 2's bytes for the same memory)")
     if "zero3" in rows:
         units = (
-            f"{1 + prefetch_units} gathered units of {unit_params / 1e6:.4g}M parameters"
+            f"{1 + prefetch_units} gathered units of {unit_params / 1e6:.4g}M parameters and the gradient "
+            "buckets of 2 units"
             if unit_params
             else "no gathered unit (--unit-params: the parameters of one block)"
         )

@@ -9,6 +9,15 @@ each rank reads only its bytes. :class:`SafetensorsReader` is such a reader over
 files and ``get_slice`` reads the rows a range needs; a parameter stored as several tensors (a fused
 projection saved as its parts) is their concatenation along the first dimension, given by
 ``sources``.
+
+Every rank decides together, before the collective that completes the parameters, and before any
+parameter changes: first each parameter's stored shape against its own (a reader with ``shape_of``,
+as :class:`SafetensorsReader`: every rank checks every parameter), then each rank reads its pieces
+into buffers, each failure a line; the lines of every rank are joined (``union_of``: gathered on rank
+0, broadcast) and, if there are any, every rank raises the same :class:`CheckpointError`, naming each
+tensor and both shapes. Only then are the pieces copied into the shards. A plain callable reader has
+no shapes to compare: a stored tensor shorter than the parameter, or missing, is found as its pieces
+are read; a longer one is not.
 """
 
 from __future__ import annotations
@@ -36,46 +45,99 @@ def load_parameters(module: torch.nn.Module, read: Reader, engine: ShardEngine |
 
     Args:
         engine: the sharded optimizer's engine (``optimizer.engine``; found by itself for a stage-3
-            model); each rank reads only its shards' pieces. ``None`` and no stage-3 model: every
-            parameter is read whole, on every rank.
+            model); each rank reads only its shards' pieces, and every rank decides together whether
+            the load goes ahead (call it on all ranks). ``None`` and no stage-3 model: every parameter
+            is read whole, on every rank, with no communication.
 
     Returns:
         The names read.
 
     Raises:
-        CheckpointError: a parameter the reader lacks or holds in another size (named).
+        CheckpointError: on every rank alike, before any parameter changes: a parameter the reader
+            lacks, or stores in another shape (both named) or size, or whose read failed on some rank.
     """
     if engine is None:
         engine = sharded_engine(module)  # type: ignore[assignment]  # a ShardEngine's part
-    names = {id(p): n for n, p in module.named_parameters()}
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if engine is None:
-        loaded = []
-        for name, param in module.named_parameters():
-            if param.requires_grad:
-                param.copy_(_read(read, name, 0, param.numel()).view_as(param))
-                loaded.append(name)
-        return loaded
+        problems = _shape_problems(read, trainable)
+        whole = [] if problems else [_read_into(read, n, 0, p.numel(), problems) for n, p in trainable]
+        _raise_if(problems)
+        for (_, param), value in zip(trainable, whole, strict=True):
+            param.copy_(value.view_as(param))
+        return [n for n, _ in trainable]
+    names = {id(p): n for n, p in module.named_parameters()}
     engine.wait_for_params()
-    rank = engine.comm.rank
-    for bucket, record in zip(engine.plan.buckets, engine.state.records, strict=True):
-        shard = engine.flat.shard(bucket)
-        for seg in engine.plan.segments(bucket, rank):
-            name = names.get(
-                id(engine.params_in_order[seg.param_index]), engine.plan.params[seg.param_index].name
-            )
-            values = _read(read, name, seg.param_start, seg.param_end)
-            shard[seg.shard_offset : seg.shard_offset + seg.numel].copy_(values)
-            if record.separate_master:
-                record.master[seg.shard_offset : seg.shard_offset + seg.numel].copy_(values)
+    problems = _shape_problems(read, [(names.get(id(p), s.name), p) for p, s in _planned(engine)])
+    pieces = [] if problems else _read_shards(engine, read, names, problems)
+    _raise_if(engine.world.union_of(problems))
+    for bucket_index, start, piece in pieces:
+        bucket, record = engine.plan.buckets[bucket_index], engine.state.records[bucket_index]
+        engine.flat.shard(bucket)[start : start + piece.numel()].copy_(piece)
+        if record.separate_master:
+            record.master[start : start + piece.numel()].copy_(piece)
     engine.publish_shards()
-    return [names.get(id(p), s.name) for p, s in zip(engine.params_in_order, engine.plan.params, strict=True)]
+    return [names.get(id(p), s.name) for p, s in _planned(engine)]
 
 
-def _read(read: Reader, name: str, start: int, end: int) -> Tensor:
-    values = read(name, start, end).reshape(-1)
+def _planned(engine: ShardEngine) -> list[tuple[torch.nn.Parameter, Any]]:
+    return list(zip(engine.params_in_order, engine.plan.params, strict=True))
+
+
+def _read_shards(
+    engine: ShardEngine, read: Reader, names: dict[int, str], problems: list[str]
+) -> list[tuple[int, int, Tensor]]:
+    """This rank's pieces, as ``(bucket index, offset in its shard, values)``; failures go to ``problems``."""
+    pieces = []
+    for b, bucket in enumerate(engine.plan.buckets):
+        for seg in engine.plan.segments(bucket, engine.comm.rank):
+            param, spec = engine.params_in_order[seg.param_index], engine.plan.params[seg.param_index]
+            values = _read_into(
+                read, names.get(id(param), spec.name), seg.param_start, seg.param_end, problems
+            )
+            pieces.append((b, seg.shard_offset, values))
+    return pieces
+
+
+def _read_into(read: Reader, name: str, start: int, end: int, problems: list[str]) -> Tensor:
+    """Elements ``[start, end)`` of ``name``; a failure is a line in ``problems`` (and no values): every
+    rank must reach the agreement, whatever its reads did."""
+    try:
+        values = read(name, start, end).reshape(-1)
+    except Exception as error:  # noqa: BLE001 - any failure of a reader is reported on every rank
+        problems.append(f"{name}: elements [{start}, {end}) could not be read: {error}")
+        return torch.empty(0)
     if values.numel() != end - start:
-        raise CheckpointError(f"{name}: read {values.numel()} elements for [{start}, {end})")
+        problems.append(
+            f"{name}: elements [{start}, {end}) read as {values.numel()} elements (the stored tensor is "
+            "smaller than the parameter)"
+        )
     return values
+
+
+def _shape_problems(read: Reader, params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[str]:
+    """Each parameter whose stored shape is not its own, or that is not stored (a reader with
+    ``shape_of`` only)."""
+    shape_of = getattr(read, "shape_of", None)
+    if shape_of is None:
+        return []
+    problems = []
+    for name, param in params:
+        try:
+            stored = tuple(shape_of(name))
+        except CheckpointError as error:
+            problems.append(f"{name}: {error}")
+            continue
+        if stored != tuple(param.shape):
+            problems.append(
+                f"{name}: stored as shape {list(stored)}, the parameter has shape {list(param.shape)}"
+            )
+    return problems
+
+
+def _raise_if(problems: list[str]) -> None:
+    if problems:
+        raise CheckpointError("cannot load the pretrained weights:\n  " + "\n  ".join(problems))
 
 
 class SafetensorsReader:
@@ -124,7 +186,24 @@ class SafetensorsReader:
         return sorted(self._file_of)
 
     def shape(self, stored: str) -> tuple[int, ...]:
+        """The shape of the stored tensor ``stored``."""
         return tuple(self._slice(stored).get_shape())
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape parameter ``name`` is stored in: its stored tensor's, or the concatenation of its
+        ``sources`` along the first dimension.
+
+        Raises:
+            CheckpointError: a tensor that is not stored, or sources that do not concatenate.
+        """
+        shapes = [self.shape(stored) for stored in self.sources.get(name, (name,))]
+        if len(shapes) == 1:
+            return shapes[0]
+        if any(len(s) == 0 or s[1:] != shapes[0][1:] for s in shapes):
+            raise CheckpointError(
+                f"its sources {list(self.sources[name])} have shapes {shapes}: not one tensor"
+            )
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
 
     def _slice(self, stored: str) -> Any:
         if stored not in self._file_of:

@@ -172,6 +172,8 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
                 self.init_peak_elements = materialize(self.module, deferred, self.flat, layout)
             register_sharded(self.module, self)
         self.reducer = GradReducer(order, self.plan, self.flat, self.groups, config, self.guard)
+        if self.units is not None:  # a unit's buckets launch once its backward is done
+            self.units.reduce_with(self.reducer)
         self.state = ShardState(
             self.plan,
             self.flat,
@@ -324,7 +326,7 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
                 "longer steps it (the gradient hooks are gone); build a new optimizer over the plain module"
             )
         if self.units is not None:  # stage 3: between steps only the shards are held, whatever ran
-            self.units.free_all()  # (a forward with no backward, a skipped step, an idle one)
+            self.units.forget_step()  # (a forward with no backward, a skipped step, an idle one)
         if self.reducer.idle:
             self.reducer.reset()
             return

@@ -1,6 +1,6 @@
 """The in-flight half of :class:`~lightning_zero.engine.reducer.GradReducer`: launching a bucket's
 collective, issuing its all-reduce across the replicas (hybrid sharding) at fixed points of the
-program, and collecting finished buckets into the gradient shards while at most ``_MAX_IN_FLIGHT``
+program, and collecting finished buckets into the gradient shards while at most ``MAX_IN_FLIGHT``
 wait uncollected. :class:`BucketFlight` is a part of the reducer (its base), kept apart from the
 hooks and rounds; the attributes it reads are the reducer's. The collective-order rule it keeps is
 in the reducer's module docstring.
@@ -20,9 +20,9 @@ from lightning_zero.engine.accum_buffers import AccumBuffers
 from lightning_zero.engine.codecs import InFlight, WireCodec
 from lightning_zero.layout.buckets import Bucket
 
-_MAX_IN_FLIGHT = 2
+MAX_IN_FLIGHT = 2
 """Launched buckets that may wait uncollected at once (bounds stage 2's transient gradient memory)."""
-POOL_SLOTS = _MAX_IN_FLIGHT + 1
+POOL_SLOTS = MAX_IN_FLIGHT + 1
 """Accumulation buffers of bucket size the pool holds: one bucket filling, the others in flight
 (what ``lightning-zero estimate`` counts as transient gradient memory)."""
 
@@ -47,6 +47,8 @@ class BucketState:
     """Parameters of the bucket that have not yet arrived in this round."""
     slot: tuple[tuple[torch.dtype, bool], int] | None = None
     """The pool slot ``accum`` lives in, as (size class, index) (``None``: not from the pool)."""
+    launched: bool = False
+    """Its collective was launched in this round."""
 
     def clear(self) -> None:
         self.accum = self.sent = None
@@ -65,8 +67,13 @@ class BucketFlight:
     _rounds: int
     _sync: bool
     _awaiting_sync: bool
-    _next_launch: int
+    _launched: list[int]
+    """The buckets launched in this round, in launch order (bucket order at stages 1 and 2)."""
     _next_across: int
+    """Position in ``_launched`` of the first bucket whose all-reduce across is not issued."""
+    _max_in_flight: int
+    """Launched buckets that may wait uncollected at once: ``MAX_IN_FLIGHT``, or at stage 3 the most
+    buckets one unit has (a unit's buckets launch together; the unit before it is collected then)."""
     _inspect: Callable[[Tensor], None] | None
     _inspect_reduced: Callable[[Tensor], None] | None
 
@@ -79,7 +86,8 @@ class BucketFlight:
         A bucket whose all-reduce across the replicas is not issued yet (hybrid: the newest) is not
         collected, which would issue that collective here; its reduction inside the group is waited
         for and its part kept apart, so its slot is free all the same (no allocation outside the pool)."""
-        for b, state in enumerate(self._buckets):
+        for b in self._launched:
+            state = self._buckets[b]
             if state.sent is None:
                 continue
             if self._collectable(state):
@@ -98,10 +106,12 @@ class BucketFlight:
         state.clear()
 
     def _launch_ready(self) -> None:
+        """Stages 1 and 2: launch, in bucket order, every bucket whose parameters have all arrived and
+        whose predecessors are launched (the launched buckets are a prefix of the plan)."""
         if not self.config.overlap_comm:
             return
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].waiting == 0:
-            self._launch(self._next_launch)
+        while len(self._launched) < len(self._buckets) and self._buckets[len(self._launched)].waiting == 0:
+            self._launch(len(self._launched))
 
     def _launch(self, bucket_index: int) -> None:
         state = self._buckets[bucket_index]
@@ -111,17 +121,19 @@ class BucketFlight:
         if not sent.uses_accum:
             self._release(state)  # the wire copy is all that is needed from here on
         state.sent = sent
-        self._next_launch = bucket_index + 1
-        self._start_across(bucket_index)
-        self._collect_finished(bucket_index)
+        state.launched = True
+        self._launched.append(bucket_index)
+        self._start_across(len(self._launched) - 1)
+        self._collect_finished()
 
     def _start_across(self, end: int) -> None:
-        """Hybrid sharding: issue the all-reduce across the replicas of every launched bucket before
-        ``end`` that has none yet, in bucket order. Called right after a launch and at the end of a
-        round only: fixed points of the program (the module docstring's collective order)."""
+        """Hybrid sharding: issue the all-reduce across the replicas of every bucket launched before
+        position ``end`` of the launch order that has none yet, in launch order. Called right after a
+        launch (for the buckets before it) and at the end of a round (for all) only: fixed points of
+        the program (the module docstring's collective order)."""
         if self.replicas.world_size == 1 or not self._sync:
             return
-        for b in range(self._next_across, end):  # every bucket before it has its across issued
+        for b in self._launched[self._next_across : end]:  # every bucket before it has its across issued
             state = self._buckets[b]
             if state.sent is not None and not state.sent.across:
                 # after rounds folded inside no_sync: this round's part joins the shard, and the whole
@@ -135,12 +147,12 @@ class BucketFlight:
         sent = state.sent
         return sent is not None and (self.replicas.world_size == 1 or sent.across or sent.local_only)
 
-    def _collect_finished(self, newest: int) -> None:
-        """Collect launched buckets that have finished; keep at most ``_MAX_IN_FLIGHT`` uncollected
+    def _collect_finished(self) -> None:
+        """Collect launched buckets that have finished; keep at most ``_max_in_flight`` uncollected
         (the newest included: it is never waited for here). Collecting issues no collective, so which
         buckets a completion check finds done changes no rank's collective sequence."""
-        in_flight = [b for b in range(newest + 1) if self._buckets[b].sent is not None]
-        excess = len(in_flight) - _MAX_IN_FLIGHT
+        in_flight = [b for b in self._launched if self._buckets[b].sent is not None]
+        excess = len(in_flight) - self._max_in_flight
         for b in in_flight[:-1]:  # oldest first
             state = self._buckets[b]
             assert state.sent is not None

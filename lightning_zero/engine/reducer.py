@@ -16,7 +16,13 @@ Per optimizer step (one or more backward passes):
      arrived, and every earlier bucket has been launched, the bucket is divided by the world size,
      cast to the wire dtype and its collective starts asynchronously while backward goes on.
      Launching strictly in bucket order keeps the collective sequence identical on every rank even
-     when ranks see different unused parameters.
+     when ranks see different unused parameters. At stage 3 the gradient hooks launch nothing: the
+     units' backward gathers are collectives too, and a bucket waiting for a gradient that one rank
+     gets and another does not would put its launch before a gather on one rank and after it on the
+     other. Instead a unit's buckets launch, in bucket order and with zeros for the parameters that
+     got no gradient, when its backward is done (:meth:`GradReducer.launch_units`, called by the unit
+     hooks before the next unit's backward gather: :mod:`lightning_zero.engine.unit_gather`), so
+     where each launch goes depends on which units ran, not on which gradients arrived.
   3. At the end of the round's backward (a callback queued on the autograd engine, as torch DDP's
      reducer does) the remaining buckets are launched, with zeros for parameters that got no
      gradient, and every collective is waited for. The result is copied into ``grad_shards`` (the
@@ -49,9 +55,11 @@ Memory: a bucket's accumulation buffer is a slot of a small pool (:class:`WirePo
 buffers as long as the longest bucket within the cap, plus one as long as the longest bucket above
 it, allocated once) from the bucket's first gradient of the step until its collective is collected;
 a launched bucket is collected as soon as its collective has finished (checked when later buckets
-launch), at most ``_MAX_IN_FLIGHT`` launched buckets wait uncollected, and a bucket that needs a
+launch), at most ``MAX_IN_FLIGHT`` launched buckets wait uncollected, and a bucket that needs a
 slot when none of its size is free waits for the oldest ones in flight. So stage 2 holds ``1/N`` of
-the gradients plus at most three buckets and the largest one, and allocates nothing per step.
+the gradients plus at most three buckets and the largest one, and allocates nothing per step. At
+stage 3 one unit's buckets fill while the unit before it is in flight (twice the most buckets of
+one unit, allocated as they fill and freed when collected: FSDP2's per-unit reduce-scatter).
 Across the micro-batches of ``no_sync`` all buckets hold data (like ``param.grad`` under DDP):
 those beyond the pool get buffers of their own for the accumulation window.
 """
@@ -70,8 +78,9 @@ from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups
 from lightning_zero.config import ZeroConfig, master_dtype
 from lightning_zero.engine.accum_buffers import AccumBuffers
+from lightning_zero.engine.backward_end import EndOfBackward
 from lightning_zero.engine.codecs import codec_for
-from lightning_zero.engine.in_flight import POOL_SLOTS, BucketFlight, BucketState
+from lightning_zero.engine.in_flight import MAX_IN_FLIGHT, POOL_SLOTS, BucketFlight, BucketState
 from lightning_zero.engine.nonfinite import NonFiniteGuard
 from lightning_zero.engine.used_params import UsedParams
 from lightning_zero.layout.buckets import BucketPlan
@@ -124,11 +133,15 @@ class GradReducer(BucketFlight):
         self._used = UsedParams(len(self.params), self.world, self._skip_unused, self._guard)
         self._has_data = [False] * len(self.params)  # accumulated in this round's buffers
         self._arrived = [False] * len(self.params)  # arrived in this round's backward
-        self._next_launch = 0
+        self._by_unit = config.stage == 3  # buckets launch when their unit's backward is done, not from hooks
+        per_unit = [b.unit for b in plan.buckets]
+        most = max(per_unit.count(u) for u in set(per_unit))
+        self._max_in_flight = max(MAX_IN_FLIGHT, most) if self._by_unit else MAX_IN_FLIGHT
+        self._launched: list[int] = []
         self._next_across = 0
         self._rounds = 0  # rounds whose result is in grad_shards
         self._round_open = False
-        self._callback_queued = False
+        self._end = EndOfBackward(self._end_of_backward)
         self._warned_unused = False
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
@@ -187,15 +200,32 @@ class GradReducer(BucketFlight):
         self._take_grad(index, param)
         if self._sync or self._sharded_accumulation:
             self._arrive(index)
-            if not self._callback_queued:
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._launch_ready()
+            self._end.queue()
+            if not self._by_unit:
+                self._launch_ready()
+
+    def launch_units(self, units: Sequence[int]) -> None:
+        """Stage 3: a backward is running and the backward of ``units`` is done (called by the unit
+        hooks at each unit's backward, before its gather; ``units`` may be empty): launch their buckets
+        not yet launched in this round, in bucket order, with zeros for parameters that got no
+        gradient. Which buckets launch where is so a function of which units ran, never of which
+        parameters received a gradient (the collective order). The rest launches at the end of the
+        backward."""
+        if not (self._sync or self._sharded_accumulation):
+            return  # inside no_sync without sharded accumulation nothing is sent
+        self._end.queue()
+        self._round_open = True
+        if not self.config.overlap_comm or not units:
+            return
+        for bucket_index, state in enumerate(self._buckets):
+            if state.bucket.unit in units and not state.launched:
+                self._fill_missing(bucket_index)
+                self._launch(bucket_index)
 
     def _take_grad(self, index: int, param: torch.nn.Parameter) -> None:
         """Add ``param.grad`` into its bucket's accumulation buffer and release it."""
         bucket_index, slot = self._where[index]
-        if bucket_index < self._next_launch:  # already on the wire: this gradient opens a new round
+        if self._buckets[bucket_index].launched:  # already on the wire: this gradient opens a new round
             self._finish_round()
         assert param.grad is not None  # callers check
         if not self._has_data[index] and self.buffers.adopt(self._buckets[bucket_index], index, param.grad):
@@ -237,16 +267,16 @@ class GradReducer(BucketFlight):
                 )
 
     def _end_of_backward(self) -> None:
-        self._callback_queued = False
         if self._round_open:
             self._finish_round()
 
     def _finish_round(self) -> None:
         """Launch what is left of this round, wait for all of it, fold it into ``grad_shards``."""
-        for bucket_index in range(self._next_launch, len(self._buckets)):
-            self._fill_missing(bucket_index)
-            self._launch(bucket_index)
-        self._start_across(len(self._buckets))
+        for bucket_index, state in enumerate(self._buckets):
+            if not state.launched:
+                self._fill_missing(bucket_index)
+                self._launch(bucket_index)
+        self._start_across(len(self._launched))
         if not self._sync:  # sharded accumulation inside no_sync: the step's last round agrees on the rest
             self._collect_all()
             self._awaiting_sync = True
@@ -261,12 +291,13 @@ class GradReducer(BucketFlight):
     def _end_round(self) -> None:
         self._rounds += 1
         self._round_open = False
-        self._next_launch = 0
+        self._launched = []
         self._next_across = 0
         self._has_data = [False] * len(self.params)
         self._arrived = [False] * len(self.params)
         for state in self._buckets:
             state.waiting = len(state.bucket.slots)
+            state.launched = False
 
     def finalize(self) -> list[bool] | None:
         """Finish this step's communication; ``grad_shards`` are then valid. Idempotent.
@@ -320,16 +351,17 @@ class GradReducer(BucketFlight):
                 self.comm.wait(state.sent.handle)
             self._release(state)
             state.waiting = len(state.bucket.slots)
+            state.launched = False
         for param in self.params:
             param.grad = None
         self._used.reset()
         self._has_data = [False] * len(self.params)
         self._arrived = [False] * len(self.params)
-        self._next_launch = 0
+        self._launched = []
         self._next_across = 0
         self._rounds = 0
         self._round_open = False
-        self._callback_queued = False
+        self._end.forget()
         self._awaiting_sync = False
         self._synced_in_step = False
         if self._guard is not None:

@@ -18,10 +18,14 @@ rank's shard — at these moments:
     already ran in it.
   * **backward**: a hook on the unit's outputs (``register_multi_grad_hook``, fires before the
     unit's backward) gathers it again if it was freed, and prefetches the unit that ran before it
-    in forward. When every parameter of the unit has delivered its gradient (the reducer, whose
-    hooks run first, has taken it into its bucket's reduce-scatter), the unit is freed; at the end
-    of backward every unit but the root still gathered is. The root stays gathered until the
-    optimizer step frees it (the next micro-batch of an accumulation window needs it at once).
+    in forward. When every parameter of the unit has delivered its gradient (into the reducer's
+    bucket buffers), the unit is freed; at the end of backward every unit but the root still
+    gathered is. The root stays gathered until the optimizer step frees it (the next micro-batch
+    of an accumulation window needs it at once). Before its gather, the hook hands the reducer the
+    units whose backward is done, whose buckets then launch (:meth:`UnitGather._reduce_done`): the
+    only places a stage-3 gradient collective starts besides the end of the backward, so the
+    collective order depends on which units ran, never on which of their parameters got a gradient
+    (a router's experts, a gate, a head used on some batches).
   * **activation checkpointing**: a recomputed forward runs inside backward; its pre-hook gathers
     the unit, its post-hook leaves it gathered for the backward that follows.
   * **a submodule holding root parameters** runs on its own (a model's inner network called for
@@ -61,6 +65,10 @@ is gathered again); a unit prefetched in backward is gathered as its own forward
 activation checkpointing (``use_reentrant=True``) the checkpointed forward runs without gradients,
 so those units gather exactly, in the forward and in its recomputation.
 
+A backward that raises (a loop catching an out-of-memory error to skip the batch) never runs its
+end: the next backward finds that out (:mod:`lightning_zero.engine.backward_end`) and starts from a
+clean per-backward state; the next optimizer step frees every unit and forgets the forwards before it.
+
 Limits: every rank must run the same units in the same order (the gathers are collectives);
 parameters are readable outside their unit's forward and backward only through
 :meth:`UnitGather.gather_all` or the model's ``state_dict()``, writable only with a write-back after
@@ -74,36 +82,19 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.engine.backward_end import EndOfBackward
 from lightning_zero.engine.grad_outputs import grad_outputs
-from lightning_zero.engine.quantize import pack, unpack_rows
+from lightning_zero.engine.reducer import GradReducer
 from lightning_zero.engine.unit_requests import UnitRequests
+from lightning_zero.engine.unit_state import Pending, UnitState, complete, launch
+from lightning_zero.engine.units_done import UnitsDone
 from lightning_zero.layout.buckets import Bucket, BucketPlan
 from lightning_zero.layout.flat import FlatParams
 from lightning_zero.layout.units import UnitLayout
-
-
-@dataclass
-class _Unit:
-    """One unit's buckets and per-step state (lives and dies together)."""
-
-    index: int
-    name: str
-    buckets: list[Bucket]
-    params: list[int]
-    pending: list[tuple[object, Bucket, torch.Tensor | None]] = field(default_factory=list)
-    """Gathers launched and not yet waited for: the handle, the bucket, and (int8 gathers) the byte
-    rows it fills, dequantized into the bucket once it completes."""
-    quantized: bool = False
-    """What the gathered buffers hold (or will once ``pending`` completes) are dequantized int8 values."""
-    forward_quantized: bool = False
-    """The unit's last training forward ran on dequantized values: its backward gathers them again."""
-    arrived: set[int] = field(default_factory=set)
-    """Parameters whose gradient arrived in this backward."""
 
 
 class UnitGather:
@@ -129,13 +120,15 @@ class UnitGather:
         for bucket in plan.buckets:
             by_unit.setdefault(bucket.unit, []).append(bucket)
         self.units = [
-            _Unit(u, layout.names[u] or "<root>", by_unit.get(u, []), layout.params_of(u))
+            UnitState(u, layout.names[u] or "<root>", by_unit.get(u, []), layout.params_of(u))
             for u in range(len(layout.modules))
         ]
         self._order: list[int] = [u for u in range(1, len(self.units))]  # forward order, last step's
         self._running: list[int] = []  # forward order of this step so far
         self._kept: int | None = None  # the last unit, held from its forward to its backward
-        self._callback_queued = False
+        self._done = UnitsDone(len(self.units))  # which units' backward is done, at a backward hook
+        self._reducer: weakref.ref[GradReducer] | None = None
+        self._end = EndOfBackward(self._end_of_backward, abandoned=self._forget_backward)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for unit, module in zip(self.units, layout.modules, strict=True):
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward(unit.index)))
@@ -167,7 +160,7 @@ class UnitGather:
         state = self.units[unit]
         quantized = quantized and self.quantized
         if self.gathered(unit) and state.quantized != quantized and (strict or state.quantized):
-            self._complete(state)
+            complete(self.comm, self.flat, state)
             state.pending = [self._launch(bucket, quantized) for bucket in state.buckets]
             state.quantized = quantized
         elif not self.gathered(unit):
@@ -176,34 +169,15 @@ class UnitGather:
             state.pending = [self._launch(bucket, quantized) for bucket in state.buckets]
             state.quantized = quantized
         if wait:
-            self._complete(state)
+            complete(self.comm, self.flat, state)
 
-    def _launch(self, bucket: Bucket, quantized: bool) -> tuple[object, Bucket, torch.Tensor | None]:
-        if not quantized:
-            handle = self.comm.all_gather(
-                self.flat.bucket(bucket), self.flat.shard(bucket), what="parameter all-gather"
-            )
-            return handle, bucket, None
-        row = pack(self.flat.shard(bucket), 1)
-        rows = row.new_empty(self.comm.world_size, row.shape[1])
-        handle = self.comm.all_gather(rows.view(-1), row.view(-1), what="parameter all-gather (int8)")
-        return handle, bucket, rows
-
-    @torch.no_grad()
-    def _complete(self, state: _Unit) -> None:
-        """Wait for ``state``'s gathers in flight; int8 rows are dequantized into their buckets (every
-        rank, the owner too, from the same bytes)."""
-        for handle, bucket, rows in state.pending:
-            self.comm.wait(handle)
-            if rows is not None:
-                full = self.flat.bucket(bucket)
-                unpack_rows(rows, full.numel(), out=full)
-        state.pending.clear()
+    def _launch(self, bucket: Bucket, quantized: bool) -> Pending:
+        return launch(self.comm, self.flat, bucket, quantized)
 
     def free(self, unit: int) -> None:
         """Release ``unit``'s full parameters (after its gathers in flight complete)."""
         state = self.units[unit]
-        self._complete(state)
+        complete(self.comm, self.flat, state)
         for bucket in state.buckets:
             self.flat.free(bucket)
         state.quantized = False
@@ -248,7 +222,7 @@ class UnitGather:
         self._release_kept(0)
         training = torch.is_grad_enabled()
         self.gather(0, quantized=training)
-        self.units[0].forward_quantized = self.units[0].quantized
+        self._record_mode(0, training)
         self._prefetch(0, self._order, training)
 
     def _prefetch(
@@ -269,6 +243,14 @@ class UnitGather:
             else:
                 self.gather(unit, wait=False, quantized=quantized)
 
+    def _record_mode(self, unit: int, training: bool) -> None:
+        """A forward of ``unit`` runs on what it holds: a training forward's mode is what its backward,
+        a recomputation and a backward prefetch gather; an evaluation's is nobody's."""
+        if training:
+            state = self.units[unit]
+            state.forward_quantized = state.quantized
+            state.trained = True
+
     def last_in_forward(self) -> int | None:
         """The unit that ran last in the last forward (registration order before the first), kept
         gathered after its forward with ``reshard_after_forward``: its backward comes first."""
@@ -284,6 +266,8 @@ class UnitGather:
     def _pre_forward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
         @torch.compiler.disable
         def hook(module: torch.nn.Module, args: object) -> None:
+            if module is not self.layout.modules[unit]:
+                return  # a copy of the unit (copy.deepcopy copies hooks): its parameters are its own
             first = unit != 0 and unit not in self._running
             if unit == 0:
                 self._running = []
@@ -291,14 +275,15 @@ class UnitGather:
                 self._running.append(unit)
             state = self.units[unit]
             if _in_backward():  # recomputation for activation checkpointing: the forward's values
-                self.gather(unit, quantized=state.forward_quantized, strict=True)
+                self.gather(unit, quantized=state.trained and state.forward_quantized, strict=True)
                 return
+            self._done.forward_starts(unit)
             if unit == self._kept:  # running again: held until this call's post-forward decides anew,
                 self._kept = None  # never freed by a unit it calls
             self._release_kept(unit)
             training = torch.is_grad_enabled()  # evaluation computes on exact parameters
             self.gather(unit, quantized=training)
-            state.forward_quantized = state.quantized
+            self._record_mode(unit, training)
             self._prefetch(unit, self._order, training, skip_ran=first)
 
         return hook
@@ -312,20 +297,23 @@ class UnitGather:
     def _post_forward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
         @torch.compiler.disable
         def hook(module: torch.nn.Module, args: object, output: object) -> None:
-            if _in_backward():  # recomputation for activation checkpointing: its backward follows
-                return
+            if _in_backward() or module is not self.layout.modules[unit]:
+                return  # a recomputation for activation checkpointing (its backward follows), a copy
             if unit == 0:
                 self._order = list(self._running)
             try:
                 outputs = grad_outputs(output, self.units[unit].name) if torch.is_grad_enabled() else []
             except TypeError:
+                self._done.forward_ends(unit, hooked=False)
                 self.free(unit)
                 raise
+            ended = self._done.forward_ends(unit, hooked=bool(outputs))
             if not outputs:
                 self.free(unit)  # no backward will come through this forward
                 return
             mode = self.units[unit].quantized  # what this forward ran on: its backward gathers that
-            torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward(unit, mode), mode="any")
+            hook = self._pre_backward(unit, mode, ended)
+            torch.autograd.graph.register_multi_grad_hook(outputs, hook, mode="any")
             if not self.held_through_backward(unit):
                 self.free(unit)
             elif self.reshard_after_forward and unit != 0:  # the last unit: its backward comes first,
@@ -333,9 +321,10 @@ class UnitGather:
 
         return hook
 
-    def _pre_backward(self, unit: int, quantized: bool):  # noqa: ANN202 - a closure over the unit index
+    def _pre_backward(self, unit: int, quantized: bool, ended: int):  # noqa: ANN202 - a closure
         def hook(grad: torch.Tensor) -> None:
-            self._queue_end_of_backward()
+            self._end.queue()
+            self._reduce_done(ended)
             self.gather(unit, quantized=quantized, strict=True)  # the values its forward computed on
             self._prefetch(unit, self._running[::-1], None)
 
@@ -353,7 +342,7 @@ class UnitGather:
 
     def _on_gradient(self, index: int) -> None:
         """A parameter's gradient reached the reducer (its hook, registered after the reducer's)."""
-        self._queue_end_of_backward()
+        self._end.queue()
         unit = self.layout.of_param[index]
         state = self.units[unit]
         if not self.gathered(unit):
@@ -366,19 +355,45 @@ class UnitGather:
         if unit != 0 and len(state.arrived) == len(state.params):
             self.free(unit)
 
-    def _queue_end_of_backward(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+    def _reduce_done(self, ended: int) -> None:
+        """The backward hook of a forward that ended at tick ``ended`` fires: the reducer launches the
+        buckets of the units whose backward is done (:mod:`lightning_zero.engine.units_done`)."""
+        done = self._done.done_at(ended)
+        reducer = None if self._reducer is None else self._reducer()
+        if reducer is not None:
+            reducer.launch_units(done)
+
+    def reduce_with(self, reducer: GradReducer) -> None:
+        """At each unit's backward, before its gather, ``reducer`` launches the buckets of the units
+        whose backward is done (:meth:`GradReducer.launch_units`; held weakly, as the gradient hooks
+        hold it)."""
+        self._reducer = weakref.ref(reducer)
 
     def _end_of_backward(self) -> None:
-        self._callback_queued = False
         if self._running:
             self._order = list(self._running)
-        for state in self.units:
-            state.arrived.clear()
+        self._forget_backward()
+        self._done.backward_ends()
         for unit in range(1, len(self.units)):  # the root stays for the next micro-batch: the step frees it
             self.free(unit)
+
+    def _forget_backward(self) -> None:
+        """The per-backward state back to its start: at the end of a backward, and at the next one
+        after a backward that raised (its end never ran: the units whose gradients arrived there
+        would be freed after their first gradient in the next)."""
+        for state in self.units:
+            state.arrived.clear()
+        self._done.backward_abandoned()
+
+    def forget_step(self) -> None:
+        """An optimizer step ends what the forwards before it left: every unit is freed and no backward
+        is expected of them (a forward whose backward never came, or raised)."""
+        self.free_all()
+        self._end.forget()
+        self._forget_backward()
+        self._done.forget()
+        for state in self.units:
+            state.trained = False
 
     @torch.no_grad()
     def unshard(self) -> FlatParams:

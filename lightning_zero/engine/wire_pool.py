@@ -35,7 +35,11 @@ class WirePool:
     is a view of a free slot of its class, taken at its first gradient and given back once its
     collective is collected, so nothing is allocated per step and the transient gradient memory of
     a step is at most ``slots`` buckets plus the largest one (more only while several buckets fill
-    at once, e.g. across ``no_sync`` micro-batches: those get buffers of their own).
+    at once, e.g. across ``no_sync`` micro-batches: those get buffers of their own). At stage 3
+    (``keep=False``), where a unit's buckets fill together and launch once its backward is done, a
+    class has at least twice as many slots as one unit has buckets of it: one unit filling while the
+    unit before it is in flight, as FSDP2 holds one unit's unsharded gradients while the last unit's
+    reduce-scatter runs.
     """
 
     def __init__(
@@ -59,12 +63,27 @@ class WirePool:
             large = bucket.numel * bucket.dtype.itemsize > cap_bytes
             self._length[dtype, large] = max(self._length.get((dtype, large), 0), bucket.padded_numel)
         self._slots = {key: 1 if key[1] else slots for key in self._length}
+        if not keep:  # stage 3: a unit's buckets fill together while the last unit's are in flight
+            for key, most in self._most_per_unit(plan, skip).items():
+                self._slots[key] = max(self._slots[key], 2 * most)
         self._buffers: dict[tuple[torch.dtype, bool], list[Tensor]] = {k: [] for k in self._length}
         self._free: dict[tuple[torch.dtype, bool], list[int]] = {k: [] for k in self._length}
 
     def _class(self, dtype: torch.dtype, numel: int) -> tuple[torch.dtype, bool]:
         regular = self._length.get((dtype, False), 0)
         return dtype, numel > regular
+
+    def _most_per_unit(self, plan: BucketPlan, skip: set[int]) -> dict[tuple[torch.dtype, bool], int]:
+        """The most buckets of each size class one unit holds."""
+        count: dict[tuple[tuple[torch.dtype, bool], int], int] = {}
+        for bucket in plan.buckets:
+            if bucket.index not in skip:
+                key = (self._class(master_dtype(bucket.dtype), bucket.padded_numel), bucket.unit)
+                count[key] = count.get(key, 0) + 1
+        most: dict[tuple[torch.dtype, bool], int] = {}
+        for (size_class, _), n in count.items():
+            most[size_class] = max(most.get(size_class, 0), n)
+        return most
 
     def serves(self, dtype: torch.dtype, numel: int) -> bool:
         """Whether some slot of this pool can hold ``numel`` elements of ``dtype`` (once free)."""
