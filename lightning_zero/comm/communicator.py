@@ -30,6 +30,7 @@ from torch import Tensor
 from lightning_zero.comm.backends import Backend, SingleProcess, backend_for
 from lightning_zero.comm.handles import CommError, CommStats, EventDone, InCall, Named, process_watchdog
 from lightning_zero.comm.recorder import Recorder, recorder_for
+from lightning_zero.comm.signatures import SignatureCheck
 from lightning_zero.comm.watchdog import Watchdog
 
 
@@ -69,6 +70,7 @@ class Comm:
             )
         )
         self._some_groups = 0  # depth of only_some_groups()
+        self._signatures: SignatureCheck | None = None  # LZ_CHECK_COLLECTIVES: compared before each one
         self._watchdog: Watchdog | None = None
         self._watch_timeout_s = 0.0
         timeout_s = self.backend.timeout_s() if self.backend.watched else None
@@ -138,12 +140,20 @@ class Comm:
                 EventDone(event), where, self._watch_timeout_s, self.backend.abort, self.device
             )
 
-    def _record(self, op: str, numel: int, dtype: torch.dtype | None = None) -> None:
+    def check_signatures(self, check: SignatureCheck) -> None:
+        """Compare every collective this ``Comm`` issues in program order with every rank's before
+        issuing it (``LZ_CHECK_COLLECTIVES``: :mod:`lightning_zero.comm.signatures`)."""
+        if self.ordered:
+            self._signatures = check
+
+    def _record(self, op: str, numel: int, dtype: torch.dtype | None = None, what: str = "") -> None:
         """Before every collective: raise the watchdog's failure if it found one (every later
-        collective of a failed rank fails at once); in test mode log the collective
-        (:mod:`lightning_zero.comm.recorder`)."""
+        collective of a failed rank fails at once); with ``LZ_CHECK_COLLECTIVES`` compare its
+        signature across ranks; in test mode log the collective (:mod:`lightning_zero.comm.recorder`)."""
         if self._watchdog is not None:
             self._watchdog.check()
+        if self._signatures is not None and not self._some_groups:
+            self._signatures.check(self.role, op, numel, dtype if dtype is not None else "object", what or op)
         if self._recorder is not None:
             self._recorder.record(op, numel, dtype if dtype is not None else "object", not self._some_groups)
 
@@ -176,7 +186,7 @@ class Comm:
         """
         self.stats.count(self._ring(input_.numel()), input_.dtype)
         self.stats.collectives += 1
-        self._record("reduce_scatter", input_.numel(), input_.dtype)
+        self._record("reduce_scatter", input_.numel(), input_.dtype, what)
         return self._watched(
             Named(
                 self._run(what, self.backend.reduce_scatter, output, input_, blocking=False),
@@ -191,7 +201,7 @@ class Comm:
         from gradient traffic."""
         self.stats.count(2 * self._ring(tensor.numel()), tensor.dtype, control)
         self.stats.collectives += 1
-        self._record(f"all_reduce_{op}", tensor.numel(), tensor.dtype)
+        self._record(f"all_reduce_{op}", tensor.numel(), tensor.dtype, what)
         return self._watched(
             Named(
                 self._run(what, self.backend.all_reduce, tensor, op, blocking=False),
@@ -203,7 +213,7 @@ class Comm:
         """Async all-gather of every rank's ``input_`` into ``output`` (may be in place)."""
         self.stats.count(self._ring(output.numel()), output.dtype)
         self.stats.collectives += 1
-        self._record("all_gather", output.numel(), output.dtype)
+        self._record("all_gather", output.numel(), output.dtype, what)
         return self._watched(
             Named(
                 self._run(what, self.backend.all_gather, output, input_, blocking=False),
@@ -223,7 +233,7 @@ class Comm:
             )
         self.stats.count(self._ring(input_.numel()), input_.dtype)
         self.stats.collectives += 1
-        self._record("all_to_all", input_.numel(), input_.dtype)
+        self._record("all_to_all", input_.numel(), input_.dtype, what)
         return self._watched(
             Named(
                 self._run(what, self.backend.all_to_all, output, input_, blocking=False),
@@ -323,7 +333,7 @@ class Comm:
     def _broadcast_chunk(self, tensors: list[Tensor], src: int) -> None:
         flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(self.device)
         self.stats.count(flat.numel() if self.rank == src else 0, flat.dtype, control=True)
-        self._record(f"broadcast_from_{src}", flat.numel(), flat.dtype)
+        self._record(f"broadcast_from_{src}", flat.numel(), flat.dtype, "broadcast of tensors")
         self._run(f"broadcast of {flat.numel()} elements from rank {src}", self.backend.broadcast, flat, src)
         offset = 0
         for t in tensors:
@@ -337,7 +347,7 @@ class Comm:
         local = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
         self.stats.count(self._ring(out.numel()), out.dtype, control=True)
-        self._record("all_gather", out.numel(), out.dtype)
+        self._record("all_gather", out.numel(), out.dtype, "all-gather of integers")
         self._run("all-gather of integers", self.backend.all_gather_tensor, out, local)
         return out.view(self.world_size, len(values)).tolist()
 
@@ -348,7 +358,7 @@ class Comm:
         local = torch.tensor(values, dtype=torch.float64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.float64, device=self.device)
         self.stats.count(self._ring(out.numel()), out.dtype, control=True)
-        self._record("all_gather", out.numel(), out.dtype)
+        self._record("all_gather", out.numel(), out.dtype, "all-gather of floats")
         self._run("all-gather of floats", self.backend.all_gather_tensor, out, local)
         return out.view(self.world_size, len(values)).tolist()
 

@@ -31,8 +31,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from lightning_zero.comm.backends import SingleProcess
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.recorder import Entry
+from lightning_zero.comm.signatures import SignatureCheck
 from lightning_zero.comm.simulated import Peer, Simulated
 
 if TYPE_CHECKING:
@@ -61,6 +63,29 @@ class CommGroups:
     def layout(self) -> str:
         """``"RxG"``: replica groups times ranks per shard group (``"1x4"``: flat over 4 ranks)."""
         return f"{self.replicas.world_size}x{self.shard.world_size}"
+
+    def check_signatures(self) -> None:
+        """``LZ_CHECK_COLLECTIVES``: every collective of these groups is compared across the world's
+        ranks before it is issued (:mod:`lightning_zero.comm.signatures`), over a gloo group made here
+        with the world's timeout. Call on all ranks of the default process group. Nothing to compare
+        in a world of one rank, or a simulated one.
+
+        Raises:
+            ValueError: the world is not the default process group (its ranks alone cannot make the
+                side group).
+        """
+        world = self.world
+        if world.world_size == 1 or isinstance(world.backend, Simulated | SingleProcess):
+            return
+        if world.world_size != dist.get_world_size():
+            raise ValueError(
+                f"LZ_CHECK_COLLECTIVES needs the data-parallel ranks to be the default process group "
+                f"({world.world_size} of {dist.get_world_size()} ranks here); unset it, or shard over "
+                "the default group"
+            )
+        check = SignatureCheck(world.backend.global_ranks(), world.backend.timeout_s())
+        for comm in (self.shard, self.replicas, self.world):
+            comm.check_signatures(check)
 
     @classmethod
     def of(cls, comm: Comm | CommGroups) -> CommGroups:

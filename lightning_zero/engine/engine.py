@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import lightning_zero.comm.signatures as signatures
 import lightning_zero.engine.grad_math as grad_math
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups
@@ -118,6 +119,8 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         self.n_averaged = 0
         self.average_device: torch.device | None = None
         self.average_loaded = False
+        if signatures.wanted():  # debugging a hang: every collective compared across ranks first
+            self.groups.check_signatures()
         self.optimizer_steps = 0
         """Optimizer steps so far: :meth:`step` calls with gradients, skipped ones included (the step an
         error names). The Trainer strategy sets it to ``trainer.global_step`` before each training step."""

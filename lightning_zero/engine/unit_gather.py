@@ -172,7 +172,7 @@ class UnitGather:
             complete(self.comm, self.flat, state)
 
     def _launch(self, bucket: Bucket, quantized: bool) -> Pending:
-        return launch(self.comm, self.flat, bucket, quantized)
+        return launch(self.comm, self.flat, bucket, quantized, self.units[bucket.unit].name)
 
     def free(self, unit: int) -> None:
         """Release ``unit``'s full parameters (after its gathers in flight complete)."""

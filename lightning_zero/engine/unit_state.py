@@ -40,16 +40,20 @@ class UnitState:
     """Parameters whose gradient arrived in this backward."""
 
 
-def launch(comm: Comm, flat: FlatParams, bucket: Bucket, quantized: bool) -> Pending:
+def launch(comm: Comm, flat: FlatParams, bucket: Bucket, quantized: bool, unit: str = "") -> Pending:
     """Start ``bucket``'s all-gather from every rank's shard into its full buffer: exact, or
     (``quantized``) each shard as one byte row of int8 blocks and fp32 scales
-    (:func:`~lightning_zero.engine.quantize.pack`)."""
+    (:func:`~lightning_zero.engine.quantize.pack`). ``unit``: its name, in what a failure or a
+    signature check says."""
     if not quantized:
-        handle = comm.all_gather(flat.bucket(bucket), flat.shard(bucket), what="parameter all-gather")
+        what = f"parameter all-gather of unit {unit!r}"
+        handle = comm.all_gather(flat.bucket(bucket), flat.shard(bucket), what=what)
         return handle, bucket, None
     row = pack(flat.shard(bucket), 1)
     rows = row.new_empty(comm.world_size, row.shape[1])  # (world_size, row bytes)
-    handle = comm.all_gather(rows.view(-1), row.view(-1), what="parameter all-gather (int8)")
+    handle = comm.all_gather(
+        rows.view(-1), row.view(-1), what=f"parameter all-gather (int8) of unit {unit!r}"
+    )
     return handle, bucket, rows
 
 
