@@ -47,17 +47,22 @@ def sharded_everywhere(path: str | os.PathLike[str], comm: Comm) -> bool:
     the ranks that do not see it gathered, to be named.
 
     It catches a rank given a path without ``meta.pt`` while the others have one, or a checkpoint
-    on storage some nodes do not share; not two ranks given two different complete checkpoints.
+    on storage some nodes do not share; not two ranks given two different complete checkpoints. A
+    directory without ``meta.pt`` on every rank (an interrupted save, an empty directory) is no
+    checkpoint any loader can read: the documented error, not Lightning's ``IsADirectoryError``.
 
     Raises:
         CheckpointError: on every rank, if some ranks see ``path/meta.pt`` and others do not, or a
-            rank could not look (an ``OSError`` other than "not found", named with its rank).
+            rank could not look (an ``OSError`` other than "not found", named with its rank), or
+            ``path`` is a directory without ``meta.pt``.
     """
     try:  # never raise before the collective the other ranks enter
-        here, why = is_sharded_checkpoint(path), ""
+        here, folder, why = is_sharded_checkpoint(path), os.path.isdir(path), ""
     except OSError as err:  # EACCES, EIO, ESTALE: this rank cannot tell
-        here, why = False, f" ({type(err).__name__}: {err})"
-    if comm.same_everywhere([int(here), int(bool(why))]) and not why:  # alike on every rank
+        here, folder, why = False, False, f" ({type(err).__name__}: {err})"
+    if comm.same_everywhere([int(here), int(bool(why)), int(folder)]) and not why:  # alike on every rank
+        if folder and not here:
+            read_meta(path)  # raises: naming the missing meta.pt
         return here
     blind = comm.union_of([] if here else [f"{comm.rank}{why}"])
     named = ", ".join(blind[:NAMED]) + (f" and {len(blind) - NAMED} more" if len(blind) > NAMED else "")

@@ -27,6 +27,7 @@ model or optimizer writes the flat buffers and the master weights.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +132,7 @@ class FabricCheckpointing(DDPStrategy):
         # branch and meta.pt is read once, not once per rank; any other (e.g. fabric.load_raw into a
         # plain module, maybe on one rank) makes no collective
         collective = self._into_shards(state)
-        if not (sharded_everywhere(path, Comm()) if collective else is_sharded_checkpoint(path)):
+        if not (sharded_everywhere(path, Comm()) if collective else _sharded_here(path)):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         path = Path(path)
         meta = read_meta_once(path, Comm()) if collective else read_meta(path)
@@ -215,3 +216,14 @@ class FabricCheckpointing(DDPStrategy):
             raise CheckpointError(f"{path} holds model weights only; it cannot restore the optimizer")
         preflight(engine, path, meta)
         load_sharded(engine, path, meta, with_optimizer=True)
+
+
+def _sharded_here(path: Any) -> bool:
+    """Whether ``path`` is a sharded checkpoint, on this rank alone (a load that makes no collective).
+
+    Raises:
+        CheckpointError: ``path`` is a directory without ``meta.pt`` (an interrupted save).
+    """
+    if os.path.isdir(path) and not is_sharded_checkpoint(path):
+        read_meta(path)  # raises, naming the missing meta.pt
+    return is_sharded_checkpoint(path)

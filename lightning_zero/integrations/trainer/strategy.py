@@ -58,7 +58,7 @@ from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_zero.comm import collective_failures
 from lightning_zero.comm.watchdog import let_errors_reach_python
 from lightning_zero.config import ZeroConfig
-from lightning_zero.engine.deferred_init import DeferredInit
+from lightning_zero.engine.deferred_init import DeferredInit, is_deferred
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import (
     check_lightning_arguments,
@@ -352,11 +352,15 @@ class ZeroStrategy(StepFunctions):
             if self.model is not None and self._fitting() and self._layer_sync:
                 self.model = self._layer_sync.revert(self.model)
             sharded = sharded_engine(self.lightning_module)
-            if sharded is None:
+            meta = self.lightning_module is not None and is_deferred(self.lightning_module)
+            if sharded is None and not meta:
                 super().teardown()  # moves the module to the CPU (new storage, when it was on a GPU)
                 self._zero.follow_module()
-            else:  # stage 3: the model stays sharded where it is (FSDP's teardown does not move it either)
-                sharded.finish_training()  # validate/test/predict after fit: the units they gathered
+            else:  # stage 3: the model stays sharded where it is (FSDP's teardown does not move it either);
+                # a model still on the meta device (its initialization failed) has nothing to move, and
+                # moving it would raise over the error that stopped the setup
+                if sharded is not None:
+                    sharded.finish_training()  # validate/test/predict after fit: the units they gathered
                 assert self.cluster_environment is not None and self.accelerator is not None
                 self.cluster_environment.teardown()
                 self.precision_plugin.teardown()
