@@ -4,30 +4,42 @@ A model built under ``Trainer.init_module(empty_init=True)``, ``Fabric.init_modu
 or, at stage 3, in ``LightningModule.configure_model()`` has its parameters and buffers on the
 ``meta`` device: shapes and dtypes, no memory, no values. The strategy gives them values here.
 
-**The rule.** Modules are visited children first, in registration order (post-order; a shared
-module once), and each module that defines ``reset_parameters()`` (or, lacking it, torch's private
-``_reset_parameters()``, which ``nn.Transformer`` and ``nn.MultiheadAttention`` run at the end of
-their constructors) has it called, under
-``torch.no_grad()``, with the random-number generators (CPU and, on an accelerator, the device's)
-set to the state they had when the model's construction began (the entry into ``init_module`` or
-``configure_model``; rank 0's, so that every rank draws the same values without a broadcast of
-the model). This is the order in which eager construction runs them when each module calls its
-``reset_parameters()`` at the end of its own ``__init__`` and draws nothing else from the RNG there,
-as torch's layers (``Linear``, ``Embedding``, ``LayerNorm``, ``RMSNorm``, convolutions,
-``BatchNorm``) do: the values are then bit-identical to the same construction without
-``empty_init``. A parameter held by two modules (tied weights) is initialized by the first one
-visited; the later module's ``reset_parameters()`` still runs, on a scratch tensor (as its own
-weight was initialized in its constructor and then replaced by the tied one), so the RNG advances
-as in eager construction.
+**The rule.** The initializer calls an eager build makes are replayed
+(:mod:`lightning_zero.engine.init_order`), under ``torch.no_grad()``, with the random-number
+generators (CPU and, on an accelerator, the device's) set to the state they had when the model's
+construction began (the entry into ``init_module`` or ``configure_model``; rank 0's, so that every
+rank draws the same values without a broadcast of the model). Modules are visited children first,
+in registration order (post-order; a shared module once), and each module that defines
+``reset_parameters()`` (or, lacking it, torch's private ``_reset_parameters()``, which
+``nn.Transformer`` and ``nn.MultiheadAttention`` run at the end of their constructors) has it called:
+the order in which eager construction runs them when each module calls its ``reset_parameters()`` at
+the end of its own ``__init__`` and draws nothing else from the RNG there, as torch's layers
+(``Linear``, ``Embedding``, ``LayerNorm``, ``RMSNorm``, convolutions, ``BatchNorm``) do. A model with a
+per-module initializer (a Hugging Face ``PreTrainedModel``: ``_init_weights(module)``, run by
+``post_init()`` at the end of its constructor; any module with both methods is treated so) has it
+called, at its own place in that order, on each of its modules not already initialized by a model
+inside it, children first, as ``post_init()`` does. The values are then bit-identical to the same
+construction without ``empty_init`` (tested: the recipe's GPT, Llama with tied embeddings, Qwen2;
+rotary buffers, computed in constructors, are recomputed by the initializer). A parameter held by
+two modules (tied weights) is initialized by the first call of each kind that reaches it; the later
+module's call still runs, on a scratch tensor (as its own weight was initialized in its constructor
+and then replaced by the tied one), so the RNG advances as in eager construction.
+
+At stage 3, where units are initialized and sharded one at a time, a model initializer's calls
+come in the eager build after every reset of its modules, so a unit's calls cannot simply run in
+turn: every call is first run once, in the eager order, on scratch tensors of its module's own (one
+module at a time), to note where the generators stood before it; the unit-by-unit replay then sets
+them there before each call. A model of only ``reset_parameters()`` needs no such pass.
 
 **What it cannot reproduce, and what happens then.**
   * A module that owns a tensor on the meta device and has no ``reset_parameters()`` (a raw
-    ``nn.Parameter(torch.randn(...))`` in a constructor): refused before any work, naming every
-    such module.
-  * A tensor no ``reset_parameters()`` wrote: each is filled with NaN before initialization and
-    checked after (as soon as its unit is initialized, at stage 3): an error names the parameter
-    or buffer. A reset that reads a value not yet initialized propagates the NaN and is caught the
-    same way.
+    ``nn.Parameter(torch.randn(...))`` in a constructor) outside a model with an initializer, or
+    inside one a module owning parameters that may draw in its constructor (no ``reset_parameters()``
+    and no norm: GPT-2's ``Conv1D``): refused before any work, naming every such module.
+  * A tensor no initializer wrote: each is filled with NaN (an integer tensor: its dtype's minimum)
+    before initialization and checked after (as soon as its unit is initialized, at stage 3): an
+    error names the parameter or buffer. A reset that reads a value not yet initialized propagates
+    the NaN and is caught the same way.
   * Initialization that is not in ``reset_parameters()`` (``self.apply(init_fn)`` at the end of a
     model's constructor) is not replayed: the values are those of the modules' own
     ``reset_parameters()`` instead. Undetectable in general; move such code into
@@ -54,21 +66,35 @@ Local: no communication (the strategy agrees on the RNG state first).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.engine.init_order import (
+    Call,
+    DeferredInitError,
+    check_deferred,
+    eager_calls,
+    post_order,
+)
 from lightning_zero.layout.buckets import Bucket
 from lightning_zero.layout.flat import FlatParams
 from lightning_zero.layout.placeholders import FreedParameterError
 from lightning_zero.layout.units import UnitLayout
 
-
-class DeferredInitError(ValueError):
-    """A model on the meta device that the rule above cannot initialize (named)."""
+__all__ = [
+    "DeferredInit",
+    "DeferredInitError",
+    "RngState",
+    "capture_rng",
+    "check_deferred",
+    "is_deferred",
+    "materialize",
+    "stand_ins",
+]
 
 
 @dataclass(frozen=True)
@@ -103,10 +129,7 @@ def _rng_set_to(state: RngState, device: torch.device) -> Iterator[None]:
     accelerator = state.device is not None and device.type not in ("cpu", "meta")
     devices = [device] if accelerator else []
     with torch.random.fork_rng(devices=devices, device_type=device.type if accelerator else "cuda"):
-        torch.random.set_rng_state(state.cpu)
-        if accelerator:
-            assert state.device is not None
-            torch.get_device_module(device.type).set_rng_state(state.device, device)
+        _set_rng(state, device)
         yield
 
 
@@ -118,83 +141,6 @@ def is_deferred(module: nn.Module) -> bool:
 def _tensors(module: nn.Module) -> Iterator[Tensor]:
     yield from module.parameters()
     yield from module.buffers()
-
-
-def post_order(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``root``'s modules, children before their parent, in registration order; a shared module once."""
-    seen: set[int] = set()
-    order: list[tuple[str, nn.Module]] = []
-
-    def visit(module: nn.Module, name: str) -> None:
-        seen.add(id(module))
-        for child_name, child in module._modules.items():
-            if child is not None and id(child) not in seen:
-                visit(child, f"{name}.{child_name}" if name else child_name)
-        order.append((name, module))
-
-    visit(root, "")
-    return order
-
-
-def reset_method(module: nn.Module) -> Callable[[], None] | None:
-    """``module.reset_parameters``, or, lacking it, torch's private ``_reset_parameters`` (what
-    ``nn.Transformer`` and ``nn.MultiheadAttention`` call at the end of their constructors)."""
-    for name in ("reset_parameters", "_reset_parameters"):
-        method = getattr(module, name, None)
-        if callable(method):
-            return method
-    return None
-
-
-def check_deferred(root: nn.Module) -> None:
-    """Refuse, before any work, a model the rule cannot initialize.
-
-    Raises:
-        DeferredInitError: some tensors on the meta device and others not (naming one of each),
-            stacks of copied layers, or modules owning meta tensors without ``reset_parameters()``
-            (naming them all).
-    """
-    named = list(root.named_parameters()) + list(root.named_buffers())
-    meta = [n for n, t in named if t.is_meta]
-    real = [f"{n} ({t.device})" for n, t in named if not t.is_meta]
-    if meta and real:
-        raise DeferredInitError(
-            f"the model is partly on the meta device ({meta[0]}, {len(meta)} in all) and partly not "
-            f"({real[0]}, {len(real)} in all): build all of it under init_module(empty_init=True) or "
-            "configure_model(), or none of it"
-        )
-    cloned = [
-        f"{name or '<root>'} ({type(module).__name__} of {len(module.layers)} layers)"
-        for name, module in post_order(root)
-        if isinstance(module, _CLONING) and module.layers is not None and len(module.layers) > 1
-    ]
-    if cloned:
-        raise DeferredInitError(
-            f"{'; '.join(cloned)}: these build their layers as copies of one layer (torch's _get_clones, "
-            "copy.deepcopy): eager construction draws one layer's values and copies them, a replay of "
-            "each layer's reset_parameters() would draw every layer's anew, so the values would differ "
-            "from eager construction. Build this model without empty_init (or with one layer per stack)"
-        )
-    lacking = []
-    for name, module in post_order(root):
-        owned = [
-            n
-            for n, t in (*module._parameters.items(), *module._buffers.items())
-            if t is not None and t.is_meta
-        ]
-        if owned and reset_method(module) is None:
-            lacking.append(f"{name or '<root>'} ({type(module).__name__}: {', '.join(owned)})")
-    if lacking:
-        raise DeferredInitError(
-            "deferred initialization calls each module's reset_parameters() (children first), but these "
-            f"modules own tensors on the meta device and have none: {'; '.join(lacking)}. Give each a "
-            "reset_parameters() that initializes its own tensors (and call it at the end of its __init__, "
-            "so that eager construction matches), or build the model without empty_init"
-        )
-
-
-_CLONING = (nn.TransformerEncoder, nn.TransformerDecoder)
-"""torch's stacks whose layers are deep copies of the one layer given to them."""
 
 
 class _Materializer:
@@ -212,7 +158,7 @@ class _Materializer:
         self.bucket_of: dict[int, Bucket] = (
             {} if flat is None else {s.param_index: b for b in flat.plan.buckets for s in b.slots}
         )
-        self.initialized: set[int] = set()
+        self.written: dict[str, set[int]] = {}  # parameters each kind of call has written
         self.names = {id(t): n for n, t in root.named_parameters(remove_duplicate=True)}
         self.names.update({id(t): n for n, t in root.named_buffers(remove_duplicate=True)})
         self.peak_elements = 0
@@ -251,15 +197,43 @@ class _Materializer:
         held = sum(self.flat.bucket(b).numel() for b in self.flat.plan.buckets if self.flat.is_gathered(b))
         self.peak_elements = max(self.peak_elements, held)
 
-    # ---- running the resets -----------------------------------------------------------------
+    # ---- running the initializer calls --------------------------------------------------------
 
-    def _reset(self, name: str, module: nn.Module) -> None:
-        reset = reset_method(module)
-        if reset is None:
-            return
+    def run(self) -> None:
+        calls = eager_calls(self.root)
+        if self.flat is None:  # the whole model at once: the calls in the eager build's order
+            for _, module in post_order(self.root):
+                self._own(module)
+            for call in calls:
+                self._call(call)
+        else:  # one unit at a time: each module's calls when it is visited, children first
+            states = None if _in_post_order(calls) else self._dry_run(calls)
+            by_module: dict[int, list[int]] = {}
+            for i, call in enumerate(calls):
+                by_module.setdefault(id(call.module), []).append(i)
+            for _, module in post_order(self.root):
+                self._own(module)
+                for i in by_module.get(id(module), []):
+                    if states is not None:  # where the eager build's generators stood for this call
+                        _set_rng(states[i], self.device)
+                    self._call(calls[i])
+                unit = self._unit_of_module.get(id(module))
+                if unit is not None:
+                    self._finish_unit(unit)
+        self._check(
+            [t for t in _tensors(self.root) if id(t) not in self.planned],
+            "after every initializer ran",
+        )
+
+    def _call(self, call: Call) -> None:
+        """Run ``call`` on its module's tensors; a parameter an earlier call of its kind wrote (tied
+        weights: one module's, held by another too) gets a scratch tensor instead, as an eager build
+        initializes the second module's own tensor before the tie replaces it."""
+        module = call.module
         scratch: dict[str, nn.Parameter] = {}
+        written = self.written.setdefault(call.kind, set())
         for pname, param in module._parameters.items():
-            if param is not None and id(param) in self.initialized:  # tied: an earlier module's
+            if param is not None and id(param) in written:
                 scratch[pname] = param
                 module._parameters[pname] = nn.Parameter(
                     torch.empty(param.shape, dtype=param.dtype, device=self.device),
@@ -267,32 +241,38 @@ class _Materializer:
                 )
         try:
             with torch.no_grad():
-                reset()
+                call.run()
         except FreedParameterError as err:
             raise DeferredInitError(
-                f"deferred initialization at stage 3: {type(module).__name__}.reset_parameters() of "
-                f"module {name or '<root>'!r} reads or writes a parameter of a unit initialized and "
-                f"sharded before it ({err}). Stage 3 initializes one unit at a time, children first: "
-                "initialize a block's parameters in the reset_parameters() of modules inside the block, "
-                "not in a parent's (or use stage 1 or 2, which initialize the whole model at once)"
+                f"deferred initialization at stage 3: {_what(call)} of module {call.name or '<root>'!r} "
+                f"reads or writes a parameter of a unit initialized and sharded before it ({err}). "
+                "Stage 3 initializes one unit at a time, children first: initialize a block's parameters "
+                "in the reset_parameters() of modules inside the block, not in a parent's (or use stage 1 "
+                "or 2, which initialize the whole model at once)"
             ) from err
         finally:
             module._parameters.update(scratch)
-        for param in module._parameters.values():
-            if param is not None:
-                self.initialized.add(id(param))
+        written.update(id(p) for p in module._parameters.values() if p is not None)
 
-    def run(self) -> None:
-        for name, module in post_order(self.root):
-            self._own(module)
-            self._reset(name, module)
-            unit = self._unit_of_module.get(id(module))
-            if unit is not None:
-                self._finish_unit(unit)
-        self._check(
-            [t for t in _tensors(self.root) if id(t) not in self.planned],
-            "after every reset_parameters() ran",
-        )
+    @torch.no_grad()
+    def _dry_run(self, calls: list[Call]) -> list[RngState]:
+        """Stage 3 with a model initializer: its calls come after every reset of the model's modules,
+        so unit by unit they would draw other numbers. Run every call once, in the eager order, on
+        scratch tensors of its module's own (one module at a time), and keep where the generators
+        stood before each: the replay then sets them there."""
+        states = []
+        for call in calls:
+            states.append(capture_rng(self.device))
+            with _scratch_own(call.module, self.device):
+                try:
+                    call.run()
+                except RuntimeError as err:  # a stand-in of another module's parameter was written
+                    raise DeferredInitError(
+                        f"deferred initialization at stage 3: {_what(call)} of module "
+                        f"{call.name or '<root>'!r} writes tensors of other modules ({err}); initialize "
+                        "each module's own tensors only, or use stage 1 or 2"
+                    ) from err
+        return states
 
     @torch.no_grad()
     def _finish_unit(self, unit: int) -> None:
@@ -311,24 +291,71 @@ class _Materializer:
             self.flat.free(bucket)
 
     def _check(self, tensors: Sequence[Tensor], when: str) -> None:
-        floating = [t for t in tensors if t.is_floating_point() or t.is_complex()]
-        if not floating:
+        checked = [t for t in tensors if t.dtype != torch.bool]
+        if not checked:
             return
-        flags = torch.stack([torch.isnan(t).any() for t in floating]).tolist()
-        missed = [self.names.get(id(t), "<unnamed>") for t, bad in zip(floating, flags, strict=True) if bad]
+        flags = torch.stack([_unwritten(t).any() for t in checked]).tolist()
+        missed = [self.names.get(id(t), "<unnamed>") for t, bad in zip(checked, flags, strict=True) if bad]
         if missed:
             raise DeferredInitError(
-                f"deferred initialization: {', '.join(missed)} still hold(s) NaN {when}: no "
-                "reset_parameters() wrote them (or one read them before they were written). Initialize "
-                "every tensor a module owns in its reset_parameters(), or build the model without empty_init"
+                f"deferred initialization: {', '.join(missed)} still hold(s) NaN (an integer tensor: its "
+                f"dtype's minimum) {when}: no reset_parameters() nor model initializer wrote them (or one "
+                "read them before they were written). Initialize every tensor a module owns in its "
+                "reset_parameters(), or build the model without empty_init"
             )
 
 
 def _nan_like(tensor: Tensor, device: torch.device) -> Tensor:
+    """What an unwritten tensor holds until an initializer writes it: NaN, an integer's minimum."""
     out = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
     if out.is_floating_point() or out.is_complex():
         out.fill_(float("nan"))
+    elif out.dtype != torch.bool:
+        out.fill_(torch.iinfo(out.dtype).min)
     return out
+
+
+@contextmanager
+def _scratch_own(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Inside: ``module``'s own parameters and buffers are empty tensors on ``device`` of their shapes."""
+    params = {n: p for n, p in module._parameters.items() if p is not None}
+    buffers = {n: b for n, b in module._buffers.items() if b is not None}
+    for name, param in params.items():
+        empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+        module._parameters[name] = nn.Parameter(empty, requires_grad=param.requires_grad)
+    for name, buffer in buffers.items():
+        module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+    try:
+        yield
+    finally:
+        module._parameters.update(params)
+        module._buffers.update(buffers)
+
+
+def _unwritten(tensor: Tensor) -> Tensor:
+    if tensor.is_floating_point() or tensor.is_complex():
+        return torch.isnan(tensor).any()
+    return (tensor == torch.iinfo(tensor.dtype).min).any()
+
+
+def _in_post_order(calls: list[Call]) -> bool:
+    """Whether ``calls`` are each module's own, children first (no model initializer): the order a
+    unit-by-unit replay makes them in anyway."""
+    return all(call.kind == "reset" for call in calls)
+
+
+def _what(call: Call) -> str:
+    return (
+        f"{type(call.module).__name__}.reset_parameters()"
+        if call.kind == "reset"
+        else "the model's _init_weights()"
+    )
+
+
+def _set_rng(state: RngState, device: torch.device) -> None:
+    torch.random.set_rng_state(state.cpu)
+    if state.device is not None and device.type not in ("cpu", "meta"):
+        torch.get_device_module(device.type).set_rng_state(state.device, device)
 
 
 def stand_ins(params: list[nn.Parameter], device: torch.device) -> None:

@@ -190,3 +190,60 @@ def test_meta_parameters_without_deferred_init_are_refused() -> None:
             config=ZeroConfig(stage=2),
             param_names={model.weight: "weight", model.bias: "bias"},
         )
+
+
+def _hf(arch: str) -> nn.Module:
+    import transformers
+
+    small = dict(
+        vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+    )
+    if arch == "gpt2":
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=48, n_embd=16, n_layer=2, n_head=2)
+        )
+    cls, config = {
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+    }[arch]
+    return cls(config(**small, num_key_value_heads=1, max_position_embeddings=8, tie_word_embeddings=True))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_hugging_face_model_replays_its_own_initializer_to_the_eager_values(arch: str, stage: int) -> None:
+    """Issue 39, item 6: ``_init_weights`` (std 0.02), not ``reset_parameters()`` (torch's defaults), in
+    the order an eager build runs it: the model's ``post_init()`` after every layer's constructor; at
+    stage 3 unit by unit, from where the eager build's generators stood for each call."""
+    torch.manual_seed(0)
+    eager = _hf(arch)
+    torch.manual_seed(0)
+    rng = capture_rng(CPU)
+    with torch.device("meta"):
+        model = _hf(arch)
+    check_deferred(model)
+    if stage == 3:
+        ShardedAdamW(
+            model.parameters(),
+            config=ZeroConfig(stage=3, min_unit_numel=0),
+            module=model,
+            deferred_init=DeferredInit(CPU, rng),
+        )
+    else:
+        materialize(model, DeferredInit(CPU, rng))
+    state, want = model.state_dict(), eager.state_dict()
+    assert state.keys() == want.keys()
+    for name in want:
+        assert torch.equal(state[name], want[name]), name
+    for (name, buffer), (_, expected) in zip(model.named_buffers(), eager.named_buffers(), strict=True):
+        assert torch.equal(buffer, expected), name  # rotary inv_freq: computed, not left on meta
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+
+
+def test_a_module_that_may_draw_in_its_constructor_is_refused_by_name() -> None:
+    """GPT-2's ``Conv1D`` initializes its weight in its constructor, with no ``reset_parameters()``:
+    no replay can repeat those draws, so the model is refused rather than built with other values."""
+    with torch.device("meta"):
+        model = _hf("gpt2")
+    with pytest.raises(DeferredInitError, match=r"transformer\.h\.0\.attn\.c_attn \(Conv1D: weight, bias\)"):
+        check_deferred(model)
