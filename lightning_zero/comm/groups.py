@@ -85,7 +85,8 @@ class CommGroups:
             )
         check = SignatureCheck(world.backend.global_ranks(), world.backend.timeout_s())
         for comm in (self.shard, self.replicas, self.world):
-            comm.check_signatures(check)
+            if comm.world_size > 1:  # a group of one (flat sharding's replicas) issues nothing
+                comm.check_signatures(check)
 
     @classmethod
     def of(cls, comm: Comm | CommGroups) -> CommGroups:

@@ -39,7 +39,8 @@ them there before each call. A model of only ``reset_parameters()`` needs no suc
   * A tensor no initializer wrote: each is filled with NaN (an integer tensor: its dtype's minimum)
     before initialization and checked after (as soon as its unit is initialized, at stage 3): an
     error names the parameter or buffer. A reset that reads a value not yet initialized propagates
-    the NaN and is caught the same way.
+    the NaN and is caught the same way. A boolean buffer (a mask made in a constructor) has no such
+    value: one no initializer writes stays ``False``, unchecked.
   * Initialization that is not in ``reset_parameters()`` (``self.apply(init_fn)`` at the end of a
     model's constructor) is not replayed: the values are those of the modules' own
     ``reset_parameters()`` instead. Undetectable in general; move such code into
@@ -312,6 +313,8 @@ def _nan_like(tensor: Tensor, device: torch.device) -> Tensor:
         out.fill_(float("nan"))
     elif out.dtype != torch.bool:
         out.fill_(torch.iinfo(out.dtype).min)
+    else:  # no value tells "unwritten" here: a boolean buffer no initializer writes stays False
+        out.zero_()
     return out
 
 

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -134,8 +135,7 @@ class GradReducer(BucketFlight):
         self._has_data = [False] * len(self.params)  # accumulated in this round's buffers
         self._arrived = [False] * len(self.params)  # arrived in this round's backward
         self._by_unit = config.stage == 3  # buckets launch when their unit's backward is done, not from hooks
-        per_unit = [b.unit for b in plan.buckets]
-        most = max(per_unit.count(u) for u in set(per_unit))
+        most = max(Counter(b.unit for b in plan.buckets).values())  # one unit's buckets launch together
         self._max_in_flight = max(MAX_IN_FLIGHT, most) if self._by_unit else MAX_IN_FLIGHT
         self._launched: list[int] = []
         self._next_across = 0
