@@ -67,7 +67,7 @@ Local: no communication (the strategy agrees on the RNG state first).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -104,6 +104,8 @@ class DeferredInit:
 
     device: torch.device
     rng: RngState
+    init_fn: Callable[[nn.Module], None] | None = None
+    """Run on every module after the rest, children first (the strategies' ``param_init_fn``)."""
 
 
 @dataclass(frozen=True)
@@ -153,8 +155,10 @@ class _Materializer:
         device: torch.device,
         flat: FlatParams | None,
         layout: UnitLayout | None,
+        init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         self.root, self.device, self.flat, self.layout = root, device, flat, layout
+        self.init_fn = init_fn
         self.planned: dict[int, int] = {} if flat is None else {id(p): i for i, p in enumerate(flat.params)}
         self.bucket_of: dict[int, Bucket] = (
             {} if flat is None else {s.param_index: b for b in flat.plan.buckets for s in b.slots}
@@ -201,7 +205,7 @@ class _Materializer:
     # ---- running the initializer calls --------------------------------------------------------
 
     def run(self) -> None:
-        calls = eager_calls(self.root)
+        calls = eager_calls(self.root, self.init_fn)
         if self.flat is None:  # the whole model at once: the calls in the eager build's order
             for _, module in post_order(self.root):
                 self._own(module)
@@ -342,8 +346,8 @@ def _unwritten(tensor: Tensor) -> Tensor:
 
 
 def _in_post_order(calls: list[Call]) -> bool:
-    """Whether ``calls`` are each module's own, children first (no model initializer): the order a
-    unit-by-unit replay makes them in anyway."""
+    """Whether ``calls`` are each module's own, children first (no model initializer, no
+    ``param_init_fn``): the order a unit-by-unit replay makes them in anyway."""
     return all(call.kind == "reset" for call in calls)
 
 
@@ -392,7 +396,7 @@ def materialize(
         DeferredInitError: a tensor left uninitialized; at stage 3, a reset writing into a unit
             already sharded.
     """
-    materializer = _Materializer(root, init.device, flat, layout)
+    materializer = _Materializer(root, init.device, flat, layout, init.init_fn)
     with _rng_set_to(init.rng, init.device):
         materializer.run()
     return materializer.peak_elements

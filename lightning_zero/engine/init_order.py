@@ -23,6 +23,12 @@ uses; they build their weights with ``torch.ones``): such a module (GPT-2's ``Co
 its constructor, which no replay can repeat; stacks of deep-copied layers (``nn.TransformerEncoder``).
 Initialization code elsewhere in a constructor (``self.apply(init)`` by hand) is not replayed and
 cannot be detected; what it leaves unwritten is caught later (each tensor starts as NaN).
+
+A third kind of call is the user's: the strategies' ``param_init_fn(module)`` (FSDP's), run on every
+module, children first, after all the others, as ``model.apply(param_init_fn)`` at the end of the
+model's constructor would. With it no module is refused for lacking an initializer: every one is the
+function's to initialize, and what it leaves unwritten is found as above. Its values equal such an
+eager build's when no constructor draws random numbers outside ``reset_parameters()``.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ class Call:
     """One initializer call of an eager build."""
 
     kind: str
-    """``"reset"`` (the module's ``reset_parameters()``) or ``"model"`` (a model's initializer)."""
+    """``"reset"`` (the module's ``reset_parameters()``), ``"model"`` (a model's initializer) or
+    ``"init_fn"`` (the strategies' ``param_init_fn``)."""
     name: str
     """The module's qualified name (``""``: the root)."""
     module: nn.Module
@@ -82,8 +89,10 @@ def model_initializer(module: nn.Module) -> Callable[[nn.Module], None] | None:
     return init if callable(init) and callable(getattr(module, "post_init", None)) else None
 
 
-def eager_calls(root: nn.Module) -> list[Call]:
-    """Every initializer call an eager build of ``root`` makes, in its order (module docstring)."""
+def eager_calls(root: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> list[Call]:
+    """Every initializer call an eager build of ``root`` makes, in its order (module docstring);
+    ``init_fn`` (the strategies' ``param_init_fn``) then runs on every module, children first, as
+    ``root.apply(init_fn)`` at the end of its constructor would."""
     names = {id(m): n for n, m in post_order(root)}
     claimed: set[int] = set()
     calls: list[Call] = []
@@ -98,7 +107,13 @@ def eager_calls(root: nn.Module) -> list[Call]:
             if id(inner) not in claimed:
                 claimed.add(id(inner))
                 calls.append(Call("model", names[id(inner)], inner, _marked(init, inner)))
+    if init_fn is not None:
+        calls += [Call("init_fn", name, module, _bound(init_fn, module)) for name, module in post_order(root)]
     return calls
+
+
+def _bound(init_fn: Callable[[nn.Module], None], module: nn.Module) -> Callable[[], None]:
+    return lambda: init_fn(module)
 
 
 def _marked(init: Callable[[nn.Module], None], module: nn.Module) -> Callable[[], None]:
@@ -119,8 +134,9 @@ def _is_norm(module: nn.Module) -> bool:
     return "LayerNorm" in name or "RMSNorm" in name
 
 
-def check_deferred(root: nn.Module) -> None:
-    """Refuse, before any work, a model the rule cannot initialize.
+def check_deferred(root: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:
+    """Refuse, before any work, a model the rule cannot initialize. With ``init_fn`` every module is
+    the function's to initialize (what it leaves unwritten is found later).
 
     Raises:
         DeferredInitError: some tensors on the meta device and others not (naming one of each),
@@ -148,6 +164,8 @@ def check_deferred(root: nn.Module) -> None:
             "each layer's reset_parameters() would draw every layer's anew, so the values would differ "
             "from eager construction. Build this model without empty_init (or with one layer per stack)"
         )
+    if init_fn is not None:
+        return
     by_model = {id(c.module) for c in eager_calls(root) if c.kind == "model"}
     lacking, drawing = [], []
     for name, module in post_order(root):

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.checkpoint.reshard import load_sharded, preflight
@@ -152,6 +153,11 @@ class ZeroFrontEnd:
         mine = int(is_deferred(module))
         same = comm.same_everywhere([mine])  # one all-reduce; every rank's flag only if they differ
         if same and not mine:
+            if self.options.param_init_fn is not None:
+                rank_zero_warn(
+                    "param_init_fn was given, but the model was built with values (not under "
+                    "init_module(empty_init=True) or in configure_model()): it was not run"
+                )
             return None
         if not same:
             flags = [f for (f,) in comm.all_gather_ints([mine])]
@@ -159,10 +165,11 @@ class ZeroFrontEnd:
                 f"ranks {[r for r, f in enumerate(flags) if f]} built the model on the meta device and ranks "
                 f"{[r for r, f in enumerate(flags) if not f]} did not: every rank must build it the same way"
             )
-        check_deferred(module)
+        init_fn = self.options.param_init_fn
+        check_deferred(module, init_fn)
         rng = self._construction_rng if self._construction_rng is not None else capture_rng(device)
         self._construction_rng = None  # a later model starts from its own construction
-        return DeferredInit(device, comm.broadcast_object(rng, src=0))
+        return DeferredInit(device, comm.broadcast_object(rng, src=0), init_fn)
 
     @staticmethod
     def initialize_whole(module: torch.nn.Module, init: DeferredInit) -> None:

@@ -4,7 +4,7 @@ are Lightning's ``DDPStrategy``'s."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -38,6 +38,10 @@ class ZeroOptions:
     node, or a divisor of the world size (checked once it is known)."""
     device_mesh: Any = None
     """A torch ``DeviceMesh`` that already exists (1-D: flat over it; 2-D: replicate x shard)."""
+    param_init_fn: Callable[[torch.nn.Module], None] | None = None
+    """A model built on the meta device: run on each of its modules, children first, after every
+    module's ``reset_parameters()`` (what ``model.apply(fn)`` at the end of its constructor does; FSDP's
+    ``param_init_fn``), in the replay of :mod:`lightning_zero.engine.deferred_init`."""
 
     def __post_init__(self) -> None:
         for name in ("log_comm_stats", "sharded_checkpoint", "async_checkpoint", "broadcast_buffers"):
@@ -60,6 +64,11 @@ class ZeroOptions:
                     f"pass shard_group_size={size!r} or a device_mesh, not both (the mesh's dim 1 is the "
                     "shard group)"
                 )
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise ValueError(
+                "param_init_fn must be None or a function of one module (run on each module of a model "
+                f"built on the meta device, children first), got {self.param_init_fn!r}"
+            )
         if self.config.stage == 3 and not self.sharded_checkpoint:
             raise ValueError(
                 "sharded_checkpoint=False is not supported at stage 3 (one file gathered on rank 0 would "

@@ -36,6 +36,7 @@ BAD = {
     "broadcast_buffers": None,
     "shard_group_size": 0,
     "device_mesh": "2x2",
+    "param_init_fn": "normal",
     # Lightning's DDPStrategy
     "accelerator": "cpu",
     "parallel_devices": ["cpu"],

@@ -247,3 +247,53 @@ def test_a_module_that_may_draw_in_its_constructor_is_refused_by_name() -> None:
         model = _hf("gpt2")
     with pytest.raises(DeferredInitError, match=r"transformer\.h\.0\.attn\.c_attn \(Conv1D: weight, bias\)"):
         check_deferred(model)
+
+
+class _Scale(nn.Module):
+    """A module without ``reset_parameters()``: only a ``param_init_fn`` initializes it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.empty(width))
+
+
+def _init_fn(module: nn.Module) -> None:
+    """nanoGPT's ``_init_weights``: normal(0, 0.02) weights, zero biases; gains of one."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, _Scale):
+        nn.init.ones_(module.gain)
+
+
+class _Applied(nn.Module):
+    def __init__(self, apply: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 12)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(12, 12), _Scale(12)) for _ in range(3))
+        self.head = nn.Linear(12, 40)
+        if apply:  # what an eager build of such a model does at the end of its constructor
+            self.apply(_init_fn)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_param_init_fn_replays_as_model_apply_at_the_end_of_construction(stage: int) -> None:
+    torch.manual_seed(0)
+    eager = _Applied(apply=True)
+    torch.manual_seed(0)
+    rng = capture_rng(CPU)
+    with torch.device("meta"):
+        model = _Applied(apply=False)
+    with pytest.raises(DeferredInitError, match=r"blocks\.0\.1 \(_Scale: gain\)"):
+        check_deferred(model)  # without the function: nothing would initialize the gains
+    check_deferred(model, _init_fn)
+    init = DeferredInit(CPU, rng, _init_fn)
+    if stage == 3:
+        config = ZeroConfig(stage=3, min_unit_numel=0)
+        ShardedAdamW(model.parameters(), config=config, module=model, deferred_init=init)
+    else:
+        materialize(model, init)
+    state, want = model.state_dict(), eager.state_dict()
+    for name in want:
+        assert torch.equal(state[name], want[name]), name

@@ -34,6 +34,7 @@ Refused with a clear error: more than one optimizer, or one set up apart from it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -76,7 +77,8 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
             to the skip instead of raising.
         sharded_checkpoint: ``fabric.save`` writes a directory of per-rank shards (the Trainer
             strategy's format); ``False``: one file written by rank 0, as ``"ddp"`` does.
-        broadcast_buffers, shard_group_size, device_mesh: as :class:`~lightning_zero.ZeroStrategy`.
+        broadcast_buffers, shard_group_size, device_mesh, param_init_fn: as
+            :class:`~lightning_zero.ZeroStrategy`.
         log_comm_stats, async_checkpoint: accepted for symmetry with ``ZeroStrategy`` and refused
             when ``True``.
         Remaining arguments: as Fabric's ``DDPStrategy``.
@@ -111,6 +113,7 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
         broadcast_buffers: bool = True,
         shard_group_size: int | str | None = None,
         device_mesh: Any = None,
+        param_init_fn: Callable[[torch.nn.Module], None] | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,

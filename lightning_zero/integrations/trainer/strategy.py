@@ -40,7 +40,7 @@ window, ``SyncBatchNorm`` on CPU (DDP's own error).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -121,6 +121,11 @@ class ZeroStrategy(StepFunctions):
         device_mesh: instead of ``shard_group_size``, an existing torch ``DeviceMesh`` over all ranks
             (built by the user after ``init_process_group``): 2-D ``(replicate, shard)`` as in FSDP2's
             hybrid sharding, or 1-D for flat sharding.
+        param_init_fn: a model built on the meta device: ``param_init_fn(module)`` runs on each of its
+            modules, children first, after every module's ``reset_parameters()``, as
+            ``model.apply(param_init_fn)`` at the end of its constructor would (FSDP's
+            ``param_init_fn``), replayed unit by unit at stage 3
+            (:mod:`lightning_zero.engine.deferred_init`). Ignored for a model built with values.
         Remaining arguments: as ``DDPStrategy``.
 
     Raises:
@@ -155,6 +160,7 @@ class ZeroStrategy(StepFunctions):
         broadcast_buffers: bool = True,
         shard_group_size: int | str | None = None,
         device_mesh: Any = None,
+        param_init_fn: Callable[[torch.nn.Module], None] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
