@@ -22,6 +22,7 @@ import transformers
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
+from tests.distributed.deferred_fit import Record
 
 VOCAB, SEQ = 64, 12
 SMALL = dict(
@@ -91,14 +92,6 @@ class Causal(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
-class Record(L.Callback):
-    def __init__(self) -> None:
-        self.start: dict[str, torch.Tensor] = {}
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.start = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
 
 def fit(arch: str, strategy: str) -> dict[str, Any]:
