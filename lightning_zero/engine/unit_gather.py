@@ -70,6 +70,10 @@ end: the next backward finds that out (:mod:`lightning_zero.engine.backward_end`
 clean per-backward state; the next optimizer step frees every unit and forgets the forwards before it.
 
 Limits: every rank must run the same units in the same order (the gathers are collectives);
+a ``torch.autograd.grad`` through the model (a gradient penalty) runs the units' backward hooks as a
+backward does, so it sends a round of zero gradients too (correct sums, one reduce-scatter more;
+an optimizer step after such a pass alone, with no backward, then steps on zero gradients where
+torch's would skip every parameter);
 parameters are readable outside their unit's forward and backward only through
 :meth:`UnitGather.gather_all` or the model's ``state_dict()``, writable only with a write-back after
 :meth:`UnitGather.gather_all` or through ``load_state_dict()`` (elsewhere they read NaN, and every
