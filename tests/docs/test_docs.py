@@ -58,6 +58,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_zero.comm import recorder
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [Path("README.md"), *sorted(p.relative_to(ROOT) for p in (ROOT / "docs").glob("*.md"))]
 CODE_DIRS = ("lightning_zero", "recipes", "conf", "examples")
@@ -305,42 +307,62 @@ def run_command(command: list[str], workdir: Path, env: dict[str, str]) -> subpr
 
 
 def run_session(blocks: list[Block]) -> tuple[list[str], list[str]]:
-    """Run the blocks in order; returns the failures (empty when all passed) and the time per block."""
+    """Run the blocks in order; returns the failures (empty when all passed) and the time per block.
+
+    The session's launches log their collectives into a directory of its own, compared when the
+    session ends (tests/conftest.py's check): sessions run in the background, two at a time, while
+    the tests before theirs finish, and a check after another test would see a launch still running
+    (a rank past a broadcast whose receiver has not logged it yet) and remove its logs."""
     workdir = make_workdir()
     env = environment(workdir)
+    env[recorder.ENV_DIR] = str(workdir / "collectives")
     timings: list[str] = []
     try:
-        for index, block in enumerate(blocks):
-            name = block.get("file")
-            if name is not None:
-                (workdir / name).write_text(block.code)
-                later = " ".join(b.code for b in blocks[index + 1 :] if b.lang != "python")
-                if name not in later:
-                    return [f"{block.where}: no later block of its session runs the file {name}"], timings
-                continue
-            if block.lang == "python":
-                script = workdir / f"_docs_block_{block.line}.py"
-                script.write_text(block.code)
-                command = [sys.executable, script.name]
-            else:
-                command = ["bash", "-e", "-o", "pipefail", "-c", shell_script(block)]
-            start = time.perf_counter()
-            proc = run_command(command, workdir, env)
-            timings.append(f"{block.where}: {time.perf_counter() - start:.1f} s")
-            shown = shlex.join(command) if block.lang == "python" else command[-1]
-            report = (
-                f"--- ran:\n{shown}\n--- stdout (tail):\n{proc.stdout[-3000:]}\n"
-                f"--- stderr (tail):\n{proc.stderr[-5000:]}"
-            )
-            if proc.returncode != 0:
-                return [f"{block.where}: exit status {proc.returncode}\n{report}"], timings
-            printed = {line.strip() for line in proc.stdout.splitlines()}
-            missing = [line for line in expected_output(block) if line not in printed]
-            if missing:
-                return [f"{block.where}: expected output not printed: {missing}\n{report}"], timings
-        return [], timings
+        failures, timings = _run_blocks(blocks, workdir, env, timings)
+        problems = recorder.compare_logs(workdir / "collectives")
+        if problems and not failures:
+            failures = [
+                "ranks issued different collective sequences (NCCL would hang or mix up tensors):",
+                *problems,
+            ]
+        return failures, timings
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_blocks(
+    blocks: list[Block], workdir: Path, env: dict[str, str], timings: list[str]
+) -> tuple[list[str], list[str]]:
+    """The blocks in order, up to the first that fails."""
+    for index, block in enumerate(blocks):
+        name = block.get("file")
+        if name is not None:
+            (workdir / name).write_text(block.code)
+            later = " ".join(b.code for b in blocks[index + 1 :] if b.lang != "python")
+            if name not in later:
+                return [f"{block.where}: no later block of its session runs the file {name}"], timings
+            continue
+        if block.lang == "python":
+            script = workdir / f"_docs_block_{block.line}.py"
+            script.write_text(block.code)
+            command = [sys.executable, script.name]
+        else:
+            command = ["bash", "-e", "-o", "pipefail", "-c", shell_script(block)]
+        start = time.perf_counter()
+        proc = run_command(command, workdir, env)
+        timings.append(f"{block.where}: {time.perf_counter() - start:.1f} s")
+        shown = shlex.join(command) if block.lang == "python" else command[-1]
+        report = (
+            f"--- ran:\n{shown}\n--- stdout (tail):\n{proc.stdout[-3000:]}\n"
+            f"--- stderr (tail):\n{proc.stderr[-5000:]}"
+        )
+        if proc.returncode != 0:
+            return [f"{block.where}: exit status {proc.returncode}\n{report}"], timings
+        printed = {line.strip() for line in proc.stdout.splitlines()}
+        missing = [line for line in expected_output(block) if line not in printed]
+        if missing:
+            return [f"{block.where}: expected output not printed: {missing}\n{report}"], timings
+    return [], timings
 
 
 def cost(blocks: list[Block]) -> int:
