@@ -125,7 +125,7 @@ def _shape_problems(read: Reader, params: Sequence[tuple[str, torch.nn.Parameter
     for name, param in params:
         try:
             stored = tuple(shape_of(name))
-        except CheckpointError as error:
+        except Exception as error:  # noqa: BLE001 - every rank must reach the agreement
             problems.append(f"{name}: {error}")
             continue
         if stored != tuple(param.shape):

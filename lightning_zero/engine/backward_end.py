@@ -40,7 +40,8 @@ class EndOfBackward:
     Args:
         at_end: what to run when the backward completes.
         abandoned: what to run, before queueing again, when the previous backward raised after a
-            :meth:`queue` (its ``at_end`` never ran).
+            :meth:`queue` (its ``at_end`` never ran); if it raises, so does every :meth:`queue` until
+            :meth:`forget`.
     """
 
     def __init__(self, at_end: Callable[[], None], abandoned: Callable[[], None] = lambda: None) -> None:
@@ -59,8 +60,8 @@ class EndOfBackward:
         if self.queued:
             return
         if self._queued is not None:  # dropped by autograd without running: that backward raised
+            self._abandoned()  # may raise: it then raises again at every queue() until forget()
             self._queued = None
-            self._abandoned()
         callback = _Queued(self._run)
         self._queued = weakref.ref(callback)
         torch.autograd.Variable._execution_engine.queue_callback(callback)

@@ -70,6 +70,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -186,7 +187,9 @@ class _Materializer:
                 torch.utils.swap_tensors(param, real)  # the same object: optimizers keep their references
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
-                module._buffers[name] = _nan_like(buffer, self.device)
+                filled = _nan_like(buffer, self.device)
+                module._buffers[name] = filled
+                self.names[id(filled)] = self.names.get(id(buffer), name)  # the error names it
 
     @torch.no_grad()
     def _materialize_bucket(self, index: int) -> None:
@@ -233,12 +236,14 @@ class _Materializer:
     def _call(self, call: Call) -> None:
         """Run ``call`` on its module's tensors; a parameter an earlier call of its kind wrote (tied
         weights: one module's, held by another too) gets a scratch tensor instead, as an eager build
-        initializes the second module's own tensor before the tie replaces it."""
+        initializes the second module's own tensor before the tie replaces it (not for
+        ``param_init_fn``, which runs after the tie)."""
         module = call.module
         scratch: dict[str, nn.Parameter] = {}
         written = self.written.setdefault(call.kind, set())
         for pname, param in module._parameters.items():
-            if param is not None and id(param) in written:
+            # param_init_fn runs as model.apply(fn) after the model tied its weights: the last write wins
+            if param is not None and id(param) in written and call.kind != "init_fn":
                 scratch[pname] = param
                 module._parameters[pname] = nn.Parameter(
                     torch.empty(param.shape, dtype=param.dtype, device=self.device),
@@ -268,7 +273,8 @@ class _Materializer:
         states = []
         for call in calls:
             states.append(capture_rng(self.device))
-            with _scratch_own(call.module, self.device):
+            # a reset may write its children's tensors (MultiheadAttention's does): they get scratch too
+            with _scratch_own(call.module, self.device, subtree=call.kind == "reset"):
                 try:
                     call.run()
                 except RuntimeError as err:  # a stand-in of another module's parameter was written
@@ -304,9 +310,9 @@ class _Materializer:
         if missed:
             raise DeferredInitError(
                 f"deferred initialization: {', '.join(missed)} still hold(s) NaN (an integer tensor: its "
-                f"dtype's minimum) {when}: no reset_parameters() nor model initializer wrote them (or one "
-                "read them before they were written). Initialize every tensor a module owns in its "
-                "reset_parameters(), or build the model without empty_init"
+                f"dtype's minimum, an unsigned one's maximum) {when}: no reset_parameters() nor model "
+                "initializer wrote them (or one read them before they were written). Initialize every "
+                "tensor a module owns in its reset_parameters(), or build the model without empty_init"
             )
 
 
@@ -316,33 +322,45 @@ def _nan_like(tensor: Tensor, device: torch.device) -> Tensor:
     if out.is_floating_point() or out.is_complex():
         out.fill_(float("nan"))
     elif out.dtype != torch.bool:
-        out.fill_(torch.iinfo(out.dtype).min)
+        out.fill_(_unset_integer(out.dtype))
     else:  # no value tells "unwritten" here: a boolean buffer no initializer writes stays False
         out.zero_()
     return out
 
 
 @contextmanager
-def _scratch_own(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """Inside: ``module``'s own parameters and buffers are empty tensors on ``device`` of their shapes."""
-    params = {n: p for n, p in module._parameters.items() if p is not None}
-    buffers = {n: b for n, b in module._buffers.items() if b is not None}
-    for name, param in params.items():
-        empty = torch.empty(param.shape, dtype=param.dtype, device=device)
-        module._parameters[name] = nn.Parameter(empty, requires_grad=param.requires_grad)
-    for name, buffer in buffers.items():
-        module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+def _scratch_own(module: nn.Module, device: torch.device, subtree: bool = False) -> Iterator[None]:
+    """Inside: ``module``'s own parameters and buffers (``subtree``: its descendants' too) are empty
+    tensors on ``device`` of their shapes."""
+    kept: list[tuple[dict[str, Any], str, Tensor]] = []
+    for owner in dict.fromkeys(module.modules()) if subtree else (module,):
+        stores: tuple[dict[str, Any], ...] = (owner._parameters, owner._buffers)
+        for store in stores:
+            for name, tensor in list(store.items()):
+                if tensor is None:
+                    continue
+                kept.append((store, name, tensor))
+                empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                is_param = store is owner._parameters
+                store[name] = nn.Parameter(empty, requires_grad=tensor.requires_grad) if is_param else empty
     try:
         yield
     finally:
-        module._parameters.update(params)
-        module._buffers.update(buffers)
+        for store, name, tensor in kept:
+            store[name] = tensor
 
 
 def _unwritten(tensor: Tensor) -> Tensor:
     if tensor.is_floating_point() or tensor.is_complex():
         return torch.isnan(tensor).any()
-    return (tensor == torch.iinfo(tensor.dtype).min).any()
+    return (tensor == _unset_integer(tensor.dtype)).any()
+
+
+def _unset_integer(dtype: torch.dtype) -> int:
+    """What an unwritten integer tensor holds: the dtype's minimum (its maximum for an unsigned one,
+    whose minimum 0 is an ordinary value)."""
+    info = torch.iinfo(dtype)
+    return info.max if info.min == 0 else info.min
 
 
 def _in_post_order(calls: list[Call]) -> bool:

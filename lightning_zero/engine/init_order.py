@@ -108,8 +108,18 @@ def eager_calls(root: nn.Module, init_fn: Callable[[nn.Module], None] | None = N
                 claimed.add(id(inner))
                 calls.append(Call("model", names[id(inner)], inner, _marked(init, inner)))
     if init_fn is not None:
-        calls += [Call("init_fn", name, module, _bound(init_fn, module)) for name, module in post_order(root)]
+        calls += [Call("init_fn", name, module, _bound(init_fn, module)) for name, module in _applied(root)]
     return calls
+
+
+def _applied(module: nn.Module, name: str = "") -> list[tuple[str, nn.Module]]:
+    """The modules ``module.apply(fn)`` calls ``fn`` on, in its order: children first, each parent's
+    distinct children (``children()``), so a module held by two parents is visited twice (unlike
+    :func:`post_order`, which visits every module once)."""
+    order = []
+    for child_name, child in module.named_children():
+        order += _applied(child, f"{name}.{child_name}" if name else child_name)
+    return [*order, (name, module)]
 
 
 def _bound(init_fn: Callable[[nn.Module], None], module: nn.Module) -> Callable[[], None]:

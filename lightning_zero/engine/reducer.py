@@ -141,7 +141,7 @@ class GradReducer(BucketFlight):
         self._next_across = 0
         self._rounds = 0  # rounds whose result is in grad_shards
         self._round_open = False
-        self._end = EndOfBackward(self._end_of_backward)
+        self._end = EndOfBackward(self._end_of_backward, abandoned=self._after_raised_backward)
         self._warned_unused = False
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
@@ -269,6 +269,21 @@ class GradReducer(BucketFlight):
     def _end_of_backward(self) -> None:
         if self._round_open:
             self._finish_round()
+
+    def _after_raised_backward(self) -> None:
+        """The next backward after one that raised with a round open (its end never ran): its partial
+        gradients, and collectives some ranks may have run, are no state to go on from.
+
+        Raises:
+            RuntimeError: until :meth:`reset` (``optimizer.zero_grad()``) drops them.
+        """
+        if self._round_open:
+            raise RuntimeError(
+                "the last backward raised after gradients reached the sharded optimizer's buckets (its "
+                "round of collectives was left part-way): call optimizer.zero_grad() before the next "
+                "backward, to drop that batch's partial gradients (a loop that catches the error and "
+                "skips the batch; torch DDP cannot go on after such a backward at all)"
+            )
 
     def _finish_round(self) -> None:
         """Launch what is left of this round, wait for all of it, fold it into ``grad_shards``."""

@@ -19,9 +19,11 @@ rank's shard — at these moments:
   * **backward**: a hook on the unit's outputs (``register_multi_grad_hook``, fires before the
     unit's backward) gathers it again if it was freed, and prefetches the unit that ran before it
     in forward. When every parameter of the unit has delivered its gradient (into the reducer's
-    bucket buffers), the unit is freed; at the end of backward every unit but the root still
-    gathered is. The root stays gathered until the optimizer step frees it (the next micro-batch
-    of an accumulation window needs it at once). Before its gather, the hook hands the reducer the
+    bucket buffers), the unit is freed, and no hook nor prefetch gathers it again in that backward
+    (on a rank where one of its parameters got no gradient it is still gathered, so no rank issues a
+    gather the others do not); at the end of backward every unit but the root still gathered is.
+    The root stays gathered until the optimizer step frees it (the next micro-batch of an
+    accumulation window needs it at once). Before its gather, the hook hands the reducer the
     units whose backward is done, whose buckets then launch (:meth:`UnitGather._reduce_done`): the
     only places a stage-3 gradient collective starts besides the end of the backward, so the
     collective order depends on which units ran, never on which of their parameters got a gradient
@@ -243,7 +245,8 @@ class UnitGather:
             if skip_ran and unit in self._running:
                 continue
             if quantized is None:
-                self.gather(unit, wait=False, quantized=self.units[unit].forward_quantized, strict=True)
+                if not self._finished(unit):
+                    self.gather(unit, wait=False, quantized=self.units[unit].forward_quantized, strict=True)
             else:
                 self.gather(unit, wait=False, quantized=quantized)
 
@@ -329,7 +332,8 @@ class UnitGather:
         def hook(grad: torch.Tensor) -> None:
             self._end.queue()
             self._reduce_done(ended)
-            self.gather(unit, quantized=quantized, strict=True)  # the values its forward computed on
+            if not self._finished(unit):
+                self.gather(unit, quantized=quantized, strict=True)  # the values its forward computed on
             self._prefetch(unit, self._running[::-1], None)
 
         return hook
@@ -356,8 +360,17 @@ class UnitGather:
                 "Choose units (unit_modules) whose forward uses every parameter they hold"
             )
         state.arrived.add(index)
-        if unit != 0 and len(state.arrived) == len(state.params):
+        if self._finished(unit):
             self.free(unit)
+
+    def _finished(self, unit: int) -> bool:
+        """Every parameter of ``unit`` (not the root) delivered its gradient in this backward: no op
+        of this backward reads them any more. It is freed then and never gathered again in this
+        backward, also where a backward hook or prefetch asks for it: on a rank where one of its
+        parameters got no gradient it is still gathered there, so that no rank issues a gather the
+        others do not (a parent unit whose own parameters ran after its child's forward)."""
+        state = self.units[unit]
+        return unit != 0 and len(state.arrived) == len(state.params)
 
     def _reduce_done(self, ended: int) -> None:
         """The backward hook of a forward that ended at tick ``ended`` fires: the reducer launches the

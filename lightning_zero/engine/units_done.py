@@ -18,8 +18,9 @@ without gradients), and a unit called twice is done after the backward of its fi
 
 Limits: the backward nodes of one device run on one thread in that order (autograd's per-device
 ready queue); nodes on another device's thread (a CPU op inside a CUDA model) are not ordered with
-them, and a gradient that arrives after its bucket launched is sent in a second round at the end of
-the backward (correct, but sent twice, and ordered as the program makes it).
+them. A gradient that arrives after its bucket launched closes the round where it arrives (every
+bucket left launches there, and the used-parameter agreement runs) and opens a second one: the sums
+are right, but that place follows the timing of the other thread, not the program.
 """
 
 from __future__ import annotations

@@ -83,3 +83,53 @@ def test_the_check_sees_the_order_a_bucket_launched_from_its_hooks_would_give(
     logs = {rank: _log("gate", 3, rank, None, True) for rank in range(WORLD)}
     problems = compare_ranks("simulated", logs)
     assert problems and "reduce_scatter" in problems[0], problems
+
+
+class _Child(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class _Parent(torch.nn.Module):
+    """A unit holding a unit: its own parameters are used after the child's forward, one of them only
+    where ``gate`` is set (so the parent's own gradients all arrive on some ranks and not others)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Child()
+        self.out = torch.nn.Linear(8, 8)
+        self.gate = torch.nn.Parameter(torch.ones(8))
+        self.use_gate = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.out(self.inner(x))
+        return h * self.gate if self.use_gate else h
+
+
+def _nested_log(rank: int) -> list[Entry]:
+    log: list[Entry] = []
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), _Parent(), torch.nn.Linear(8, 2)).double()
+    config = ZeroConfig(stage=3, unit_modules=(_Parent, _Child), find_unused_parameters=True)
+    opt = ShardedAdamW(
+        model.parameters(), config=config, groups=CommGroups.simulated(rank, 2, log=log), module=model
+    )
+    for step in range(2):
+        model[1].use_gate = (step + rank) % 2 == 0
+        model(torch.randn(3, 4, dtype=torch.float64)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return log
+
+
+def test_a_unit_whose_own_gradients_all_arrived_on_one_rank_is_not_gathered_again_there() -> None:
+    """A parent unit whose own parameters are all used after its child's forward has all its gradients
+    before the child's backward on the ranks that used its gate, and is freed there; the child's
+    backward hook prefetches the unit before it, the parent: a gather on those ranks only, unless a
+    unit whose gradients all arrived is done with for that backward on every rank."""
+    logs = {rank: _nested_log(rank) for rank in (0, 1)}
+    assert compare_ranks("simulated", logs) == []

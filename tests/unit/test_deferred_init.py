@@ -297,3 +297,75 @@ def test_a_param_init_fn_replays_as_model_apply_at_the_end_of_construction(stage
     state, want = model.state_dict(), eager.state_dict()
     for name in want:
         assert torch.equal(state[name], want[name]), name
+
+
+class _Counts(nn.Module):
+    """An unsigned buffer its reset writes (0 is an ordinary value of it), and one it never writes."""
+
+    def __init__(self, forget: bool = False) -> None:
+        super().__init__()
+        self.forget = forget
+        self.register_buffer("counts", torch.empty(4, dtype=torch.uint8))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if not self.forget:
+            self.counts.copy_(torch.arange(4, dtype=torch.uint8))
+
+
+def test_unsigned_buffers_are_checked_and_named() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), _Counts())
+    materialize(model, DeferredInit(CPU, capture_rng(CPU)))
+    assert model[1].counts.tolist() == [0, 1, 2, 3]
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), _Counts(forget=True))
+    with pytest.raises(DeferredInitError, match=r"^deferred initialization: 1\.counts still hold"):
+        materialize(model, DeferredInit(CPU, capture_rng(CPU)))
+
+
+def _noop(module: nn.Module) -> None:
+    pass
+
+
+def test_a_reset_that_writes_its_children_s_tensors_replays_at_stage_3_with_a_model_initializer() -> None:
+    """``MultiheadAttention._reset_parameters()`` writes its ``out_proj``'s bias: the pass that notes
+    the generators' states gives the whole module scratch tensors, not only its own."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.MultiheadAttention(8, 2))
+    torch.manual_seed(0)
+    rng = capture_rng(CPU)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.MultiheadAttention(8, 2))
+    init = DeferredInit(CPU, rng, _noop)
+    ShardedAdamW(
+        model.parameters(), config=ZeroConfig(stage=3, min_unit_numel=0), module=model, deferred_init=init
+    )
+    state = model.state_dict()
+    for name, value in eager.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
+def _draw(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)
+
+
+def test_a_param_init_fn_runs_on_a_shared_module_as_often_as_model_apply_does() -> None:
+    """``model.apply(fn)`` visits a module shared by two parents twice (each parent's ``children()``),
+    one held twice by the same parent once: the replay draws as often, the last draw kept."""
+
+    def build() -> nn.Module:
+        shared = nn.Linear(6, 6)
+        return nn.Sequential(nn.Sequential(shared, nn.Tanh()), nn.Sequential(shared, shared), nn.Linear(6, 2))
+
+    torch.manual_seed(0)
+    eager = build()
+    eager.apply(_draw)  # the shared layer drawn twice, the second draw kept
+    torch.manual_seed(0)
+    rng = capture_rng(CPU)
+    with torch.device("meta"):
+        model = build()
+    materialize(model, DeferredInit(CPU, rng, _draw))
+    for name, value in eager.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

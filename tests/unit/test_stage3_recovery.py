@@ -122,3 +122,37 @@ def test_an_evaluation_forward_between_forward_and_backward_leaves_the_int8_back
         opt.engine.finish_grad_sync()
         grads.append(torch.cat([g.clone() for g in opt.engine.reducer.grad_shards]))
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_next_backward_without_zero_grad_after_a_raised_one_is_refused_until_zero_grad(
+    stage: int,
+) -> None:
+    """A raised backward leaves a round part-way (some buckets sent, some gradients in): going on from
+    it would add that batch's partial gradients to the next one's. The next backward raises, naming
+    the fix, until ``zero_grad()``; after it training goes on as a single process that skipped the batch."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    units = {"min_unit_numel": 0} if stage == 3 else {}
+    config = ZeroConfig(stage=stage, bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0002, **units)
+    opt = ShardedAdamW(model.parameters(), lr=1e-2, config=config, module=model if stage == 3 else None)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    _Boom.armed = True
+    try:
+        with pytest.raises(RuntimeError, match="simulated out of memory"):
+            model(_batch(0)).pow(2).mean().backward()
+    finally:
+        _Boom.armed = False
+    for _ in range(2):  # refused again while the partial round is kept
+        with pytest.raises(RuntimeError, match=r"call optimizer\.zero_grad\(\) before the next backward"):
+            model(_batch(1)).pow(2).mean().backward()
+    opt.zero_grad()
+    for step in range(2, 4):
+        model(_batch(step)).pow(2).mean().backward()
+        reference(_batch(step)).pow(2).mean().backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    with opt.engine.full_parameters():
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
