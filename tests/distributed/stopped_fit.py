@@ -8,6 +8,11 @@ async_checkpoint=True)`` and a ``ModelCheckpoint`` every 2 steps into ``DIR/ckpt
 process frozen by a dead NFS mount or a debugger would be; the step-4 save may still be in flight on both.
 The process exits the way a user's script does (no ``os._exit``): the test measures when rank 0's process
 ends and what it printed.
+
+The strategy's timeout bounds Lightning's rendezvous too, and on a loaded machine the launched rank 1
+can take longer than that to import everything and reach it: rank 0 therefore waits (up to
+``STARTUP_S``) for rank 1's ``DIR/rank1_ready`` before its rendezvous, so that the timeout bounds the
+fault, not the start-up.
 """
 
 from __future__ import annotations
@@ -27,6 +32,23 @@ import lightning_zero
 from tests.distributed.lit_fit import TinyLit
 
 STOP_AT = 5
+STARTUP_S = 300.0
+"""How long rank 0 waits for rank 1 to have started before its rendezvous."""
+
+
+class _AfterRank1Started(lightning_zero.ZeroStrategy):
+    """Rank 0 enters the rendezvous once rank 1 has started (its ready file exists)."""
+
+    def __init__(self, ready: Path, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._ready = ready
+
+    def setup_environment(self) -> None:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            deadline = time.monotonic() + STARTUP_S
+            while not self._ready.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        super().setup_environment()
 
 
 class StopRank1(Callback):
@@ -47,7 +69,11 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--timeout-s", type=float, required=True)
     args = parser.parse_args()
-    strategy = lightning_zero.ZeroStrategy(
+    ready = args.out_dir / "rank1_ready"
+    if int(os.environ.get("LOCAL_RANK", "0")) == 1:  # Lightning's launcher started this process
+        ready.write_text("")
+    strategy = _AfterRank1Started(
+        ready,
         timeout=timedelta(seconds=args.timeout_s),
         async_checkpoint=True,
         bucket_cap_mb=0.0004,
