@@ -18,6 +18,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+	@# TORCH_SPEC given on the command line installs that torch also into an existing .venv
+	@if [ "$(origin TORCH_SPEC)" = "command line" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
 
 train: install
 	$(PY) -m recipes.pretrain $(ARGS)
