@@ -24,11 +24,13 @@ install: $(VENV)/.installed
 train: install
 	$(PY) -m recipes.pretrain $(ARGS)
 
-test: install
+test: install lint
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
 
+# part of `make test` (and so of CI): lint, formatting and the type check, in seconds
 lint: install
-	$(VENV)/bin/ruff check lightning_zero recipes tests benchmarks
+	$(VENV)/bin/ruff check lightning_zero recipes tests benchmarks scripts
+	$(VENV)/bin/ruff format --check lightning_zero recipes tests benchmarks scripts
 	$(VENV)/bin/mypy lightning_zero --ignore-missing-imports
 
 bench: install
