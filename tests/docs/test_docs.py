@@ -5,8 +5,10 @@ The rules (also in ``docs/README.md``):
 * A fence opens at column 0 with three backticks and a language. The language decides:
   ``python`` runs as a script with the project's Python; ``bash``, ``sh`` and ``console`` run as
   shell commands (``bash -e -o pipefail``); in ``console`` the lines after ``$ `` are the commands
-  and every other non-blank line is expected output: each must be a line of what they print
-  (compared without leading and trailing blanks), so an output sample cannot drift; ``text`` is not
+  and every other non-blank line is expected output: the block's output lines, in order, are what
+  its commands print on stdout, whole (blank lines and trailing blanks aside), so an output sample
+  can neither drift nor silently leave lines out; a line ``...`` alone stands for any lines there
+  (none included), the one way to show a part of the output; ``text`` is not
   code (output samples, directory trees, layouts) and is not run. Any other language, or none,
   fails: a block is run unless it says otherwise.
 * Markers are HTML comments, one per line, on the lines right above a fence:
@@ -43,6 +45,7 @@ The rules (also in ``docs/README.md``):
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import shlex
@@ -260,11 +263,44 @@ def shell_script(block: Block) -> str:
     return "\n".join(out) + "\n"
 
 
-def expected_output(block: Block) -> list[str]:
-    """The output lines a ``console`` block shows (stripped); none for other languages."""
+ELISION = "..."  # an output line alone: any lines here, none included
+
+
+def output_lines(text: str) -> list[str]:
+    """Lines of output as compared: trailing blanks dropped, blank lines left out."""
+    return [line.rstrip() for line in text.splitlines() if line.strip()]
+
+
+def expected_output(block: Block) -> list[str] | None:
+    """The output lines a ``console`` block shows; ``None`` for other languages (nothing checked)."""
     if block.lang != "console":
-        return []
-    return [line.strip() for line in block.code.splitlines() if line.strip() and not line.startswith("$ ")]
+        return None
+    return output_lines("\n".join(line for line in block.code.splitlines() if not line.startswith("$ ")))
+
+
+def output_matches(expected: list[str], printed: list[str]) -> bool:
+    """``printed`` is ``expected`` whole, each ``...`` line standing for any run of lines (or none)."""
+    pieces: list[list[str]] = [[]]
+    for line in expected:
+        if line.strip() == ELISION:
+            pieces.append([])
+        else:
+            pieces[-1].append(line)
+    head, *middle_and_tail = pieces
+    if not middle_and_tail:  # no elision: the whole output, line for line
+        return printed == head
+    *middle, tail = middle_and_tail
+    if printed[: len(head)] != head or len(printed) < len(head) + len(tail):
+        return False
+    if tail and printed[len(printed) - len(tail) :] != tail:
+        return False
+    rest = printed[len(head) : len(printed) - len(tail)]
+    for piece in middle:  # in order, each at its first place (the leftmost match leaves most room)
+        at = next((i for i in range(len(rest) - len(piece) + 1) if rest[i : i + len(piece)] == piece), None)
+        if at is None:
+            return False
+        rest = rest[at + len(piece) :]
+    return True
 
 
 # --- running a session ----------------------------------------------------------------------------
@@ -358,10 +394,11 @@ def _run_blocks(
         )
         if proc.returncode != 0:
             return [f"{block.where}: exit status {proc.returncode}\n{report}"], timings
-        printed = {line.strip() for line in proc.stdout.splitlines()}
-        missing = [line for line in expected_output(block) if line not in printed]
-        if missing:
-            return [f"{block.where}: expected output not printed: {missing}\n{report}"], timings
+        expected = expected_output(block)
+        if expected is not None and not output_matches(expected, output_lines(proc.stdout)):
+            diff = difflib.unified_diff(expected, output_lines(proc.stdout), "shown", "printed", lineterm="")
+            why = "the output shown is not what was printed (a line `...` stands for lines left out)"
+            return [f"{block.where}: {why}\n" + "\n".join(diff) + f"\n{report}"], timings
     return [], timings
 
 
@@ -472,3 +509,26 @@ def test_session(session: str, running: dict[str, Future]) -> None:
     failures, timings = running[session].result()
     print("\n".join(timings))
     assert not failures, "\n".join(failures + ["--- time per block:", *timings])
+
+
+@pytest.mark.parametrize(
+    ("shown", "matches"),
+    [
+        (["a", "b", "c"], True),
+        (["a", "c"], False),  # a line left out silently
+        (["a", "b"], False),
+        (["b", "c"], False),
+        (["a", "b", "c", "d"], False),
+        (["a", "...", "c"], True),
+        (["...", "c"], True),
+        (["a", "..."], True),
+        (["...", "b", "..."], True),
+        (["a", "b", "...", "c"], True),  # an elision may stand for no line
+        (["a", "...", "b", "...", "c"], True),
+        (["a", "...", "c", "...", "b"], False),  # out of order
+        (["...", "d"], False),
+    ],
+)
+def test_output_is_compared_whole(shown: list[str], matches: bool) -> None:
+    """A console block's output is what its commands print, whole: only a ``...`` line elides."""
+    assert output_matches(shown, ["a", "b", "c"]) is matches
