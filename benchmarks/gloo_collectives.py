@@ -1,4 +1,5 @@
-"""gloo's reduce-scatter and all-gather against the per-rank reduces and broadcasts ``comm.py`` uses.
+"""gloo's reduce-scatter and all-gather against the per-rank reduces and broadcasts that
+``lightning_zero/comm/backends.py`` (``GlooSplit``) uses on gloo.
 
     python benchmarks/gloo_collectives.py [--ranks 2] [--sizes 1,5,25] [--repeats 20]
 

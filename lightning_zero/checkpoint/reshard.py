@@ -1,7 +1,7 @@
 """Load a sharded checkpoint onto the current ranks, whatever world size or bucket plan wrote it.
 
 Loading works parameter by parameter, never through a full state: for each piece of a parameter
-this rank owns under its *current* plan (:class:`~lightning_zero.partition.Segment`), it finds
+this rank owns under its *current* plan (:class:`~lightning_zero.layout.partition.Segment`), it finds
 the saved bucket and offset of the same parameter (matched by name) and copies the elements from
 the saved shard files that hold them (one, or two where the piece straddles a saved shard
 boundary). Shard files are opened memory-mapped, so a rank reads only the bytes it needs, and

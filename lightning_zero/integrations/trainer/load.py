@@ -3,9 +3,9 @@
 Lightning's ``LightningModule.load_from_checkpoint`` reads its file through
 ``lightning.pytorch.core.saving.pl_load``, which can only open a single file. ``import lightning_zero``
 wraps that one function: a path that is a directory is a lightning-zero checkpoint, assembled in
-memory (:func:`~lightning_zero.consolidate.load_module_checkpoint`; one without ``meta.pt`` is a
-``CheckpointError`` naming it); every other path goes to Lightning's own loader unchanged. No
-consolidation step for the user.
+memory (:func:`~lightning_zero.checkpoint.consolidate.load_module_checkpoint`; one without
+``meta.pt`` is a ``CheckpointError`` naming it); every other path goes to Lightning's own loader
+unchanged. No consolidation step for the user.
 """
 
 from __future__ import annotations
