@@ -147,7 +147,7 @@ def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
                 phase(f"{self.prefix}more steps")
 
     def fit(prefix: str, max_steps: int, ckpt: str | None) -> L.Trainer:
-        zero3 = lightning_zero.ZeroStrategy(stage=3, min_unit_numel=100_000)
+        zero3 = lightning_zero.ZeroStrategy(stage=3)
         strategy = zero3 if args.strategy == "zero3" else args.strategy
         trainer = L.Trainer(
             strategy=strategy,

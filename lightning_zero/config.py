@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+
+STAGE3_ONLY = ("reshard_after_forward", "prefetch_units", "unit_modules", "min_unit_numel")
+"""Fields that apply to stage 3 only: refused at their non-default values below it."""
 
 _REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 
@@ -176,10 +179,8 @@ class ZeroConfig:
             not isinstance(classes, tuple) or not all(isinstance(c, type) for c in classes)
         ):
             raise ValueError(f"unit_modules must be None or a tuple of module classes, got {classes!r}")
-        defaults = {"reshard_after_forward": True, "prefetch_units": 1, "unit_modules": None}
+        defaults = {f.name: f.default for f in fields(self) if f.name in STAGE3_ONLY}
         changed = [name for name, value in defaults.items() if getattr(self, name) != value]
-        if self.min_unit_numel != 100_000:
-            changed.append("min_unit_numel")
         if self.stage != 3 and changed:
             raise ValueError(
                 f"{', '.join(changed)} only apply to stage 3 (sharded parameters), got stage={self.stage}; "

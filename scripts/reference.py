@@ -1,9 +1,11 @@
-"""Write ``docs/reference.md`` from the code: every argument of ``ZeroConfig``, ``ZeroStrategy``,
-``ZeroFabricStrategy`` and ``ShardedAdamW`` (signature, default, the docstring's description, the
-``DDPStrategy`` arguments they do not take) and the ``--help`` of every ``lightning-zero`` command.
+"""Write ``docs/reference.md`` from the code: every argument of ``ZeroConfig``, ``ZeroOptions``,
+``ZeroStrategy``, ``ZeroFabricStrategy`` and ``ShardedAdamW`` (signature, default, the docstring's
+description, the ``DDPStrategy`` arguments they do not take) and the ``--help`` of every
+``lightning-zero`` command; and the argument tables of ``docs/strategy.md`` (between its
+``<!-- BEGIN generated ... -->`` and ``<!-- END generated -->`` lines).
 
-    python scripts/reference.py          # rewrite docs/reference.md
-    python scripts/reference.py --check  # exit 1 if docs/reference.md differs from the code
+    python scripts/reference.py          # rewrite both
+    python scripts/reference.py --check  # exit 1 if either differs from the code
 
 ``tests/docs/test_reference.py`` runs the check, so the page cannot go stale. An argument that a
 signature has and its docstring does not describe is an error here, naming it.
@@ -27,6 +29,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PAGE = ROOT / "docs" / "reference.md"
+GUIDE = ROOT / "docs" / "strategy.md"
+BLOCK = re.compile(r"(<!-- BEGIN generated (\w+) [^\n]*-->\n)(.*?)(<!-- END generated -->)", re.S)
 COMMANDS = ("consolidate", "verify", "estimate", "preflight")
 
 
@@ -138,17 +142,53 @@ def _not_taken(cls: Any, peer: Any) -> str:
     return f"`{peer.__module__}.{peer.__name__}` arguments it does not take (a `TypeError`): {names}."
 
 
-def _config() -> str:
-    from lightning_zero import ZeroConfig
-
-    docs = field_docs(ZeroConfig)
+def _fields(cls: Any, skip: tuple[str, ...] = ()) -> str:
+    """A table of a settings dataclass's fields: type, default and docstring."""
+    docs = field_docs(cls)
     rows = ["| field | type | default | what it does |", "| --- | --- | --- | --- |"]
-    for field in dataclasses.fields(ZeroConfig):
+    for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
         if field.name not in docs:
-            raise SystemExit(f"ZeroConfig.{field.name} has no docstring")
+            raise SystemExit(f"{cls.__name__}.{field.name} has no docstring")
         default = field.default if field.default is not dataclasses.MISSING else inspect.Parameter.empty
         kind, doc = _cell(str(field.type)), _cell(docs[field.name])
         rows.append(f"| `{field.name}` | `{kind}` | {_default(default)} | {doc} |")
+    return "\n".join(rows)
+
+
+def _lightning(cls: Any, peer: Any) -> str:
+    """The Lightning arguments a strategy takes, after checking its signature is exactly the fields of
+    ``ZeroConfig`` and ``ZeroOptions`` and these (one source: nothing else may appear)."""
+    from lightning_zero.integrations.arguments import LIGHTNING_ARGUMENTS, lightning_name, zero_fields
+
+    names = [lightning_name(n, peer) for n in LIGHTNING_ARGUMENTS]
+    signature = inspect.signature(cls)
+    expected = [f.name for f in zero_fields()] + names
+    if list(signature.parameters) != expected:
+        raise SystemExit(f"{cls.__name__}'s signature is not ZeroConfig + ZeroOptions + Lightning's: {signature}")
+    rows = ["| argument | default | what it does |", "| --- | --- | --- |"]
+    for generic, name in zip(LIGHTNING_ARGUMENTS, names, strict=True):
+        default = signature.parameters[name].default
+        rows.append(f"| `{name}` | {_default(default)} | {_cell(LIGHTNING_ARGUMENTS[generic])} |")
+    return "\n".join(rows)
+
+
+def _first_sentence(text: str) -> str:
+    flat = " ".join(text.split())
+    match = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s+(?=[A-Z`])|$)", flat)
+    return flat if match is None else flat[: match.start()]
+
+
+def _summary() -> str:
+    """``docs/strategy.md``'s table: every strategy argument of ours, its default, its first sentence."""
+    from lightning_zero.integrations.arguments import zero_fields
+    from lightning_zero.integrations.options import ZeroConfig, ZeroOptions
+
+    docs = {**field_docs(ZeroConfig), **field_docs(ZeroOptions)}
+    rows = ["| argument | default | in short ([reference](reference.md)) |", "| --- | --- | --- |"]
+    for field in zero_fields():
+        rows.append(f"| `{field.name}` | {_default(field.default)} | {_cell(_first_sentence(docs[field.name]))} |")
     return "\n".join(rows)
 
 
@@ -180,7 +220,13 @@ def render() -> str:
     from lightning.fabric.strategies import DDPStrategy as FabricDDP
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_zero import ShardedAdamW, ZeroFabricStrategy, ZeroStrategy
+    from lightning_zero import ShardedAdamW, ZeroConfig, ZeroFabricStrategy, ZeroStrategy
+    from lightning_zero.integrations.options import ZeroOptions
+
+    takes = (
+        "Keyword arguments only, each optional: every field of `ZeroConfig` and of `ZeroOptions` "
+        "(above), and these of Lightning's `DDPStrategy`:"
+    )
 
     parts = [
         "# Reference (generated from the code)",
@@ -194,16 +240,24 @@ def render() -> str:
         "",
         "## `lightning_zero.ZeroConfig`",
         "",
-        (inspect.getdoc(__import__("lightning_zero").ZeroConfig) or "").split("\n\n")[0],
+        (inspect.getdoc(ZeroConfig) or "").split("\n\n")[0],
         "",
-        _config(),
+        _fields(ZeroConfig),
+        "",
+        "## `lightning_zero.integrations.options.ZeroOptions`",
+        "",
+        (inspect.getdoc(ZeroOptions) or "").split("\n\n")[0],
+        "",
+        _fields(ZeroOptions, skip=("config",)),
         "",
         "## `lightning_zero.ZeroStrategy`",
         "",
         '`Trainer(strategy=ZeroStrategy(...))`; the names `"zero"`, `"zero1"`, `"zero2"`,',
         '`"zero3"` are it with `stage` 2, 1, 2, 3.',
         "",
-        _arguments(ZeroStrategy, DDPStrategy),
+        takes,
+        "",
+        _lightning(ZeroStrategy, DDPStrategy),
         "",
         _not_taken(ZeroStrategy, DDPStrategy),
         "",
@@ -211,7 +265,12 @@ def render() -> str:
         "",
         "`Fabric(strategy=ZeroFabricStrategy(...))`; the same names as for the Trainer.",
         "",
-        _arguments(ZeroFabricStrategy, FabricDDP),
+        takes,
+        "",
+        _lightning(ZeroFabricStrategy, FabricDDP),
+        "",
+        "`log_comm_stats=True` and `async_checkpoint=True` are refused (they need the Trainer's logging "
+        "and end-of-fit hooks).",
         "",
         _not_taken(ZeroFabricStrategy, FabricDDP),
         "",
@@ -231,18 +290,32 @@ def render() -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
+def guide(text: str) -> str:
+    """``docs/strategy.md`` with its generated blocks rewritten (``arguments``, ``lightning``)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_zero import ZeroStrategy
+
+    tables = {"arguments": _summary(), "lightning": _lightning(ZeroStrategy, DDPStrategy)}
+    found = {m.group(2) for m in BLOCK.finditer(text)}
+    if found != set(tables):
+        raise SystemExit(f"{GUIDE}: expected generated blocks {sorted(tables)}, found {sorted(found)}")
+    return BLOCK.sub(lambda m: m.group(1) + tables[m.group(2)] + "\n" + m.group(4), text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args()
-    text = render()
+    pages = {PAGE: render(), GUIDE: guide(GUIDE.read_text())}
+    stale = [path for path, text in pages.items() if not path.is_file() or path.read_text() != text]
     if args.check:
-        if not PAGE.is_file() or PAGE.read_text() != text:
-            print(f"{PAGE} differs from the code: run python scripts/reference.py")
-            return 1
-        return 0
-    PAGE.write_text(text)
-    print(f"wrote {PAGE}")
+        for path in stale:
+            print(f"{path} differs from the code: run python scripts/reference.py")
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(pages[path])
+        print(f"wrote {path}")
     return 0
 
 

@@ -147,9 +147,9 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         self.plan = plan_buckets(
             specs,
             self.comm.world_size,
-            config.bucket_cap_mb,
-            config.first_bucket_cap_mb,
-            config.align_numel,
+            bucket_cap_mb=config.bucket_cap_mb,
+            first_bucket_cap_mb=config.first_bucket_cap_mb,
+            align_numel=config.align_numel,
             units=None if layout is None else layout.of_param,
         )
         check_same_plan(self.plan, self.world)

@@ -33,6 +33,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.checkpoint.reshard import load_sharded, preflight
 from lightning_zero.comm import Comm, hybrid_mesh
+from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ShardEngine
 from lightning_zero.engine.deferred_init import (
     DeferredInit,
@@ -62,6 +63,22 @@ def sharded_of(optimizer: Any) -> ShardedAdamW:
     if not isinstance(inner, ShardedAdamW):
         raise TypeError(f"expected the sharded optimizer, got {type(optimizer).__name__}")
     return inner
+
+
+class ZeroAccessors:
+    """What both strategies show of their front end (``self._zero``), mixed into each."""
+
+    _zero: ZeroFrontEnd
+
+    @property
+    def zero_config(self) -> ZeroConfig:
+        """The engine's settings (stage, buckets, overlap, ...)."""
+        return self._zero.config
+
+    @property
+    def sharded_optimizer(self) -> ShardedAdamW | None:
+        """The sharded optimizer, once the strategy has set it up (``fit``, ``fabric.setup``)."""
+        return self._zero.optimizer
 
 
 class ZeroFrontEnd:

@@ -21,27 +21,42 @@ def _check_bool(name: str, value: Any) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ZeroOptions:
-    """The strategies' own arguments (the rest are Lightning's ``DDPStrategy``'s)."""
+    """The strategies' own arguments besides :class:`~lightning_zero.ZeroConfig`'s fields (the rest are
+    Lightning's ``DDPStrategy``'s)."""
 
     config: ZeroConfig
     """Bucketing, stage, overlap, wire dtype, unused parameters, alignment (validated there)."""
     log_comm_stats: bool = False
-    """Log per step the time waited on communication and the elements and bytes sent."""
+    """Log per step the seconds spent waiting on communication, their share of the step, and the
+    elements and bytes sent: ``zero/comm_wait_s``, ``zero/comm_wait_frac``, ``zero/elements_sent``,
+    ``zero/bytes_sent``, ``zero/elements_sent_vs_min`` (Trainer only: Fabric refuses ``True``)."""
     sharded_checkpoint: bool = True
-    """Save a directory of per-rank shards; ``False``: one standard file gathered on rank 0."""
+    """Checkpoints are directories, one shard file per rank (:mod:`lightning_zero.checkpoint`);
+    ``False``: one standard file with the optimizer state gathered on rank 0 (refused at stage 3).
+    Both kinds load on any world size."""
     async_checkpoint: bool = False
-    """Write sharded saves during ``fit`` in the background (Trainer only)."""
+    """A sharded save during ``fit`` copies what this rank writes to host memory and returns; the files
+    are written and committed in the background (:mod:`lightning_zero.checkpoint.async_save`). The next
+    save, a load and the end of ``fit`` wait for it and raise its failure on every rank. Saves block as
+    before outside ``fit``, while handling an exception, for ``hpc_ckpt_*`` and for a path a
+    ``ModelCheckpoint(save_last="link")`` links to. Needs ``sharded_checkpoint``; Trainer only."""
     broadcast_buffers: bool = True
-    """Broadcast module buffers from rank 0 before the forwards where DDP does."""
+    """Broadcast module buffers (BatchNorm statistics) from rank 0 before exactly the forward passes
+    where torch DDP's default ``broadcast_buffers=True`` does it."""
     shard_group_size: int | str | None = None
-    """Ranks per shard group (hybrid sharding): ``None`` all ranks (flat), ``"auto"`` the ranks of one
-    node, or a divisor of the world size (checked once it is known)."""
+    """Node-aware (hybrid) sharding at every stage: the optimizer state, gradients (and parameters at
+    stage 3) are split over groups of this many consecutive ranks and replicated across the groups;
+    gradients are reduced inside a group, then each rank's ``1/G`` shard is all-reduced across the
+    groups; parameters are gathered inside a group. ``None``: one group of all ranks (flat);
+    ``"auto"``: the ranks of one node; a number must divide the world size (checked at setup)."""
     device_mesh: Any = None
-    """A torch ``DeviceMesh`` that already exists (1-D: flat over it; 2-D: replicate x shard)."""
+    """Instead of ``shard_group_size``: a torch ``DeviceMesh`` over all ranks, built by the user after
+    ``init_process_group``: 2-D ``(replicate, shard)`` as in FSDP2's hybrid sharding, or 1-D (flat)."""
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
-    """A model built on the meta device: run on each of its modules, children first, after every
-    module's ``reset_parameters()`` (what ``model.apply(fn)`` at the end of its constructor does; FSDP's
-    ``param_init_fn``), in the replay of :mod:`lightning_zero.engine.deferred_init`."""
+    """A model built on the meta device: ``param_init_fn(module)`` runs on each of its modules, children
+    first, after every module's ``reset_parameters()``, as ``model.apply(param_init_fn)`` at the end of
+    its constructor would (FSDP's ``param_init_fn``), replayed unit by unit at stage 3
+    (:mod:`lightning_zero.engine.deferred_init`). Ignored for a model built with values."""
 
     def __post_init__(self) -> None:
         for name in ("log_comm_stats", "sharded_checkpoint", "async_checkpoint", "broadcast_buffers"):

@@ -112,9 +112,10 @@ def fingerprint(lines: Iterable[str]) -> int:
 def plan_buckets(
     params: Sequence[ParamSpec],
     world_size: int,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_cap_mb: float = 1.0,
-    align_numel: int = 1,
+    *,
+    bucket_cap_mb: float,
+    first_bucket_cap_mb: float,
+    align_numel: int,
     units: Sequence[int] | None = None,
 ) -> BucketPlan:
     """Pack ``params`` (given in registration order) into buckets, last parameter first.

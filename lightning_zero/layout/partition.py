@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-def padded_numel(numel: int, world_size: int, align_numel: int = 1) -> int:
+def padded_numel(numel: int, world_size: int, align_numel: int) -> int:
     """Smallest multiple of ``world_size * align_numel`` that is ``>= numel`` (and > 0).
 
     Raises:

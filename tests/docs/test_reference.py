@@ -18,6 +18,18 @@ def test_the_reference_page_is_the_code(monkeypatch: pytest.MonkeyPatch) -> None
     assert page == text, "docs/reference.md differs from the code: run python scripts/reference.py"
 
 
+def test_the_strategy_guide_tables_are_the_code() -> None:
+    """``docs/strategy.md``'s argument tables are generated from the fields (one source): a default or
+    a docstring changed by hand in the page, or in the code alone, fails here."""
+    script = load_script("reference")
+    page = (ROOT / "docs" / "strategy.md").read_text()
+    assert script.guide(page) == page, (
+        "docs/strategy.md's tables differ from the code: run python scripts/reference.py"
+    )
+    edited = page.replace("| `bucket_cap_mb` | `25.0` |", "| `bucket_cap_mb` | `50.0` |")
+    assert edited != page and script.guide(edited) == page  # the generator rewrites a hand edit
+
+
 def test_an_undescribed_argument_is_an_error() -> None:
     script = load_script("reference")
 

@@ -42,11 +42,14 @@ def test_every_element_owned_once_and_padding_small(world_size: int, align: int)
 
 def test_padded_numel_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="numel"):
-        padded_numel(-1, 2)
+        padded_numel(-1, 2, 1)
     with pytest.raises(ValueError, match="world_size"):
-        padded_numel(4, 0)
+        padded_numel(4, 0, 1)
     with pytest.raises(ValueError, match="rank 3"):
         shard_range(6, 3, 3)
+
+
+CAPS = {"bucket_cap_mb": 25.0, "first_bucket_cap_mb": 1.0, "align_numel": 1}
 
 
 def _specs(sizes: list[int], dtype: torch.dtype = torch.float32) -> list[ParamSpec]:
@@ -55,7 +58,9 @@ def _specs(sizes: list[int], dtype: torch.dtype = torch.float32) -> list[ParamSp
 
 def test_buckets_reverse_order_caps_and_first_bucket() -> None:
     quarter_mb = MB // 4 // 4  # elements of 0.25 MiB in fp32
-    plan = plan_buckets(_specs([quarter_mb] * 12), world_size=2, bucket_cap_mb=1.0, first_bucket_cap_mb=0.5)
+    plan = plan_buckets(
+        _specs([quarter_mb] * 12), world_size=2, bucket_cap_mb=1.0, first_bucket_cap_mb=0.5, align_numel=1
+    )
     order = [s.param_index for b in plan.buckets for s in b.slots]
     assert order == list(reversed(range(12)))
     assert [len(b.slots) for b in plan.buckets] == [2, 4, 4, 2]
@@ -65,7 +70,7 @@ def test_buckets_reverse_order_caps_and_first_bucket() -> None:
 
 def test_oversized_parameter_gets_its_own_bucket_and_dtypes_do_not_mix() -> None:
     specs = _specs([10, MB, 10]) + [ParamSpec("h", (5,), torch.bfloat16)]
-    plan = plan_buckets(specs, world_size=3, bucket_cap_mb=1.0, first_bucket_cap_mb=1.0)
+    plan = plan_buckets(specs, world_size=3, bucket_cap_mb=1.0, first_bucket_cap_mb=1.0, align_numel=1)
     for b in plan.buckets:
         assert len({specs[s.param_index].dtype for s in b.slots}) == 1
     assert any(len(b.slots) == 1 and b.numel == MB for b in plan.buckets)
@@ -80,20 +85,22 @@ def test_every_parameter_in_exactly_one_bucket_over_random_plans() -> None:
     rng = random.Random(7)
     for world_size in range(1, 9):
         sizes = [rng.randint(1, 40_000) for _ in range(rng.randint(1, 30))]
-        plan = plan_buckets(_specs(sizes), world_size, bucket_cap_mb=0.05, first_bucket_cap_mb=0.01)
+        plan = plan_buckets(
+            _specs(sizes), world_size, bucket_cap_mb=0.05, first_bucket_cap_mb=0.01, align_numel=1
+        )
         seen = sorted(s.param_index for b in plan.buckets for s in b.slots)
         assert seen == list(range(len(sizes)))
         assert all(b.padding < world_size for b in plan.buckets)
 
 
 def test_fingerprint_changes_with_plan() -> None:
-    a = plan_buckets(_specs([3, 4]), 2)
-    assert a.fingerprint() == plan_buckets(_specs([3, 4]), 2).fingerprint()
-    assert a.fingerprint() != plan_buckets(_specs([4, 3]), 2).fingerprint()
-    assert a.fingerprint() != plan_buckets(_specs([3, 4]), 3).fingerprint()
+    a = plan_buckets(_specs([3, 4]), 2, **CAPS)
+    assert a.fingerprint() == plan_buckets(_specs([3, 4]), 2, **CAPS).fingerprint()
+    assert a.fingerprint() != plan_buckets(_specs([4, 3]), 2, **CAPS).fingerprint()
+    assert a.fingerprint() != plan_buckets(_specs([3, 4]), 3, **CAPS).fingerprint()
 
 
 @pytest.mark.parametrize("bad", [0, -1.0])
 def test_bad_caps_name_the_value(bad: float) -> None:
     with pytest.raises(ValueError, match="bucket_cap_mb"):
-        plan_buckets(_specs([3]), 2, bucket_cap_mb=bad)
+        plan_buckets(_specs([3]), 2, **{**CAPS, "bucket_cap_mb": bad})

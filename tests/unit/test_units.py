@@ -17,6 +17,7 @@ from lightning_zero.layout.flat import FlatParams
 from lightning_zero.layout.placeholders import FreedParameterError
 from lightning_zero.layout.units import find_units
 from tests.distributed.models import Block, BlockNet
+from tests.unit.test_partition import CAPS
 
 
 def _trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -89,19 +90,26 @@ def test_a_bucket_never_holds_two_units() -> None:
         n = rng.randint(1, 30)
         specs = [ParamSpec(f"p{i}", (rng.randint(1, 300),), torch.float32) for i in range(n)]
         units = sorted(rng.randint(0, 5) for _ in range(n))
-        plan = plan_buckets(specs, rng.randint(1, 4), 0.0004, 0.0002, units=units)
+        plan = plan_buckets(
+            specs,
+            rng.randint(1, 4),
+            bucket_cap_mb=0.0004,
+            first_bucket_cap_mb=0.0002,
+            align_numel=1,
+            units=units,
+        )
         for bucket in plan.buckets:
             assert {units[s.param_index] for s in bucket.slots} == {bucket.unit}
         assert sorted(s.param_index for b in plan.buckets for s in b.slots) == list(range(n))
     with pytest.raises(ValueError, match="units has 1 entries for 2 parameters"):
-        plan_buckets(specs[:2], 1, units=[0])
+        plan_buckets(specs[:2], 1, **CAPS, units=[0])
 
 
 def test_a_freed_bucket_holds_no_storage_and_its_parameters_refuse_reads_and_writes() -> None:
     block = Block(6).double()
     params = list(block.parameters())
     values = [p.detach().clone() for p in params]
-    plan = plan_buckets([ParamSpec(str(i), tuple(p.shape), p.dtype) for i, p in enumerate(params)], 2)
+    plan = plan_buckets([ParamSpec(str(i), tuple(p.shape), p.dtype) for i, p in enumerate(params)], 2, **CAPS)
     flat = FlatParams(params, plan, rank=1, sharded=True)
     bucket = plan.buckets[0]
     assert flat.shard(bucket).untyped_storage().data_ptr() != flat.bucket(bucket).untyped_storage().data_ptr()

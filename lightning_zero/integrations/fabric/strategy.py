@@ -34,123 +34,60 @@ Refused with a clear error: more than one optimizer, or one set up apart from it
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from typing_extensions import override
 
 from lightning_zero.comm.watchdog import let_errors_reach_python
-from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.deferred_init import is_deferred
-from lightning_zero.integrations.arguments import check_lightning_arguments, check_sharded_io
+from lightning_zero.integrations.arguments import check_sharded_io, split_arguments, takes_zero_arguments
 from lightning_zero.integrations.fabric.checkpointing import FabricCheckpointing
-from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions, sharded_of
+from lightning_zero.integrations.frontend import ZeroAccessors, ZeroFrontEnd, sharded_of
 from lightning_zero.integrations.loss_scale import update_scale, with_mixin
 from lightning_zero.integrations.names import register_names
-from lightning_zero.optim import ShardedAdamW
 
 
-class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
+class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
     """ZeRO stage 1, 2 or 3 data parallelism with a sharded Adam/AdamW, for ``lightning.fabric.Fabric``.
 
+    At stage 3 (``"zero3"``) each rank holds only its shard of the model set up with the optimizer: a
+    unit's parameters are gathered for its forward and backward, the model's forward gathers the root,
+    ``model.state_dict()``/``load_state_dict()`` gather one unit at a time (every rank calls them), and
+    ``lightning_zero.unshard(model)`` makes it a plain module again. With ``skip_nonfinite_steps=K > 0``,
+    ``optimizer.skipped_steps`` counts the skipped steps, the error names the step counted from
+    ``fabric.setup``, and ``fabric.clip_gradients`` leaves a non-finite norm to the skip instead of
+    raising. ``sharded_checkpoint=True``: ``fabric.save`` writes the Trainer strategy's directory format.
+
     Args:
-        stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
-        error_feedback, gather_dtype, find_unused_parameters, align_numel, skip_nonfinite_steps,
-        sharded_accumulation, reshard_after_forward, prefetch_units, unit_modules, min_unit_numel: see
-            :class:`~lightning_zero.ZeroConfig` (``unit_modules`` also takes import paths). At stage 3
-            (``"zero3"``) each rank holds only its shard of the model set up with the optimizer: a
-            unit's parameters are gathered for its forward and backward, the model's forward gathers
-            the root, ``model.state_dict()``/``load_state_dict()`` gather one unit at a time (every
-            rank calls them), and ``lightning_zero.unshard(model)`` makes it a plain module again.
-            With ``skip_nonfinite_steps=K > 0``,
-            ``optimizer.step()`` skips a step whose gradients hold inf/NaN on any rank, on every rank
-            (``optimizer.skipped_steps`` counts them), and the ``K``-th skipped step in a row raises
-            :class:`~lightning_zero.NonFiniteGradientError`, naming the step (counted from
-            ``fabric.setup``) and the ranks; ``fabric.clip_gradients`` then leaves a non-finite norm
-            to the skip instead of raising.
-        sharded_checkpoint: ``fabric.save`` writes a directory of per-rank shards (the Trainer
-            strategy's format); ``False``: one file written by rank 0, as ``"ddp"`` does.
-        broadcast_buffers, shard_group_size, device_mesh, param_init_fn: as
-            :class:`~lightning_zero.ZeroStrategy`.
-        log_comm_stats, async_checkpoint: accepted for symmetry with ``ZeroStrategy`` and refused
-            when ``True``.
-        Remaining arguments: as Fabric's ``DDPStrategy``.
+        **arguments: keyword arguments only, each optional: the same as
+            :class:`~lightning_zero.ZeroStrategy` takes (one signature, read from the same fields), with
+            Fabric's ``precision`` for the Trainer's ``precision_plugin``. ``log_comm_stats`` and
+            ``async_checkpoint`` are refused when ``True`` (they need the Trainer's logging and
+            end-of-fit hooks).
 
     Raises:
+        TypeError: an argument it does not take (named, with the closest valid ones).
         ValueError: an invalid setting (named), or ``log_comm_stats``/``async_checkpoint`` set.
     """
 
     strategy_name = "zero"
 
-    def __init__(
-        self,
-        stage: int = 2,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
-        overlap_comm: bool = True,
-        overlap_param_gather: bool = False,
-        reduce_dtype: str | None = None,
-        error_feedback: bool = False,
-        gather_dtype: str | None = None,
-        find_unused_parameters: bool = False,
-        align_numel: int = 1,
-        skip_nonfinite_steps: int = 0,
-        sharded_accumulation: bool | None = None,
-        reshard_after_forward: bool = True,
-        prefetch_units: int = 1,
-        unit_modules: Any = None,
-        min_unit_numel: int = 100_000,
-        log_comm_stats: bool = False,
-        sharded_checkpoint: bool = True,
-        async_checkpoint: bool = False,
-        broadcast_buffers: bool = True,
-        shard_group_size: int | str | None = None,
-        device_mesh: Any = None,
-        param_init_fn: Callable[[torch.nn.Module], None] | None = None,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: str = "popen",
-    ) -> None:
-        check_lightning_arguments(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
-        options = ZeroOptions.from_arguments(locals())  # every argument checked first
+    @takes_zero_arguments(DDPStrategy)
+    def __init__(self, **arguments: Any) -> None:
+        options, lightning = split_arguments(ZeroFabricStrategy.__init__, arguments)  # all checked first
         options.refuse(
             ("log_comm_stats", "async_checkpoint"),
             "the Trainer strategy only: a Fabric loop has no end-of-fit hook to report a background "
             "save's failure, nor a logger of the strategy's own",
         )
-        check_sharded_io(checkpoint_io, sharded_checkpoint, "ZeroFabricStrategy")
+        check_sharded_io(lightning["checkpoint_io"], options.sharded_checkpoint, "ZeroFabricStrategy")
         self._zero = ZeroFrontEnd(options)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,  # type: ignore[arg-type]
-        )
+        super().__init__(**lightning)
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self._module: torch.nn.Module | None = None
         self._hooks: list[Any] = []
@@ -159,16 +96,6 @@ class ZeroFabricStrategy(FabricCheckpointing, DDPStrategy):
     def sharded_module(self) -> torch.nn.Module | None:
         """The model set up together with the optimizer (the one whose parameters are sharded)."""
         return self._module
-
-    @property
-    def zero_config(self) -> ZeroConfig:
-        """The engine's settings (stage, buckets, overlap, ...)."""
-        return self._zero.config
-
-    @property
-    def sharded_optimizer(self) -> ShardedAdamW | None:
-        """The sharded optimizer once ``fabric.setup(model, optimizer)`` has run."""
-        return self._zero.optimizer
 
     @override
     def setup_environment(self) -> None:

@@ -40,16 +40,14 @@ window, ``SyncBatchNorm`` on CPU (DDP's own error).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
@@ -57,15 +55,15 @@ from typing_extensions import override
 from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_zero.comm import collective_failures
 from lightning_zero.comm.watchdog import let_errors_reach_python
-from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.deferred_init import DeferredInit, is_deferred
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import (
-    check_lightning_arguments,
     check_sharded_io,
     check_sharded_path,
+    split_arguments,
+    takes_zero_arguments,
 )
-from lightning_zero.integrations.frontend import ZeroFrontEnd, ZeroOptions
+from lightning_zero.integrations.frontend import ZeroAccessors, ZeroFrontEnd
 from lightning_zero.integrations.names import register_names
 from lightning_zero.integrations.trainer.callbacks import install_callbacks
 from lightning_zero.integrations.trainer.load import install as install_loader
@@ -75,60 +73,34 @@ from lightning_zero.integrations.trainer.weight_averaging import (
     replace_weight_averaging,
     restore_weight_averaging,
 )
-from lightning_zero.optim import ShardedAdamW
 
 
-class ZeroStrategy(StepFunctions):
+class ZeroStrategy(ZeroAccessors, StepFunctions):
     """ZeRO stage 1, 2 or 3 data parallelism with a sharded Adam/AdamW.
 
+    At stage 3 (``"zero3"``) every rank holds only its shard of the parameters during ``fit``;
+    callbacks and LightningModule hooks run as under ``"ddp"``, and one that reads or writes a parameter
+    outside its unit's forward and backward fails at that op, naming the parameter and
+    ``lightning_zero.gathered(module)``, which gives full parameters for a block of code. After ``fit``
+    the model stays sharded: its forward, ``state_dict()`` and ``load_state_dict()`` gather one unit at
+    a time on every rank, and ``lightning_zero.unshard(model)`` makes it a plain module. A model built
+    under ``trainer.init_module(empty_init=True)`` (any stage) or in ``configure_model()`` (stage 3) is
+    built on the meta device and initialized at setup, at stage 3 one unit at a time
+    (:mod:`lightning_zero.engine.deferred_init`). With ``skip_nonfinite_steps=K > 0``,
+    ``zero/skipped_steps`` is logged and the error names ``trainer.global_step``.
+
     Args:
-        stage, bucket_cap_mb, first_bucket_cap_mb, overlap_comm, overlap_param_gather, reduce_dtype,
-        error_feedback, gather_dtype, find_unused_parameters, align_numel, skip_nonfinite_steps,
-        sharded_accumulation, reshard_after_forward, prefetch_units, unit_modules, min_unit_numel: see
-            :class:`~lightning_zero.ZeroConfig` (validated there). With ``skip_nonfinite_steps=K > 0`` a
-            step whose gradients hold inf/NaN on any rank is skipped on every rank, ``zero/skipped_steps``
-            is logged, and the ``K``-th skipped step in a row raises
-            :class:`~lightning_zero.NonFiniteGradientError` naming ``trainer.global_step`` and the ranks.
-            ``unit_modules`` also takes import paths (``["recipes.training.model.Block"]``). At stage 3
-            (``"zero3"``) every rank holds only its shard of the parameters during ``fit``; callbacks and
-            LightningModule hooks run as under ``"ddp"``, and one that reads or writes a parameter outside
-            its unit's forward and backward fails at that op, naming the parameter and
-            ``lightning_zero.gathered(module)``, which gives full parameters for a block of code; after
-            ``fit`` the model stays sharded: its forward, ``state_dict()`` and ``load_state_dict()``
-            gather one unit at a time on every rank, and ``lightning_zero.unshard(model)`` makes it a
-            plain module. A model built under ``trainer.init_module(empty_init=True)`` (any stage) or in
-            ``configure_model()`` (stage 3) is built on the meta device and initialized at setup, at stage
-            3 one unit at a time (:mod:`lightning_zero.engine.deferred_init`).
-        log_comm_stats: log per step the seconds spent waiting on communication, their share of the
-            step, and the elements and bytes sent (``zero/*`` metrics).
-        sharded_checkpoint: ``save_checkpoint`` writes a directory, one shard file per rank
-            (:mod:`lightning_zero.checkpoint`); ``False`` writes one standard Lightning file with the
-            optimizer state gathered on rank 0. Both kinds load on any world size.
-        async_checkpoint: a sharded save during ``fit`` copies what this rank writes to host memory
-            and returns; the files are written and committed in the background
-            (:mod:`lightning_zero.checkpoint.async_save`). The next save, a load and the end of
-            ``fit`` wait for it and raise its failure on every rank. Saves block as before outside
-            ``fit``, while handling an exception, for ``hpc_ckpt_*`` (a requeue follows at once) and
-            for a path a ``ModelCheckpoint(save_last="link")`` links to right after the save.
-        broadcast_buffers: module buffers (BatchNorm statistics) are broadcast from rank 0 before a
-            forward pass exactly when torch DDP's default ``broadcast_buffers=True`` does it.
-        shard_group_size: node-aware (hybrid) sharding at every stage: the optimizer state, gradients
-            (and parameters at stage 3) are split over groups of this many consecutive ranks and
-            replicated across the groups; gradients are reduced inside a group, then each rank's
-            ``1/G`` shard is all-reduced across the groups; parameters are gathered inside a group.
-            ``None`` (default): one group of all ranks (flat). ``"auto"``: the ranks of one node
-            (devices per node). Must divide the world size (checked at setup, naming the valid ones).
-        device_mesh: instead of ``shard_group_size``, an existing torch ``DeviceMesh`` over all ranks
-            (built by the user after ``init_process_group``): 2-D ``(replicate, shard)`` as in FSDP2's
-            hybrid sharding, or 1-D for flat sharding.
-        param_init_fn: a model built on the meta device: ``param_init_fn(module)`` runs on each of its
-            modules, children first, after every module's ``reset_parameters()``, as
-            ``model.apply(param_init_fn)`` at the end of its constructor would (FSDP's
-            ``param_init_fn``), replayed unit by unit at stage 3
-            (:mod:`lightning_zero.engine.deferred_init`). Ignored for a model built with values.
-        Remaining arguments: as ``DDPStrategy``.
+        **arguments: keyword arguments only, each optional: every field of
+            :class:`~lightning_zero.ZeroConfig` and of
+            :class:`~lightning_zero.integrations.options.ZeroOptions` (their docstrings say what each
+            does), and Lightning ``DDPStrategy``'s ``accelerator``, ``parallel_devices``,
+            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``,
+            ``timeout`` and ``start_method``
+            (:data:`~lightning_zero.integrations.arguments.LIGHTNING_ARGUMENTS`), with their defaults:
+            ``inspect.signature(ZeroStrategy)`` and ``docs/reference.md`` list them all.
 
     Raises:
+        TypeError: an argument it does not take (named, with the closest valid ones).
         ValueError: a bad value (named, with what would be valid), or ``async_checkpoint=True`` with
             ``sharded_checkpoint=False`` (the single gathered file is written by Lightning's own,
             blocking, checkpoint IO).
@@ -136,64 +108,13 @@ class ZeroStrategy(StepFunctions):
 
     strategy_name = "zero"
 
-    def __init__(
-        self,
-        stage: int = 2,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
-        overlap_comm: bool = True,
-        overlap_param_gather: bool = False,
-        reduce_dtype: str | None = None,
-        error_feedback: bool = False,
-        gather_dtype: str | None = None,
-        find_unused_parameters: bool = False,
-        align_numel: int = 1,
-        skip_nonfinite_steps: int = 0,
-        sharded_accumulation: bool | None = None,
-        reshard_after_forward: bool = True,
-        prefetch_units: int = 1,
-        unit_modules: Any = None,
-        min_unit_numel: int = 100_000,
-        log_comm_stats: bool = False,
-        sharded_checkpoint: bool = True,
-        async_checkpoint: bool = False,
-        broadcast_buffers: bool = True,
-        shard_group_size: int | str | None = None,
-        device_mesh: Any = None,
-        param_init_fn: Callable[[torch.nn.Module], None] | None = None,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: str = "popen",
-    ) -> None:
-        check_lightning_arguments(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision_plugin,
-            precision_name="precision_plugin",
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
-        self._zero = ZeroFrontEnd(ZeroOptions.from_arguments(locals()))  # every argument checked first
-        check_sharded_io(checkpoint_io, sharded_checkpoint, "ZeroStrategy")
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,  # type: ignore[arg-type]
-        )
-        self._async_writer = AsyncCheckpointWriter(timeout) if async_checkpoint else None
+    @takes_zero_arguments(DDPStrategy)
+    def __init__(self, **arguments: Any) -> None:
+        options, lightning = split_arguments(ZeroStrategy.__init__, arguments)  # every argument checked first
+        check_sharded_io(lightning["checkpoint_io"], options.sharded_checkpoint, "ZeroStrategy")
+        self._zero = ZeroFrontEnd(options)
+        super().__init__(**lightning)
+        self._async_writer = AsyncCheckpointWriter(self._timeout) if options.async_checkpoint else None
         self._fit_running = False  # between setup and teardown of a fit: a later wait reports failures
         self._unwinding = False  # on_exception was called: teardown must not wait for the other ranks
         self._pending_load = None
@@ -203,16 +124,6 @@ class ZeroStrategy(StepFunctions):
         """How long a collective may wait for a peer: the training process group's timeout, which
         every group the strategy creates uses too (the background checkpoint writer's)."""
         return self._timeout
-
-    @property
-    def zero_config(self) -> ZeroConfig:
-        """The engine's settings (stage, buckets, overlap, ...)."""
-        return self._zero.config
-
-    @property
-    def sharded_optimizer(self) -> ShardedAdamW | None:
-        """The sharded optimizer once ``fit`` has set it up."""
-        return self._zero.optimizer
 
     @override
     def setup_environment(self) -> None:
