@@ -5,21 +5,23 @@ override is merged into these dataclasses: an unknown key (`model.n_layers=4`) o
 (`data.batch_size=big`) fails at compose time, naming the full key, before any process or run
 directory content is created.
 
-Open where users add things on purpose, checked all the same. The recipe's own nodes (model, data,
-optim, cluster, sample) are hand-written dataclasses that mirror `GPTConfig`, `DataConfig` and
-`OptimConfig` field for field (a test checks it; value checks stay in their `__post_init__`). The
-Lightning side is generated from constructor signatures (`recipes.config.signatures`), so it offers every
-argument of the installed version: `trainer` is every `Trainer` argument except the three the recipe
-fills from groups (`TRAINER_ARGS_FROM_GROUPS`); each strategy file pulls its class's schema into its
-package with `@_here_`, and the shipped callback and logger files pull theirs into their entries.
-`logger` and `callbacks` are open mappings: `+callbacks.lr_monitor._target_=...` adds any callback, and
-`recipes.config.validation` checks such additions (and `+key=` additions to generated nodes) against their
-class's signature before any process starts."""
+Open where users add things on purpose, checked all the same. The recipe's `model`, `data` and `optim`
+nodes are generated from `GPTConfig`, `DataConfig` and `OptimConfig` (one definition per group: names,
+types and defaults are the dataclasses'; the few fields the recipe requires from a model file or takes
+from the run are overridden by name; value checks stay in their `__post_init__`); `cluster` and `sample`
+exist only here. The Lightning side is generated from constructor signatures
+(`recipes.config.signatures`) too, so it offers every argument of the installed version: `trainer` is
+every `Trainer` argument except the three the recipe fills from groups (`TRAINER_ARGS_FROM_GROUPS`); each
+strategy file pulls its class's schema into its package with `@_here_`, and the shipped callback and
+logger files pull theirs into their entries. `logger` and `callbacks` are open mappings:
+`+callbacks.lr_monitor._target_=...` adds any callback, and `recipes.config.validation` checks such
+additions (and `+key=` additions to generated nodes) against their class's signature before any process
+starts."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 from hydra.core.config_store import ConfigStore
@@ -30,8 +32,11 @@ from omegaconf import MISSING
 
 import recipes.config.resolvers  # noqa: F401  (registers the recipe.* resolvers the YAML files use)
 from recipes.config.signatures import schema_for
+from recipes.data.config import DataConfig
 from recipes.data.resume import TrainedSamples
 from recipes.training import LossPlot, RefreshProgressBar, RunCheckpoint, TokenThroughput
+from recipes.training.model_config import GPTConfig
+from recipes.training.module import OptimConfig
 
 TRAINER_ARGS_FROM_GROUPS = {
     "strategy": "the strategy group: strategy=zero|zero1|zero2|ddp, strategy.<argument>=...",
@@ -71,53 +76,21 @@ GROUP_ENTRY_SCHEMAS: dict[str, dict[str, Any]] = {
 """Schemas the group files pull into their entries (`- /schema/<group>/<name>@<entry>`)."""
 
 
-@dataclass
-class ModelSchema:
-    _target_: str = "recipes.training.model_config.GPTConfig"
-    vocab_size: int | None = None  # None: the tokenizer's vocabulary size
-    max_seq_len: int = MISSING
-    n_layer: int = MISSING
-    n_head: int = MISSING
-    d_model: int = MISSING
-    n_kv_head: int | None = None
-    mlp_hidden: int | None = None
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    init_std: float = 0.02
-    activation_checkpointing: bool = False
-    init_from: str | None = None  # a Hugging Face Llama directory to start from (docs/recipes.md)
-    compile_blocks: bool = False
-    compile_backend: str = "inductor"  # inductor | aot_eager | eager (checked by GPTConfig)
-
-
-@dataclass
-class DataSchema:
-    _target_: str = "recipes.data.config.DataConfig"
-    path: str | None = MISSING  # MISSING, not None: a YAML `???` cannot override a default when merged
-    tokenizer: str | None = "byte"  # byte | bpe | tokenizer file; null: a prepared directory's own
-    eos_token: str | None = None
-    text_field: str = "text"
-    bpe_vocab_size: int = 4096
-    seq_len: int = 256
-    batch_size: int = 16
-    val_fraction: float = 0.05
-    max_corpus_mb: float = 4.0
-    cache_dir: str = "~/.cache/lightning-zero"
-    num_workers: int = 0
-    seed: int = "${seed}"  # type: ignore[assignment]  # interpolation, resolved to an int
-
-
-@dataclass
-class OptimSchema:
-    _target_: str = "recipes.training.module.OptimConfig"
-    lr: float = MISSING  # from the model file: it depends on the model's size
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = MISSING  # from the model file
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    decay_embeddings: bool = False
+ModelSchema = schema_for(
+    GPTConfig,
+    overrides={"vocab_size": (Optional[int], field(default=None))},  # noqa: UP045  (None: the tokenizer's)
+)
+DataSchema = schema_for(
+    DataConfig,
+    overrides={
+        "path": (Optional[str], field(default=MISSING)),  # noqa: UP045  (a YAML `???` must be able to win)
+        "seed": (int, field(default="${seed}")),  # the run's seed
+    },
+)
+OptimSchema = schema_for(
+    OptimConfig,
+    overrides={"lr": (float, field(default=MISSING)), "warmup_steps": (int, field(default=MISSING))},
+)  # from the model file: they depend on the model's size
 
 
 @dataclass

@@ -134,10 +134,20 @@ def field_default(value: Any) -> dataclasses.Field[Any] | None:
     return None
 
 
-def schema_for(cls: type, exclude: Iterable[str] = ()) -> type:
-    """A dataclass schema of `cls`'s keyword arguments, `_target_` first (its default: `cls` itself)."""
+def schema_for(
+    cls: type,
+    exclude: Iterable[str] = (),
+    overrides: Mapping[str, tuple[Any, dataclasses.Field[Any]]] | None = None,
+) -> type:
+    """A dataclass schema of `cls`'s keyword arguments, `_target_` first (its default: `cls` itself).
+
+    `overrides` replaces a field's (type, field) where the recipe differs from the class on purpose
+    (a value every model file must set: `MISSING`; an interpolation); each must name an argument.
+    """
     signature = read_signature(cls)
     assert signature is not None, f"{cls} has no signature"
+    unknown = set(overrides or {}) - set(signature.parameters)
+    assert not unknown, f"overrides of {cls.__name__} name no argument of it: {sorted(unknown)}"
     fields: list[tuple[str, Any, dataclasses.Field[Any]]] = [
         ("_target_", str, dataclasses.field(default=f"{cls.__module__}.{cls.__qualname__}"))
     ]
@@ -146,7 +156,8 @@ def schema_for(cls: type, exclude: Iterable[str] = ()) -> type:
         if name in exclude or default is None:
             continue
         annotation = signature.hints.get(name, Any)
-        fields.append((name, field_type(annotation, parameter.default), default))
+        kind, default = (overrides or {}).get(name, (field_type(annotation, parameter.default), default))
+        fields.append((name, kind, default))
     schema = dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
     setattr(schema, SIGNATURE_SCHEMA, True)
     return schema
