@@ -114,8 +114,8 @@ def row_line(name: str, ranks: list[dict[str, Any]], ref: dict[str, Any], params
 
 
 def hybrid(rows: dict[str, list[dict[str, Any]]], params: int) -> None:
-    """The traffic of the hybrid rows inside and across groups, and what it means for a 7B model on
-    8 nodes of 8 GPUs (computed from the formula the count checks, not measured)."""
+    """The traffic of the hybrid rows inside and across groups; what it means on a cluster is
+    ``docs/clusters.md``'s table (``scripts/memory_chart.py``: one model size, one computation)."""
     names = [name for name in rows if name.endswith("2x2")]
     for name in names:
         sent, formula = rows[name][0]["inter_elements"]
@@ -126,17 +126,9 @@ def hybrid(rows: dict[str, list[dict[str, Any]]], params: int) -> None:
             f"{sent / formula:.2f}x 2(Ψ/G)(R−1)/R = {formula / 1e6:.2f}M (Ψ = {params / 1e6:.1f}M)"
         )
     if names:
-        psi, nodes, per_node, link = 7e9, 8, 8, 50e9  # 400 Gb/s per node
-        ring = (nodes * per_node - 1) / (nodes * per_node)
-        cross = {  # bytes leaving each node per step, bf16 on the wire (docs/clusters.md#node-aware-sharding)
-            "ddp / flat stage 2": 2 * psi * ring * 2,
-            "flat stage 3 (one micro-batch)": 3 * psi * ring * 2,
-            "hybrid, every stage": 2 * psi * (nodes - 1) / nodes * 2,
-        }
         print(
-            "7B on 8 nodes x 8 GPUs, 400 Gb/s per node, bf16 wire: leaving each node per step "
-            + ", ".join(f"{k} {b / 1e9:.1f} GB = {b / link:.2f} s" for k, b in cross.items())
-            + " (loopback on one machine cannot show bandwidth: these are the counted formulas' bytes)"
+            "loopback on one machine cannot show bandwidth; the bytes leaving each node of a cluster "
+            "per step: docs/clusters.md#node-aware-sharding (python scripts/memory_chart.py)"
         )
 
 
