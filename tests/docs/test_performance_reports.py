@@ -1,15 +1,22 @@
 """``docs/performance.md`` is a set of dated reports: every table says where its figures come from.
+Superseded figures live in ``docs/performance-history.md``, which the page links.
 
-Above the [History](../../docs/performance.md#history) heading, every table has a provenance line
-above it, after the heading or table before it: the line ``benchmarks/record.py`` prints first::
+On ``performance.md`` every table has a provenance line above it, after the heading or table before
+it: the line ``benchmarks/record.py`` prints first::
 
     Measured DATE at COMMIT on MACHINE; python V, torch V, lightning V[, ...]: `COMMAND`
 
 and links its raw results under ``docs/results/DATE/``, which exist. Where a linked ``.txt`` was
 written by ``record.py`` (it starts with ``Measured``), the page quotes its first line exactly, so
 the page cannot drift from the raw output. The command must name a script in ``benchmarks/``, and
-the commit must be one of this repository's. In the history section every table's section names the
+the commit must be one of this repository's. On the history page every table's section names the
 commit its figures were recorded in (``Recorded in `COMMIT```).
+
+A report of stage 3 (its section names ``zero3`` or stage 3) measured before a change of stage 3's
+schedule (:data:`STAGE3_SCHEDULE_CHANGES`: the commit is not an ancestor of the one measured) says
+so with the words ``measured before `COMMIT``` (or ``measured before `A` ... and `COMMIT```, one
+sentence) for each such change, so that a reader never takes
+such a figure for the current code's.
 """
 
 from __future__ import annotations
@@ -23,6 +30,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "performance.md"
+HISTORY = ROOT / "docs" / "performance-history.md"
+STAGE3_SCHEDULE_CHANGES = {
+    "080115d": "the unit that ran last in forward held through the loss",
+    "387fc51": "stage 3's gradient buckets launched once a unit's backward is done",
+}
+STAGE3 = re.compile(r"zero3|stage 3|stage-3", re.IGNORECASE)
 PROVENANCE = re.compile(
     r"Measured (?P<date>\d{4}-\d{2}-\d{2}) at (?P<commit>[0-9a-f]{7,40})(?:\+dirty)? on (?P<machine>[^;]+); "
     r"python \S+, torch \S+, lightning [^:`]+: `(?P<command>[^`]+)`"
@@ -81,12 +94,11 @@ def _is_commit(commit: str, root: Path) -> bool | None:
     return known.returncode == 0  # in this branch's history, not merely an object in the repository
 
 
-def report_problems(text: str, docs: Path, root: Path) -> list[str]:
-    """Every way the page ``text`` (whose links are relative to ``docs``) fails the rules above."""
+def report_problems(text: str, docs: Path, root: Path, history: bool = False) -> list[str]:
+    """Every way the page ``text`` (whose links are relative to ``docs``) fails the rules above;
+    ``history``: the page of superseded figures."""
     problems: list[str] = []
-    history = False
     for heading, lines in sections(text):
-        history = history or heading == "History"
         flat = _flat(lines)
         for above in _tables_before(lines, since_last=not history):
             quoted = _flat(above)
@@ -108,9 +120,31 @@ def report_problems(text: str, docs: Path, root: Path) -> list[str]:
             continue
         problems += _commit_problems(heading, [m["commit"] for m in lines_found], root)
         problems += _raw_problems(heading, flat, lines_found, docs, root)
-    if not history:
-        problems.append("no '## History' section (superseded figures go there)")
+        problems += _schedule_problems(heading, flat, [m["commit"] for m in lines_found], root)
+    if not history and "](performance-history.md" not in text:
+        problems.append("no link to performance-history.md (superseded figures go there)")
     return problems
+
+
+def _before(change: str, commit: str, root: Path) -> bool | None:
+    """Whether ``commit`` was measured before ``change`` (None when git cannot tell)."""
+    if _is_commit(change, root) is not True:
+        return None
+    known = subprocess.run(
+        ["git", "merge-base", "--is-ancestor", change, commit], cwd=root, capture_output=True
+    )
+    return known.returncode == 1
+
+
+def _schedule_problems(heading: str, flat: str, commits: list[str], root: Path) -> list[str]:
+    if not STAGE3.search(heading + " " + flat):
+        return []
+    return [
+        f"{heading!r}: measured at {commit}, before {change} ({why}): say 'measured before `{change}`'"
+        for change, why in STAGE3_SCHEDULE_CHANGES.items()
+        for commit in sorted(set(commits))
+        if _before(change, commit, root) and not re.search(rf"measured before [^.]*`{change}`", flat)
+    ]
 
 
 def _commit_problems(heading: str, commits: list[str], root: Path) -> list[str]:
@@ -160,6 +194,10 @@ def test_performance_page_is_dated_reports() -> None:
     assert report_problems(PAGE.read_text(), PAGE.parent, ROOT) == []
 
 
+def test_the_history_page_names_each_table_s_commit() -> None:
+    assert report_problems(HISTORY.read_text(), HISTORY.parent, ROOT, history=True) == []
+
+
 GOOD_LINE = (
     "Measured 2026-12-03 at {commit} on AMD EPYC, 2 cores, 24 GiB; python 3.11.7, torch 2.13.0+cpu,\n"
     "lightning 2.6.6: `python benchmarks/step_time.py --model small`"
@@ -176,7 +214,7 @@ def page(tmp_path: Path) -> tuple[Path, str]:
     raw.parent.mkdir(parents=True)
     raw.write_text(" ".join(line.split()) + "\nstarted ...\n")
     text = f"# P\n\n## Step time\n\n{line}\nRaw: [st.txt](results/2026-12-03/st.txt).\n\n| a |\n| --- |\n"
-    text += f"\n## History\n\n### Old\n\nRecorded in `{commit}`.\n\n| b |\n| --- |\n"
+    text += "\nOlder figures: [history](performance-history.md).\n"
     return tmp_path, text
 
 
@@ -197,14 +235,16 @@ def test_the_rules_hold_for_a_good_page(page: tuple[Path, str]) -> None:
         (lambda t: t.replace("results/2026-12-03/st.txt", "results/2026-12-03/gone.txt"), "do not exist"),
         (lambda t: t.replace("Raw: [st.txt](results/2026-12-03/st.txt).", ""), "no link to its raw results"),
         (lambda t: t.replace("benchmarks/step_time.py", "benchmarks/no_such.py"), "names no script"),
-        (lambda t: t.replace("Recorded in", "Written in"), "without 'Recorded in"),
         (
             lambda t: t.replace(
                 "\n\n| a |", "\n\n" + t.split("\n\n")[2].replace("small", "large") + "\n\n| a |"
             ),
             "quotes no raw output it links",
         ),
-        (lambda t: t.replace("## History", "## Older"), "no '## History' section"),
+        (
+            lambda t: t.replace("(performance-history.md)", "(performance.md)"),
+            "no link to performance-history",
+        ),
     ],
 )
 def test_each_rule_fails_a_page_that_breaks_it(
@@ -225,7 +265,26 @@ def test_an_unknown_commit_is_named(tmp_path: Path) -> None:
     for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "one"]):
         subprocess.run([*git, *args], check=True, capture_output=True)
     own = subprocess.run([*git, "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True)
-    text = "# P\n\n## History\n\n### Old\n\nRecorded in `{}`.\n\n| b |\n| --- |\n"
-    assert report_problems(text.format(own.stdout.strip()), tmp_path, repo) == []
-    problems = report_problems(text.format("deadbee"), tmp_path, repo)
+    text = "# P\n\n## Old\n\nRecorded in `{}`.\n\n| b |\n| --- |\n"
+    assert report_problems(text.format(own.stdout.strip()), tmp_path, repo, history=True) == []
+    problems = report_problems(text.format("deadbee"), tmp_path, repo, history=True)
     assert problems == ["'Old': commit deadbee is not in this repository"], problems
+
+
+def test_a_history_table_without_its_commit_fails() -> None:
+    text = "# P\n\n## Old\n\nRecorded in `{}`.\n\n| b |\n| --- |\n"
+    problems = report_problems(text.replace("Recorded in", "Written in"), ROOT, ROOT, history=True)
+    assert any("without 'Recorded in" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("change", list(STAGE3_SCHEDULE_CHANGES))
+def test_a_stage3_report_measured_before_a_schedule_change_says_so(change: str) -> None:
+    """A zero3 row measured at f8bcc40 (2026-12-03) predates both changes of stage 3's schedule."""
+    if _before(change, "f8bcc40", ROOT) is None:
+        pytest.skip("no git history here to order the commits")
+    said = " ".join(f"measured before `{c}`" for c in STAGE3_SCHEDULE_CHANGES)
+    text = f"{GOOD_LINE.format(commit='f8bcc40')}\n\n`zero3` rows, {said}.\n"
+    assert _schedule_problems("Step time", _flat(text.splitlines()), ["f8bcc40"], ROOT) == []
+    unsaid = text.replace(f"measured before `{change}`", "")
+    problems = _schedule_problems("Step time", _flat(unsaid.splitlines()), ["f8bcc40"], ROOT)
+    assert [p for p in problems if change in p], problems
