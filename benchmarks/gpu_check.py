@@ -273,7 +273,7 @@ def _train_one(
 def _estimate_gib(module: Any, params: int, precision: Precision, strategy_name: str) -> float:
     """What ``lightning-zero estimate`` says for this model at world size 1 (stage 3: one block per
     unit), to read beside the measured peak."""
-    from lightning_zero.cli import estimate_rows
+    from lightning_zero.layout.memory import estimate_rows
 
     block = sum(p.numel() for p in module.model.blocks[0].parameters())
     rows = estimate_rows(params, 1, precision, 25.0, unit_params=block)

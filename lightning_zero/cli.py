@@ -19,21 +19,15 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_zero.checkpoint import META, CheckpointError, read_meta, shard_name, verify_files
-from lightning_zero.comm.groups import check_shard_group_size
-from lightning_zero.engine.in_flight import POOL_SLOTS
-from lightning_zero.integrations import preflight
-
-_PRECISION_BYTES = {  # (parameter, gradient on the wire, optimizer arithmetic / master) bytes per element
-    "32-true": (4, 4, 4),
-    "bf16-mixed": (4, 4, 4),
-    "bf16-true": (2, 2, 4),
-    "64-true": (8, 8, 8),
-}
+from lightning_zero.integrations.preflight_args import add_arguments as add_preflight_arguments
+from lightning_zero.layout.memory import POOL_SLOTS, PRECISION_ALIASES, PRECISION_BYTES, estimate_rows
+from lightning_zero.layout.partition import check_shard_group_size
 
 
 def verify(src: Path) -> int:
     """Print a report of ``src``; 0 if complete and intact, 1 otherwise."""
+    from lightning_zero.checkpoint import META, CheckpointError, read_meta, shard_name, verify_files
+
     try:
         meta = read_meta(src)
     except CheckpointError as err:
@@ -73,6 +67,7 @@ def verify(src: Path) -> int:
 
 
 def _consolidate(src: Path, dst: Path, weights_only: bool, force: bool) -> int:
+    from lightning_zero.checkpoint import CheckpointError
     from lightning_zero.checkpoint.consolidate import consolidate
 
     if dst.exists() and not force:
@@ -93,68 +88,6 @@ def _consolidate(src: Path, dst: Path, weights_only: bool, force: bool) -> int:
         f"in {time.perf_counter() - start:.1f} s"
     )
     return 0
-
-
-COMPONENTS = ("parameters", "gradients", "optimizer state", "gradient buckets", "gathered units")
-"""What :func:`estimate_components` splits a rank's model state into."""
-
-
-def estimate_components(
-    params: float,
-    n: int,
-    precision: str,
-    bucket_cap_mb: float,
-    unit_params: float = 0.0,
-    prefetch_units: int = 1,
-) -> dict[str, dict[str, float]]:
-    """Model-state bytes per rank (no activations) of ``ddp``, ``zero1``, ``zero2`` and ``zero3``, each
-    split into :data:`COMPONENTS`, with the state sharded over ``n`` ranks (the world, or the shard
-    group of node-aware sharding). Stage 3 holds ``1 + prefetch_units`` gathered units of
-    ``unit_params`` (one block) at once, besides the root's parameters, which this estimate does not
-    know of, and the gradients of two units in its buckets (one filling, one in flight) where that is
-    more than the buckets of stages 1 and 2. The optimizer state of a 16-bit model includes its fp32
-    master copy."""
-    p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
-    separate_master = m_bytes > p_bytes
-    in_flight = POOL_SLOTS * bucket_cap_mb * 2**20  # buckets being filled or in flight, transient
-    optimizer = 2 * m_bytes + (m_bytes if separate_master else 0)  # the moments (+ a separate master)
-
-    def zero(sharded_params: bool) -> dict[str, float]:
-        return {
-            "parameters": params * p_bytes / (n if sharded_params else 1),
-            "gradients": params * m_bytes / n,  # the gradient shard, in the master dtype
-            "optimizer state": params * optimizer / n,
-            # stage 3: one unit's gradients fill while the unit before it is in flight
-            "gradient buckets": max(in_flight, 2 * unit_params * m_bytes) if sharded_params else in_flight,
-            "gathered units": (1 + prefetch_units) * unit_params * p_bytes if sharded_params else 0.0,
-        }
-
-    return {
-        # DDP: full gradients plus DDP's bucket copy; torch keeps Adam state in the parameter dtype
-        "ddp": {
-            "parameters": params * p_bytes,
-            "gradients": params * g_bytes,
-            "optimizer state": params * 2 * p_bytes,
-            "gradient buckets": params * g_bytes,
-            "gathered units": 0.0,
-        },
-        "zero1": zero(False),  # stages 1 and 2 hold the same: only what they send differs
-        "zero2": zero(False),
-        "zero3": zero(True),
-    }
-
-
-def estimate_rows(
-    params: float,
-    n: int,
-    precision: str,
-    bucket_cap_mb: float,
-    unit_params: float = 0.0,
-    prefetch_units: int = 1,
-) -> dict[str, float]:
-    """The totals of :func:`estimate_components` per strategy (what ``lightning-zero estimate`` prints)."""
-    parts = estimate_components(params, n, precision, bucket_cap_mb, unit_params, prefetch_units)
-    return {name: sum(components.values()) for name, components in parts.items()}
 
 
 def estimate(
@@ -197,7 +130,7 @@ def estimate(
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-zero", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_cons = sub.add_parser("consolidate", help="write one standard Lightning checkpoint file")
@@ -212,20 +145,58 @@ def main(argv: list[str] | None = None) -> int:
     p_est = sub.add_parser("estimate", help="memory per rank of model states")
     p_est.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 1.3e9")
     p_est.add_argument("--world-size", type=int, required=True)
-    p_est.add_argument("--precision", choices=sorted(_PRECISION_BYTES), default="bf16-true")
+    p_est.add_argument(
+        "--precision",
+        choices=[*PRECISION_BYTES, *PRECISION_ALIASES],
+        default="bf16-true",
+        metavar="PRECISION",
+        help=f"as the Trainer's: one of {', '.join(PRECISION_BYTES)} (or {', '.join(PRECISION_ALIASES)})",
+    )
     p_est.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p_est.add_argument("--stage", type=int, choices=(1, 2, 3), help="only this stage's row (besides ddp)")
     p_est.add_argument("--unit-params", type=float, default=0.0, help="stage 3: parameters of one block")
     p_est.add_argument("--prefetch-units", type=int, default=1, help="stage 3: units gathered ahead")
     p_est.add_argument(
-        "--shard-group-size", type=int, help="node-aware sharding: ranks per shard group (e.g. GPUs per node)"
+        "--shard-group-size",
+        help="node-aware sharding, as the strategy's shard_group_size: ranks per shard group, or auto "
+        "(the ranks of one node: --devices)",
     )
+    p_est.add_argument("--devices", type=int, help="ranks per node, as the Trainer's devices")
     p_pre = sub.add_parser(
         "preflight", help="check a multi-node launch before training (run it like training)"
     )
-    preflight.add_arguments(p_pre)
+    add_preflight_arguments(p_pre)
+    return parser
+
+
+def _shard_group(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
+    """``--shard-group-size`` as a number of ranks (``auto``: ``--devices``), checked against the world."""
+    size, devices = args.shard_group_size, args.devices
+    if devices is not None and (devices < 1 or args.world_size % devices):
+        parser.error(f"--devices {devices} must be a positive divisor of --world-size {args.world_size}")
+    if size is None:
+        return None
+    if size == "auto":
+        if devices is None:
+            parser.error(
+                "--shard-group-size auto shards within one node: give the ranks of one node "
+                "with --devices (the Trainer's devices, e.g. 8)"
+            )
+        return int(devices)
+    group = int(size) if size.isdigit() else size
+    try:
+        check_shard_group_size(group, args.world_size)
+    except ValueError as err:
+        parser.error(f"--shard-group-size: {err}")
+    return int(group)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "preflight":
+        from lightning_zero.integrations import preflight
+
         return preflight.run(args)
     if args.command == "consolidate":
         return _consolidate(args.src, args.dst, args.weights_only, args.force)
@@ -236,12 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return verify(args.src)
     if args.world_size < 1 or args.params <= 0:
         parser.error(f"--world-size must be >= 1 and --params > 0, got {args.world_size} and {args.params}")
-    group = args.shard_group_size
-    if group is not None:
-        try:
-            check_shard_group_size(group, args.world_size)
-        except ValueError as err:
-            parser.error(f"--shard-group-size: {err}")
+    group = _shard_group(parser, args)
     if args.unit_params < 0 or args.prefetch_units < 0:
         parser.error(
             "--unit-params and --prefetch-units must be >= 0, "
@@ -250,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     estimate(
         args.params,
         args.world_size,
-        args.precision,
+        PRECISION_ALIASES.get(args.precision, args.precision),
         args.bucket_cap_mb,
         args.stage,
         args.unit_params,

@@ -1,6 +1,6 @@
 """The memory per rank of each stage (and of ``"ddp"``), flat and node-aware, from
-``lightning-zero estimate``'s own numbers (``lightning_zero.cli.estimate_components``), with the bytes
-that leave each node per step: ``docs/images/memory_per_stage.png`` and the table in
+``lightning-zero estimate``'s own numbers (``lightning_zero.layout.memory.estimate_components``),
+with the bytes that leave each node per step: ``docs/images/memory_per_stage.png`` and the table in
 ``docs/clusters.md`` between its ``memory-table`` markers; and, between its ``wire-table`` markers, the
 bytes that leave each node per step and their time for each wire dtype (fp32, bf16, int8 gradients,
 int8 gradients and parameter gathers), from the per-element bytes the int8 tests assert
@@ -64,7 +64,7 @@ ROWS = (  # (label, strategy row of estimate, hybrid)
 
 def memory(model: Model, strategy: str, hybrid: bool) -> dict[str, float]:
     """Bytes per rank by component, from ``estimate``."""
-    from lightning_zero.cli import estimate_components
+    from lightning_zero.layout.memory import estimate_components
 
     n = GPUS_PER_NODE if hybrid else NODES * GPUS_PER_NODE
     return estimate_components(model.params, n, PRECISION, BUCKET_CAP_MB, model.block)[strategy]
@@ -148,7 +148,7 @@ def chart() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lightning_zero.cli import COMPONENTS
+    from lightning_zero.layout.memory import COMPONENTS
 
     model = MODELS[0]
     labels = [label.strip("`") for label, _, _ in ROWS]

@@ -36,6 +36,7 @@ from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.recorder import Entry
 from lightning_zero.comm.signatures import SignatureCheck
 from lightning_zero.comm.simulated import Peer, Simulated
+from lightning_zero.layout.partition import check_shard_group_size
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -201,18 +202,3 @@ def is_device_mesh(obj: Any) -> bool:
     from torch.distributed.device_mesh import DeviceMesh
 
     return isinstance(obj, DeviceMesh)
-
-
-def check_shard_group_size(shard_group_size: Any, world_size: int) -> None:
-    """Raise a ``ValueError`` naming ``shard_group_size`` unless it divides ``world_size``."""
-    if (
-        isinstance(shard_group_size, bool)
-        or not isinstance(shard_group_size, int)
-        or shard_group_size < 1
-        or world_size % shard_group_size
-    ):
-        divisors = [g for g in range(1, world_size + 1) if world_size % g == 0]
-        raise ValueError(
-            f"shard_group_size={shard_group_size!r} must divide the {world_size} data-parallel ranks into "
-            f"equal shard groups: one of {divisors} (or 'auto': the ranks of one node)"
-        )

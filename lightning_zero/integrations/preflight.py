@@ -39,9 +39,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import lightning_zero
+from lightning_zero._version import VERSION
 from lightning_zero.comm import Comm, CommGroups, end_process_group
 from lightning_zero.comm.groups import hybrid_mesh
+from lightning_zero.integrations.preflight_args import launch_shape
 from lightning_zero.integrations.preflight_views import RankView, check_views, report
 
 if TYPE_CHECKING:
@@ -50,58 +51,10 @@ if TYPE_CHECKING:
 _DEFAULT_SIZES_MB = {"cpu": [1.0, 8.0], "cuda": [1.0, 16.0, 128.0]}
 
 
-def _env_int(*names: str) -> int | None:
-    for name in names:
-        value = os.environ.get(name, "")
-        digits = value.split("(")[0]  # SLURM_TASKS_PER_NODE="2(x3)"
-        if digits.isdigit():
-            return int(digits)
-    return None
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="lightning-zero preflight", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return parser.parse_args(argv)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--devices",
-        type=int,
-        help="ranks per node, as the Trainer's devices (default: from torchrun or SLURM, else 1)",
-    )
-    parser.add_argument(
-        "--num-nodes",
-        type=int,
-        help="nodes, as the Trainer's num_nodes (default: from torchrun or SLURM, else 1)",
-    )
-    parser.add_argument("--accelerator", default="auto", help="cpu, cuda or auto (as the Trainer's)")
-    parser.add_argument("--checkpoint-dir", help="the directory training will save checkpoints into")
-    parser.add_argument(
-        "--shard-group-size", default=None, help="as the strategy's shard_group_size: a number, or auto"
-    )
-    parser.add_argument(
-        "--sizes-mb", help="message sizes in MiB, comma-separated (default: 1,8 on CPU, 1,16,128 on CUDA)"
-    )
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds a rank waits for its peers")
-
-
-def _defaults(args: argparse.Namespace) -> tuple[int, int]:
-    devices = (
-        args.devices or _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE") or 1
-    )
-    nodes = args.num_nodes or _env_int("SLURM_NNODES")
-    if nodes is None:
-        world = _env_int("WORLD_SIZE")
-        nodes = max(1, world // devices) if world else 1
-    return devices, nodes
-
-
 def run(args: argparse.Namespace) -> int:
     """The whole check on this rank; its exit status (the same on every rank that joined)."""
     start = time.perf_counter()
-    devices, nodes = _defaults(args)
+    devices, nodes = launch_shape(args)
     host = socket.gethostname()
     try:
         from lightning.fabric import Fabric
@@ -149,7 +102,7 @@ def _check(
         num_nodes=nodes,
         shard_group_size=str(args.shard_group_size),
         torch=torch.__version__,
-        lightning_zero=lightning_zero.__version__,
+        lightning_zero=VERSION,
     )
     world = Comm()
     gathered = world.gather_object(asdict(mine))  # rank 0 alone receives every rank's view

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_zero.cli import COMPONENTS, estimate_components, estimate_rows
+from lightning_zero.layout.memory import COMPONENTS, estimate_components, estimate_rows
 from tests.docs.scripts import ROOT, load_script
 
 

@@ -1,18 +1,21 @@
 """The seams of `recipes/`: no import circle, arrows between packages one way only, a light data face.
 
-Read from the source (every `import`, function-level ones included: the `compose` <-> `schema` circle
-went through a lazy import), so it takes milliseconds and needs no import of torch or Lightning.
+Read from the source by `scripts/import_graph.py`, the one import-graph reader (every `import`,
+function-level ones included: the `compose` <-> `schema` circle went through a lazy import), so it takes
+milliseconds and needs no import of torch or Lightning.
 """
 
 from __future__ import annotations
 
-import ast
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.docs.scripts import ROOT, load_script
+
+import_graph = load_script("import_graph")
+
+PACKAGE = ROOT / "recipes"
 PACKAGES_MAY_IMPORT = {
     "recipes.data": set(),
     "recipes.training": set(),
@@ -22,66 +25,18 @@ PACKAGES_MAY_IMPORT = {
 """Each library package and the other recipe packages it may import (the commands may import any)."""
 
 
-def module_names() -> dict[str, Path]:
-    files = sorted((ROOT / "recipes").rglob("*.py"))
-    names = {}
-    for path in files:
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return names
-
-
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the recipe modules it imports (`from p import m` of a module `p.m` points at `p.m`)."""
-    names = module_names()
-    graph: dict[str, set[str]] = {}
-    for name, path in names.items():
-        targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                assert node.level == 0, f"{name}: relative import"
-                base = node.module or ""
-                found = [f"{base}.{a.name}" if f"{base}.{a.name}" in names else base for a in node.names]
-            else:
-                continue
-            for target in found:
-                while target and target not in names:
-                    target = target.rpartition(".")[0]
-                if target:
-                    targets.add(target)
-        graph[name] = targets
-    return graph
-
-
-def reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
-    seen, todo = set(), list(graph[start])
-    while todo:
-        node = todo.pop()
-        if node == goal:
-            return True
-        if node not in seen:
-            seen.add(node)
-            todo.extend(graph[node])
-    return False
-
-
 def package(name: str) -> str:
     return ".".join(name.split(".")[:2])
 
 
 def test_no_recipes_module_imports_one_that_imports_it_back() -> None:
-    graph = import_graph()
+    graph = import_graph.graph(PACKAGE)
     assert "recipes.config.compose" in graph and len(graph) > 30  # the walk found the package
-    circles = sorted(
-        f"{name} -> {target}" for name in graph for target in graph[name] if reaches(graph, target, name)
-    )
-    assert not circles, f"import circles: {circles}"
+    assert import_graph.find_cycles(graph) == []
 
 
 def test_packages_import_each_other_one_way_and_never_a_command() -> None:
-    graph = import_graph()
+    graph = import_graph.graph(PACKAGE)
     wrong = sorted(
         f"{name} -> {target}"
         for name, targets in graph.items()
@@ -90,8 +45,8 @@ def test_packages_import_each_other_one_way_and_never_a_command() -> None:
         if package(target) != package(name) and package(target) not in PACKAGES_MAY_IMPORT[package(name)]
     )
     assert not wrong, f"imports against the layering: {wrong}"
-    top = ROOT / "recipes"
-    commands = {n for n, path in module_names().items() if path.parent == top and path.stem != "__init__"}
+    paths = import_graph.modules(PACKAGE)
+    commands = {n for n, path in paths.items() if path.parent == PACKAGE and path.stem != "__init__"}
     assert {"recipes.pretrain", "recipes.prepare", "recipes.evaluate"} <= commands
     assert not [f"{n} -> {t}" for n, targets in graph.items() for t in targets if t in commands]
 

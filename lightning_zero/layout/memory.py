@@ -1,0 +1,126 @@
+"""Model-state memory per rank of ``ddp`` and ZeRO stages 1, 2 and 3: arithmetic only.
+
+What ``lightning-zero estimate`` prints and ``scripts/memory_chart.py`` draws. For ``Ψ`` parameters
+sharded over ``n`` ranks (the world, or one shard group of node-aware sharding), bytes per rank:
+
+  * ``ddp``: parameters, full gradients, DDP's bucket copy of them and Adam's two moments, all in the
+    parameter dtype (torch keeps Adam's state in it);
+  * ``zero1`` / ``zero2``: full parameters, and ``1/n`` of the gradients (in the master dtype), of the
+    moments and of the fp32 master copy that 16-bit parameters get; plus the pool of bucket-sized
+    accumulation buffers (:data:`POOL_SLOTS`), transient. Stages 1 and 2 hold the same; only what
+    they send differs;
+  * ``zero3``: as stage 2 with the parameters sharded too, plus ``1 + prefetch_units`` gathered units
+    and the gradients of two units in the buckets (one filling, one in flight).
+
+Activations, the root's parameters of stage 3 (gathered for the whole step) and allocator slack are
+not counted. This module imports neither torch nor Lightning, so that the command answers at once.
+"""
+
+from __future__ import annotations
+
+PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
+    # (parameter, gradient on the wire, optimizer arithmetic / master) bytes per element
+    "32-true": (4, 4, 4),
+    "16-mixed": (4, 4, 4),  # fp32 parameters, fp16 autocast
+    "bf16-mixed": (4, 4, 4),
+    "16-true": (2, 2, 4),  # 16-bit parameters: the optimizer keeps an fp32 master shard
+    "bf16-true": (2, 2, 4),
+    "transformer-engine": (2, 2, 4),  # bf16 weights (fp8 matmuls)
+    "transformer-engine-float16": (2, 2, 4),  # fp16 weights
+    "64-true": (8, 8, 8),
+}
+"""Every precision Lightning's Trainer and Fabric take by its full name (the strategy accepts each:
+it gives the precision plugin a shard-aware mixin, whatever its class)."""
+
+PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+"""Lightning's short names, and the full names they stand for."""
+
+POOL_SLOTS = 3
+"""Bucket-sized accumulation buffers the engine's pool holds: one bucket filling, two in flight (the
+engine's own ``POOL_SLOTS``, which ``tests/unit/test_estimate.py`` compares with this one: the engine
+imports torch, and this module must not)."""
+
+COMPONENTS = ("parameters", "gradients", "optimizer state", "gradient buckets", "gathered units")
+"""What :func:`estimate_components` splits a rank's model state into."""
+
+
+def full_precision(precision: str) -> str:
+    """Lightning's full name of ``precision`` (``"16"`` -> ``"16-mixed"``).
+
+    Raises:
+        ValueError: for a precision Lightning does not take, naming those it does.
+    """
+    name = PRECISION_ALIASES.get(precision, precision)
+    if name not in PRECISION_BYTES:
+        raise ValueError(
+            f"precision={precision!r}: one of {sorted(PRECISION_BYTES)} or {sorted(PRECISION_ALIASES)}"
+        )
+    return name
+
+
+def estimate_components(
+    params: float,
+    n: int,
+    precision: str,
+    bucket_cap_mb: float,
+    unit_params: float = 0.0,
+    prefetch_units: int = 1,
+) -> dict[str, dict[str, float]]:
+    """Model-state bytes per rank (no activations) of ``ddp``, ``zero1``, ``zero2`` and ``zero3``.
+
+    Args:
+        params: parameters of the model.
+        n: ranks the state is sharded over (the world, or the shard group of node-aware sharding).
+        precision: a name of :data:`PRECISION_BYTES` or :data:`PRECISION_ALIASES`.
+        bucket_cap_mb: the strategy's bucket size.
+        unit_params: stage 3, the parameters of one unit (one block).
+        prefetch_units: stage 3, the units gathered ahead of the one running.
+
+    Returns:
+        Per strategy, its bytes split into :data:`COMPONENTS`. The optimizer state of a 16-bit model
+        includes its fp32 master copy.
+
+    Raises:
+        ValueError: an unknown precision (:func:`full_precision`).
+    """
+    p_bytes, g_bytes, m_bytes = PRECISION_BYTES[full_precision(precision)]
+    separate_master = m_bytes > p_bytes
+    in_flight = POOL_SLOTS * bucket_cap_mb * 2**20  # buckets being filled or in flight, transient
+    optimizer = 2 * m_bytes + (m_bytes if separate_master else 0)  # the moments (+ a separate master)
+
+    def zero(sharded_params: bool) -> dict[str, float]:
+        return {
+            "parameters": params * p_bytes / (n if sharded_params else 1),
+            "gradients": params * m_bytes / n,  # the gradient shard, in the master dtype
+            "optimizer state": params * optimizer / n,
+            # stage 3: one unit's gradients fill while the unit before it is in flight
+            "gradient buckets": max(in_flight, 2 * unit_params * m_bytes) if sharded_params else in_flight,
+            "gathered units": (1 + prefetch_units) * unit_params * p_bytes if sharded_params else 0.0,
+        }
+
+    return {
+        # DDP: full gradients plus DDP's bucket copy; torch keeps Adam state in the parameter dtype
+        "ddp": {
+            "parameters": params * p_bytes,
+            "gradients": params * g_bytes,
+            "optimizer state": params * 2 * p_bytes,
+            "gradient buckets": params * g_bytes,
+            "gathered units": 0.0,
+        },
+        "zero1": zero(False),  # stages 1 and 2 hold the same: only what they send differs
+        "zero2": zero(False),
+        "zero3": zero(True),
+    }
+
+
+def estimate_rows(
+    params: float,
+    n: int,
+    precision: str,
+    bucket_cap_mb: float,
+    unit_params: float = 0.0,
+    prefetch_units: int = 1,
+) -> dict[str, float]:
+    """The totals of :func:`estimate_components` per strategy (what ``lightning-zero estimate`` prints)."""
+    parts = estimate_components(params, n, precision, bucket_cap_mb, unit_params, prefetch_units)
+    return {name: sum(components.values()) for name, components in parts.items()}

@@ -1,0 +1,90 @@
+"""``lightning-zero estimate``: arithmetic that answers at once (neither Lightning nor torch imported),
+taking every precision and layout the strategy takes."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from typing import get_args
+
+import pytest
+
+from lightning_zero.cli import main
+from lightning_zero.layout.memory import (
+    POOL_SLOTS,
+    PRECISION_ALIASES,
+    PRECISION_BYTES,
+    estimate_rows,
+    full_precision,
+)
+from tests.docs.scripts import ROOT
+
+ESTIMATE = ["estimate", "--params", "1e9", "--world-size", "32"]
+HEAVY = ("lightning", "lightning.pytorch", "lightning.fabric", "torch", "torch.distributed")
+"""Seconds of imports each, where the arithmetic takes milliseconds."""
+
+
+def test_the_estimate_command_imports_neither_lightning_nor_torch() -> None:
+    """A fresh interpreter runs the command's ``main`` as the console script does, then lists which of
+    :data:`HEAVY` came in: none."""
+    code = (
+        "import sys\n"
+        "from lightning_zero.cli import main\n"
+        f"assert main({[*ESTIMATE, '--shard-group-size', 'auto', '--devices', '8']!r}) == 0\n"
+        f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "sharded in groups of 8" in run.stdout
+    assert run.stdout.splitlines()[-1] == "[]", run.stdout
+
+
+def test_the_pool_slots_are_the_engines() -> None:
+    """The engine module that defines ``POOL_SLOTS`` (found by reading the source, wherever it lives)
+    holds as many buffers as the estimate counts."""
+    engine = ROOT / "lightning_zero" / "engine"
+    defining = [
+        f"lightning_zero.engine.{path.stem}"
+        for path in sorted(engine.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "POOL_SLOTS" for t in node.targets)
+    ]
+    assert len(defining) == 1, f"POOL_SLOTS defined in {defining}: one engine module defines it"
+    assert importlib.import_module(defining[0]).POOL_SLOTS == POOL_SLOTS
+
+
+def test_every_precision_lightning_takes_is_estimated() -> None:
+    """The strategy takes whatever precision plugin Lightning builds, so the estimate takes every name
+    Lightning does, short names included."""
+    from lightning.fabric.plugins.precision.precision import (
+        _PRECISION_INPUT_STR,
+        _PRECISION_INPUT_STR_ALIAS_CONVERSION,
+    )
+
+    assert set(PRECISION_BYTES) == set(get_args(_PRECISION_INPUT_STR))
+    assert PRECISION_ALIASES == _PRECISION_INPUT_STR_ALIAS_CONVERSION
+    for precision in [*PRECISION_BYTES, *PRECISION_ALIASES]:
+        assert main([*ESTIMATE, "--precision", precision]) == 0, precision
+    assert estimate_rows(1e9, 8, "16", 25.0) == estimate_rows(1e9, 8, "bf16-mixed", 25.0)
+    assert estimate_rows(1e9, 8, "16-true", 25.0) == estimate_rows(1e9, 8, "bf16-true", 25.0)
+    with pytest.raises(ValueError, match="precision='fp8': one of"):
+        full_precision("fp8")
+
+
+def test_shard_group_size_auto_is_the_ranks_of_one_node(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*ESTIMATE, "--shard-group-size", "auto", "--devices", "8"]) == 0
+    auto = capsys.readouterr().out
+    assert "32 ranks sharded in groups of 8 (replicated 4x)" in auto
+    assert main([*ESTIMATE, "--shard-group-size", "8"]) == 0
+    assert capsys.readouterr().out == auto
+    with pytest.raises(SystemExit):
+        main([*ESTIMATE, "--shard-group-size", "auto"])
+    assert "give the ranks of one node with --devices" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*ESTIMATE, "--shard-group-size", "auto", "--devices", "5"])
+    assert "--devices 5 must be a positive divisor of --world-size 32" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*ESTIMATE, "--shard-group-size", "many"])
+    assert "shard_group_size='many' must divide the 32 data-parallel ranks" in capsys.readouterr().err
