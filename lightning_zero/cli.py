@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from lightning_zero.config import ZeroConfig
 from lightning_zero.integrations.preflight_args import add_arguments as add_preflight_arguments
 from lightning_zero.layout.memory import POOL_SLOTS, PRECISION_ALIASES, PRECISION_BYTES, estimate_rows
 from lightning_zero.layout.partition import check_shard_group_size
@@ -97,7 +98,7 @@ def estimate(
     bucket_cap_mb: float,
     stage: int | None = None,
     unit_params: float = 0.0,
-    prefetch_units: int = 1,
+    prefetch_units: int = ZeroConfig.prefetch_units,
     shard_group_size: int | None = None,
 ) -> None:
     """Print :func:`estimate_rows` (``stage``: that one only, beside ``ddp``). ``shard_group_size``:
@@ -152,10 +153,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PRECISION",
         help=f"as the Trainer's: one of {', '.join(PRECISION_BYTES)} (or {', '.join(PRECISION_ALIASES)})",
     )
-    p_est.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p_est.add_argument("--bucket-cap-mb", type=float, default=ZeroConfig.bucket_cap_mb)
     p_est.add_argument("--stage", type=int, choices=(1, 2, 3), help="only this stage's row (besides ddp)")
     p_est.add_argument("--unit-params", type=float, default=0.0, help="stage 3: parameters of one block")
-    p_est.add_argument("--prefetch-units", type=int, default=1, help="stage 3: units gathered ahead")
+    p_est.add_argument(
+        "--prefetch-units", type=int, default=ZeroConfig.prefetch_units, help="stage 3: units gathered ahead"
+    )
     p_est.add_argument(
         "--shard-group-size",
         help="node-aware sharding, as the strategy's shard_group_size: ranks per shard group, or auto "

@@ -1,15 +1,24 @@
-"""Settings shared by :class:`~lightning_zero.ShardedAdamW` and :class:`~lightning_zero.ZeroStrategy`."""
+"""Settings shared by :class:`~lightning_zero.ShardedAdamW` and :class:`~lightning_zero.ZeroStrategy`.
+
+The fields are the one source of each setting's name, default, type and docstring (the strategies'
+signatures, the recipes' schema and the docs' tables are read from them). This module is read without
+torch (``lightning-zero estimate`` takes its defaults from here): torch is imported where a dtype is
+made.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 STAGE3_ONLY = ("reshard_after_forward", "prefetch_units", "unit_modules", "min_unit_numel")
 """Fields that apply to stage 3 only: refused at their non-default values below it."""
 
-_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+_REDUCE_DTYPES = ("fp32", "bf16", "fp16", "int8")
+"""``reduce_dtype``'s names; each is the torch dtype of that name (``"fp32"``: ``torch.float32``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +49,7 @@ class ZeroConfig:
     accumulated, across micro-batches and in the owned shard, in the master dtype. ``"int8"``
     (experimental): each rank's part for each destination is sent as int8 blocks of 256 with an fp32
     scale each (1.016 bytes per element) by an all-to-all, and summed in the master dtype on arrival
-    (:mod:`lightning_zero.engine.int8_codec`); under node-aware sharding the reduction inside a
+    (:class:`~lightning_zero.engine.codecs.Int8Codec`); under node-aware sharding the reduction inside a
     shard group stays in the master dtype and only the all-reduce across the groups is quantized."""
     error_feedback: bool = False
     """``reduce_dtype="int8"`` only: each rank keeps the quantization error of its last send of each
@@ -194,9 +203,16 @@ class ZeroConfig:
 
     def wire_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         """The dtype a gradient of ``param_dtype`` travels in."""
-        return master_dtype(param_dtype) if self.reduce_dtype is None else _REDUCE_DTYPES[self.reduce_dtype]
+        if self.reduce_dtype is None:
+            return master_dtype(param_dtype)
+        import torch  # here, not at the top: see the module docstring
+
+        names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+        return names[self.reduce_dtype]
 
 
 def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
     """Optimizer arithmetic dtype: fp32 for 16-bit parameters, the parameter dtype otherwise."""
+    import torch  # here, not at the top: see the module docstring
+
     return torch.float32 if param_dtype.itemsize < 4 else param_dtype

@@ -166,7 +166,9 @@ def _lightning(cls: Any, peer: Any) -> str:
     signature = inspect.signature(cls)
     expected = [f.name for f in zero_fields()] + names
     if list(signature.parameters) != expected:
-        raise SystemExit(f"{cls.__name__}'s signature is not ZeroConfig + ZeroOptions + Lightning's: {signature}")
+        raise SystemExit(
+            f"{cls.__name__}'s signature is not ZeroConfig's + ZeroOptions' + Lightning's: {signature}"
+        )
     rows = ["| argument | default | what it does |", "| --- | --- | --- |"]
     for generic, name in zip(LIGHTNING_ARGUMENTS, names, strict=True):
         default = signature.parameters[name].default
@@ -188,7 +190,8 @@ def _summary() -> str:
     docs = {**field_docs(ZeroConfig), **field_docs(ZeroOptions)}
     rows = ["| argument | default | in short ([reference](reference.md)) |", "| --- | --- | --- |"]
     for field in zero_fields():
-        rows.append(f"| `{field.name}` | {_default(field.default)} | {_cell(_first_sentence(docs[field.name]))} |")
+        summary = _cell(_first_sentence(docs[field.name]))
+        rows.append(f"| `{field.name}` | {_default(field.default)} | {summary} |")
     return "\n".join(rows)
 
 

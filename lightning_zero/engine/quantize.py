@@ -1,4 +1,4 @@
-"""Block-wise int8 quantization for the wire (:mod:`lightning_zero.engine.int8_codec`).
+"""Block-wise int8 quantization for the wire (:class:`~lightning_zero.engine.codecs.Int8Codec`).
 
 A tensor is cut into blocks of :data:`BLOCK` elements (the last one zero-padded); each block is sent
 as int8 values and one fp32 scale, ``amax / 127`` of the block, so that ``round(x / scale)`` lands in

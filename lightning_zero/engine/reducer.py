@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -77,18 +76,16 @@ from torch import Tensor
 
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups
-from lightning_zero.config import ZeroConfig, master_dtype
-from lightning_zero.engine.accum_buffers import AccumBuffers
+from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.backward_end import EndOfBackward
-from lightning_zero.engine.codecs import codec_for
-from lightning_zero.engine.in_flight import MAX_IN_FLIGHT, POOL_SLOTS, BucketFlight, BucketState
+from lightning_zero.engine.bucket_group import BucketGroup, RoundState
 from lightning_zero.engine.nonfinite import NonFiniteGuard
 from lightning_zero.engine.used_params import UsedParams
 from lightning_zero.layout.buckets import BucketPlan
 from lightning_zero.layout.flat import FlatParams
 
 
-class GradReducer(BucketFlight):
+class GradReducer:
     """Owns the gradient hooks and the per-bucket collectives for one set of parameters."""
 
     def __init__(
@@ -107,26 +104,19 @@ class GradReducer(BucketFlight):
         self.comm = groups.shard
         self.replicas = groups.replicas
         self.world = groups.world
-        self._ranks = self.comm.world_size * self.replicas.world_size  # what a gradient is averaged over
         self.config = config
         self._guard = guard if guard is not None and guard.enabled else None
-        self._inspect = None if self._guard is None else self._guard.inspect
-        self._inspect_reduced = None if self._guard is None else self._guard.inspect_reduced
+        inspect = (None, None) if self._guard is None else (self._guard.inspect, self._guard.inspect_reduced)
         self._where = plan.locate()
-        self.grad_shards: list[Tensor] = [
-            torch.zeros(plan.shard_numel(b), dtype=master_dtype(b.dtype), device=flat.device)
-            for b in plan.buckets
-        ]
-        hierarchical = self.replicas.world_size > 1
-        self._buckets = [
-            BucketState(b, codec_for(config, b.dtype, hierarchical), waiting=len(b.slots))
-            for b in plan.buckets
-        ]
-        self.buffers = AccumBuffers(self.params, plan, config, flat.device, POOL_SLOTS)
-        self.pool = self.buffers.pool
-        self._sync = True
+        self.round = RoundState()
+        self.group = BucketGroup(
+            self.params, plan, config, (self.comm, self.replicas), flat.device, self.round, inspect
+        )
+        self.grad_shards: list[Tensor] = self.group.grad_shards
+        """``grad_shards[b]``: ``(padded_numel // world_size,)``, master dtype; valid after
+        :meth:`finalize`."""
+        self.pool = self.group.pool
         self._sharded_accumulation = config.accumulates_sharded
-        self._awaiting_sync = False  # a round inside no_sync was folded into grad_shards, none after it
         self._synced_in_step = False  # a round outside no_sync finished in this step
         # the same semantics on 1 and N ranks: without find_unused_parameters a parameter that got no
         # gradient counts as a zero gradient (with a one-time warning), also at world size 1
@@ -135,52 +125,47 @@ class GradReducer(BucketFlight):
         self._has_data = [False] * len(self.params)  # accumulated in this round's buffers
         self._arrived = [False] * len(self.params)  # arrived in this round's backward
         self._by_unit = config.stage == 3  # buckets launch when their unit's backward is done, not from hooks
-        most = max(Counter(b.unit for b in plan.buckets).values())  # one unit's buckets launch together
-        self._max_in_flight = max(MAX_IN_FLIGHT, most) if self._by_unit else MAX_IN_FLIGHT
-        self._launched: list[int] = []
-        self._next_across = 0
-        self._rounds = 0  # rounds whose result is in grad_shards
         self._round_open = False
         self._end = EndOfBackward(self._end_of_backward, abandoned=self._after_raised_backward)
         self._warned_unused = False
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
         ]
-        self._hooks.extend(self.buffers.hooks)
+        self._hooks.extend(self.group.hooks)
 
     @property
     def adopted(self) -> int:
         """Gradients that became their bucket's accumulation buffer so far."""
-        return self.buffers.adopted
+        return self.group.adopted
 
     @property
     def allocations_outside_pool(self) -> int:
         """Accumulation buffers allocated because every pool slot was busy (e.g. ``no_sync``)."""
-        return self.buffers.allocations_outside_pool
+        return self.group.allocations_outside_pool
 
     @property
     def peak_accumulating_bytes(self) -> int:
         """The most bytes of accumulation buffers holding gradients at once."""
-        return self.buffers.peak_accumulating_bytes
+        return self.group.peak_accumulating_bytes
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate locally and communicate nothing."""
-        previous, self._sync = self._sync, False
+        previous, self.round.syncing = self.round.syncing, False
         try:
             yield
         finally:
-            self._sync = previous
+            self.round.syncing = previous
 
     @property
     def syncing(self) -> bool:
         """False inside :meth:`no_sync`."""
-        return self._sync
+        return self.round.syncing
 
     @property
     def idle(self) -> bool:
         """Nothing accumulated or in flight since the last :meth:`reset` (an optimizer-step boundary)."""
-        return not self._round_open and self._rounds == 0
+        return not self._round_open and self.round.rounds == 0
 
     def _make_hook(self, index: int):  # noqa: ANN202 - a closure over the parameter index
         # weakly: a hook the parameter holds must not keep the reducer (and its buffers) alive once the
@@ -198,11 +183,11 @@ class GradReducer(BucketFlight):
         """A parameter's gradient has been accumulated (its hook)."""
         self._used.local[index] = True
         self._take_grad(index, param)
-        if self._sync or self._sharded_accumulation:
+        if self.round.syncing or self._sharded_accumulation:
             self._arrive(index)
             self._end.queue()
             if not self._by_unit:
-                self._launch_ready()
+                self.group.start_ready()
 
     def launch_units(self, units: Sequence[int]) -> None:
         """Stage 3: a backward is running and the backward of ``units`` is done (called by the unit
@@ -211,47 +196,36 @@ class GradReducer(BucketFlight):
         gradient. Which buckets launch where is so a function of which units ran, never of which
         parameters received a gradient (the collective order). The rest launches at the end of the
         backward."""
-        if not (self._sync or self._sharded_accumulation):
+        if not (self.round.syncing or self._sharded_accumulation):
             return  # inside no_sync without sharded accumulation nothing is sent
         self._end.queue()
         self._round_open = True
         if not self.config.overlap_comm or not units:
             return
-        for bucket_index, state in enumerate(self._buckets):
+        for bucket_index, state in enumerate(self.group.states):
             if state.bucket.unit in units and not state.launched:
                 self._fill_missing(bucket_index)
-                self._launch(bucket_index)
+                self.group.start_grad_sync(bucket_index)
 
     def _take_grad(self, index: int, param: torch.nn.Parameter) -> None:
         """Add ``param.grad`` into its bucket's accumulation buffer and release it."""
-        bucket_index, slot = self._where[index]
-        if self._buckets[bucket_index].launched:  # already on the wire: this gradient opens a new round
+        if self.group.launched(self._where[index][0]):  # already on the wire: this gradient opens a new round
             self._finish_round()
         assert param.grad is not None  # callers check
-        if not self._has_data[index] and self.buffers.adopt(self._buckets[bucket_index], index, param.grad):
-            self._has_data[index] = True
-            self._round_open = True
-            param.grad = None
-            return
-        view = self._accum(bucket_index)[slot.bucket_offset : slot.bucket_offset + slot.numel]
-        grad = param.grad.detach().reshape(-1)
-        if self._has_data[index]:
-            view.add_(grad)
-        else:
-            view.copy_(grad)
-            self._has_data[index] = True
+        self.group.accumulate(index, param.grad, first=not self._has_data[index])
+        self._has_data[index] = True
         self._round_open = True
         param.grad = None
 
     def _arrive(self, index: int) -> None:
         if not self._arrived[index]:
             self._arrived[index] = True
-            self._buckets[self._where[index][0]].waiting -= 1
+            self.group.arrive(index)
 
     def _fill_missing(self, bucket_index: int) -> None:
         """Zeros for parameters that have no gradient in this round's buffers."""
-        bucket = self._buckets[bucket_index].bucket
-        accum = self._accum(bucket_index)
+        bucket = self.group.states[bucket_index].bucket
+        accum = self.group.buffer(bucket_index)
         for slot in bucket.slots:
             if self._has_data[slot.param_index]:
                 continue
@@ -287,32 +261,28 @@ class GradReducer(BucketFlight):
 
     def _finish_round(self) -> None:
         """Launch what is left of this round, wait for all of it, fold it into ``grad_shards``."""
-        for bucket_index, state in enumerate(self._buckets):
+        for bucket_index, state in enumerate(self.group.states):
             if not state.launched:
                 self._fill_missing(bucket_index)
-                self._launch(bucket_index)
-        self._start_across(len(self._launched))
-        if not self._sync:  # sharded accumulation inside no_sync: the step's last round agrees on the rest
-            self._collect_all()
-            self._awaiting_sync = True
+                self.group.start_grad_sync(bucket_index)
+        self.group.start_across()
+        if not self.round.syncing:  # sharded accumulation in no_sync: the step's last round agrees on it
+            self.group.finish_grad_sync()
+            self.round.awaiting_sync = True
             self._end_round()
             return
         # the mask after every bucket's launch: the same collective order everywhere
-        self._used.agree(self._collect_all, with_guard=False)
-        self._awaiting_sync = False
+        self._used.agree(self.group.finish_grad_sync, with_guard=False)
+        self.round.awaiting_sync = False
         self._synced_in_step = True
         self._end_round()
 
     def _end_round(self) -> None:
-        self._rounds += 1
+        self.round.rounds += 1
         self._round_open = False
-        self._launched = []
-        self._next_across = 0
         self._has_data = [False] * len(self.params)
         self._arrived = [False] * len(self.params)
-        for state in self._buckets:
-            state.waiting = len(state.bucket.slots)
-            state.launched = False
+        self.group.end_round()
 
     def finalize(self) -> list[bool] | None:
         """Finish this step's communication; ``grad_shards`` are then valid. Idempotent.
@@ -327,7 +297,7 @@ class GradReducer(BucketFlight):
                 shard.zero_()
         elif self._round_open:
             self._finish_round()
-        if self._awaiting_sync:  # the step's last backward ran inside no_sync: close the window here
+        if self.round.awaiting_sync:  # the step's last backward ran inside no_sync: close the window here
             self._close_window()
         return self._used.agreed
 
@@ -357,27 +327,20 @@ class GradReducer(BucketFlight):
         for handle in handles:
             self.replicas.wait(handle)
         self._used.agree(lambda: None, with_guard=True)
-        self._awaiting_sync = False
+        self.round.awaiting_sync = False
 
     def reset(self) -> None:
         """Start a new step: drop gradients and per-step state (waits for anything in flight)."""
-        for state in self._buckets:
-            if state.sent is not None:
-                self.comm.wait(state.sent.handle)
-            self._release(state)
-            state.waiting = len(state.bucket.slots)
-            state.launched = False
+        self.group.reset()
         for param in self.params:
             param.grad = None
         self._used.reset()
         self._has_data = [False] * len(self.params)
         self._arrived = [False] * len(self.params)
-        self._launched = []
-        self._next_across = 0
-        self._rounds = 0
+        self.round.rounds = 0
+        self.round.awaiting_sync = False
         self._round_open = False
         self._end.forget()
-        self._awaiting_sync = False
         self._synced_in_step = False
         if self._guard is not None:
             self._guard.reset()
@@ -385,8 +348,7 @@ class GradReducer(BucketFlight):
     def forget_sent(self) -> None:
         """A skipped step: codecs that carry something from one send to the next (error feedback's
         residuals) drop it."""
-        for state in self._buckets:
-            state.codec.forget()
+        self.group.forget_sent()
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

@@ -13,10 +13,13 @@ sharded over ``n`` ranks (the world, or one shard group of node-aware sharding),
     and the gradients of two units in the buckets (one filling, one in flight).
 
 Activations, the root's parameters of stage 3 (gathered for the whole step) and allocator slack are
-not counted. This module imports neither torch nor Lightning, so that the command answers at once.
+not counted. This module imports neither torch nor Lightning, so that the command answers at once (its
+defaults are :class:`~lightning_zero.config.ZeroConfig`'s, which imports neither).
 """
 
 from __future__ import annotations
+
+from lightning_zero.config import ZeroConfig
 
 PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
     # (parameter, gradient on the wire, optimizer arithmetic / master) bytes per element
@@ -64,7 +67,7 @@ def estimate_components(
     precision: str,
     bucket_cap_mb: float,
     unit_params: float = 0.0,
-    prefetch_units: int = 1,
+    prefetch_units: int = ZeroConfig.prefetch_units,
 ) -> dict[str, dict[str, float]]:
     """Model-state bytes per rank (no activations) of ``ddp``, ``zero1``, ``zero2`` and ``zero3``.
 
@@ -119,7 +122,7 @@ def estimate_rows(
     precision: str,
     bucket_cap_mb: float,
     unit_params: float = 0.0,
-    prefetch_units: int = 1,
+    prefetch_units: int = ZeroConfig.prefetch_units,
 ) -> dict[str, float]:
     """The totals of :func:`estimate_components` per strategy (what ``lightning-zero estimate`` prints)."""
     parts = estimate_components(params, n, precision, bucket_cap_mb, unit_params, prefetch_units)

@@ -42,11 +42,7 @@ LAYER = {
 }
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 
-KNOWN_CYCLES = [
-    # issue 40, item 2's to remove (the codecs a clean seam without a cycle): codecs.py builds an
-    # Int8Codec through a function-level import of int8_codec.py, which builds on codecs.py
-    ["lightning_zero.engine.codecs", "lightning_zero.engine.int8_codec"],
-]
+KNOWN_CYCLES: list[list[str]] = []
 """Import cycles that exist and are to go; a new cycle, or one of these gone, fails the test."""
 
 
