@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 STAGE3_ONLY = ("reshard_after_forward", "prefetch_units", "unit_modules", "min_unit_numel")
 """Fields that apply to stage 3 only: refused at their non-default values below it."""
 
-_REDUCE_DTYPES = ("fp32", "bf16", "fp16", "int8")
-"""``reduce_dtype``'s names; each is the torch dtype of that name (``"fp32"``: ``torch.float32``)."""
+_REDUCE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8"}
+"""``reduce_dtype``'s names, and the ``torch`` dtypes they stand for."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,8 +207,8 @@ class ZeroConfig:
             return master_dtype(param_dtype)
         import torch  # here, not at the top: see the module docstring
 
-        names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
-        return names[self.reduce_dtype]
+        dtype: torch.dtype = getattr(torch, _REDUCE_DTYPES[self.reduce_dtype])
+        return dtype
 
 
 def master_dtype(param_dtype: torch.dtype) -> torch.dtype:

@@ -176,21 +176,15 @@ def _lightning(cls: Any, peer: Any) -> str:
     return "\n".join(rows)
 
 
-def _first_sentence(text: str) -> str:
-    flat = " ".join(text.split())
-    match = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s+(?=[A-Z`])|$)", flat)
-    return flat if match is None else flat[: match.start()]
-
-
 def _summary() -> str:
-    """``docs/strategy.md``'s table: every strategy argument of ours, its default, its first sentence."""
+    """``docs/strategy.md``'s table: every strategy argument of ours, its default and its docstring."""
     from lightning_zero.integrations.arguments import zero_fields
     from lightning_zero.integrations.options import ZeroConfig, ZeroOptions
 
     docs = {**field_docs(ZeroConfig), **field_docs(ZeroOptions)}
-    rows = ["| argument | default | in short ([reference](reference.md)) |", "| --- | --- | --- |"]
+    rows = ["| argument | default | what it does |", "| --- | --- | --- |"]
     for field in zero_fields():
-        summary = _cell(_first_sentence(docs[field.name]))
+        summary = _cell(docs[field.name])
         rows.append(f"| `{field.name}` | {_default(field.default)} | {summary} |")
     return "\n".join(rows)
 

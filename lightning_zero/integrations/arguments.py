@@ -173,6 +173,8 @@ def strategy_signature(peer: Any) -> inspect.Signature:
     keyword = inspect.Parameter.KEYWORD_ONLY
     parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     for field in zero_fields():
+        if field.default is dataclasses.MISSING:  # a default_factory or none: no value to show or pass
+            raise TypeError(f"{field.name}: a strategy argument needs a plain default in its dataclass")
         parameters.append(
             inspect.Parameter(field.name, keyword, default=field.default, annotation=hints[field.name])
         )

@@ -79,6 +79,7 @@ GROUP_ENTRY_SCHEMAS: dict[str, dict[str, Any]] = {
 ModelSchema = schema_for(
     GPTConfig,
     overrides={"vocab_size": (Optional[int], field(default=None))},  # noqa: UP045  (None: the tokenizer's)
+    keys_from_signature=False,
 )
 DataSchema = schema_for(
     DataConfig,
@@ -86,10 +87,12 @@ DataSchema = schema_for(
         "path": (Optional[str], field(default=MISSING)),  # noqa: UP045  (a YAML `???` must be able to win)
         "seed": (int, field(default="${seed}")),  # the run's seed
     },
+    keys_from_signature=False,
 )
 OptimSchema = schema_for(
     OptimConfig,
     overrides={"lr": (float, field(default=MISSING)), "warmup_steps": (int, field(default=MISSING))},
+    keys_from_signature=False,
 )  # from the model file: they depend on the model's size
 
 

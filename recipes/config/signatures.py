@@ -111,6 +111,11 @@ def field_type(annotation: Any, default: Any) -> Any:
         annotation = str
     elif typing.get_origin(annotation) is list and typing.get_args(annotation)[0] in PRIMITIVES:
         annotation = list[typing.get_args(annotation)[0]]  # type: ignore[misc]
+    elif typing.get_origin(annotation) is tuple and len(set(typing.get_args(annotation)) - {Ellipsis}) == 1:
+        member = next(a for a in typing.get_args(annotation) if a is not Ellipsis)  # tuple[float, float]
+        if member not in PRIMITIVES:
+            return Any
+        annotation = list[member]  # type: ignore[valid-type]  # a YAML list; the class takes it as its tuple
     elif annotation not in PRIMITIVES:
         return Any
     return Optional[annotation] if optional else annotation  # noqa: UP045  (OmegaConf reads typing.Optional)
@@ -138,11 +143,16 @@ def schema_for(
     cls: type,
     exclude: Iterable[str] = (),
     overrides: Mapping[str, tuple[Any, dataclasses.Field[Any]]] | None = None,
+    *,
+    keys_from_signature: bool = True,
 ) -> type:
     """A dataclass schema of `cls`'s keyword arguments, `_target_` first (its default: `cls` itself).
 
     `overrides` replaces a field's (type, field) where the recipe differs from the class on purpose
-    (a value every model file must set: `MISSING`; an interpolation); each must name an argument.
+    (a value every model file must set: `MISSING`; an interpolation); each must name an argument whose
+    default a schema can hold. `keys_from_signature`: a `+key=` added to the node is checked against
+    the class's signature (`validation.check_target_nodes`); `False` for the recipe's own groups,
+    whose keys are this schema's fields (`validation.unknown_keys`: "unknown key(s): optim.momentum").
     """
     signature = read_signature(cls)
     assert signature is not None, f"{cls} has no signature"
@@ -158,8 +168,10 @@ def schema_for(
         annotation = signature.hints.get(name, Any)
         kind, default = (overrides or {}).get(name, (field_type(annotation, parameter.default), default))
         fields.append((name, kind, default))
+    dropped = set(overrides or {}) - {name for name, _, _ in fields}
+    assert not dropped, f"overrides of {cls.__name__} whose class default a schema cannot hold: {dropped}"
     schema = dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
-    setattr(schema, SIGNATURE_SCHEMA, True)
+    setattr(schema, SIGNATURE_SCHEMA, keys_from_signature)
     return schema
 
 

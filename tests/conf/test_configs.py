@@ -310,6 +310,24 @@ def test_schemas_are_the_recipe_dataclasses(schema_cls: type, config_cls: type) 
         assert value == field.default or list(value) == list(field.default), field.name
 
 
+@pytest.mark.parametrize("override", ["+optim.momentum=0.9", "+model.n_layers=4", "+data.shuffle=true"])
+def test_a_key_added_to_a_generated_recipe_group_is_unknown(override: str) -> None:
+    """The generated model/data/optim schemas keep the recipe's own key check: an added key is refused
+    before any process starts (what `recipes.sbatch` runs), naming it."""
+    from recipes.config.validation import ConfigError, check_keys
+
+    with pytest.raises(ConfigError, match=r"unknown key\(s\): " + override[1:].split("=")[0]):
+        check_keys(compose_pretrain([override]))
+
+
+def test_a_tuple_field_keeps_its_member_type() -> None:
+    """`optim.betas` (a `tuple[float, float]` of `OptimConfig`) is a list of floats in the schema: a
+    wrong member fails at compose time, as with the hand-written schema before."""
+    assert compose_pretrain(["optim.betas=[0.8,0.9]"]).optim.betas == [0.8, 0.9]
+    with pytest.raises(ConfigCompositionException):
+        compose_pretrain(["optim.betas=[a,0.9]"])
+
+
 def test_node_aware_sharding_is_set_from_the_command_line_and_checked_before_launch() -> None:
     """`strategy.shard_group_size=auto` (one node's ranks) composes and builds; a size that does not
     divide cluster.nodes x trainer.devices is refused by the checks `recipes.sbatch` runs too."""
