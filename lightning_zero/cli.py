@@ -21,8 +21,8 @@ from pathlib import Path
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.integrations.preflight_args import add_arguments as add_preflight_arguments
+from lightning_zero.layout.dims import ParallelDims
 from lightning_zero.layout.memory import POOL_SLOTS, PRECISION_ALIASES, PRECISION_BYTES, estimate_rows
-from lightning_zero.layout.partition import check_shard_group_size
 
 
 def verify(src: Path) -> int:
@@ -93,23 +93,21 @@ def _consolidate(src: Path, dst: Path, weights_only: bool, force: bool) -> int:
 
 def estimate(
     params: float,
-    world_size: int,
+    dims: ParallelDims,
     precision: str,
     bucket_cap_mb: float,
     stage: int | None = None,
     unit_params: float = 0.0,
     prefetch_units: int = ZeroConfig.prefetch_units,
-    shard_group_size: int | None = None,
 ) -> None:
-    """Print :func:`estimate_rows` (``stage``: that one only, beside ``ddp``). ``shard_group_size``:
-    node-aware sharding, the state split over that many ranks, not all."""
-    n = shard_group_size or world_size
-    rows = estimate_rows(params, n, precision, bucket_cap_mb, unit_params, prefetch_units)
+    """Print :func:`estimate_rows` (``stage``: that one only, beside ``ddp``) for the ranks of ``dims``:
+    under node-aware sharding the state is split over one shard group's ranks, not all."""
+    rows = estimate_rows(params, dims.shard, precision, bucket_cap_mb, unit_params, prefetch_units)
     if stage is not None:
         rows = {name: value for name, value in rows.items() if name in ("ddp", f"zero{stage}")}
-    layout = f" sharded in groups of {n} (replicated {world_size // n}x)" if n != world_size else ""
+    layout = f" sharded in groups of {dims.shard} (replicated {dims.replicate}x)" if dims.hybrid else ""
     print(
-        f"{params / 1e9:.3g}B parameters, {world_size} ranks{layout}, {precision}: model state per rank "
+        f"{params / 1e9:.3g}B parameters, {dims.world_size} ranks{layout}, {precision}: model state per rank "
         "(parameters, gradients, optimizer; no activations)"
     )
     for name, nbytes in rows.items():
@@ -172,26 +170,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _shard_group(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
-    """``--shard-group-size`` as a number of ranks (``auto``: ``--devices``), checked against the world."""
+def _layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ParallelDims:
+    """The ranks' layout from ``--world-size`` and ``--shard-group-size`` (``auto``: ``--devices``)."""
     size, devices = args.shard_group_size, args.devices
     if devices is not None and (devices < 1 or args.world_size % devices):
         parser.error(f"--devices {devices} must be a positive divisor of --world-size {args.world_size}")
-    if size is None:
-        return None
-    if size == "auto":
-        if devices is None:
-            parser.error(
-                "--shard-group-size auto shards within one node: give the ranks of one node "
-                "with --devices (the Trainer's devices, e.g. 8)"
-            )
-        return int(devices)
-    group = int(size) if size.isdigit() else size
+    if size == "auto" and devices is None:
+        parser.error(
+            "--shard-group-size auto shards within one node: give the ranks of one node "
+            "with --devices (the Trainer's devices, e.g. 8)"
+        )
+    group = int(size) if size is not None and size.isdigit() else size
     try:
-        check_shard_group_size(group, args.world_size)
+        return ParallelDims.of(args.world_size, group, devices)
     except ValueError as err:
         parser.error(f"--shard-group-size: {err}")
-    return int(group)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return verify(args.src)
     if args.world_size < 1 or args.params <= 0:
         parser.error(f"--world-size must be >= 1 and --params > 0, got {args.world_size} and {args.params}")
-    group = _shard_group(parser, args)
+    dims = _layout(parser, args)
     if args.unit_params < 0 or args.prefetch_units < 0:
         parser.error(
             "--unit-params and --prefetch-units must be >= 0, "
@@ -218,13 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     estimate(
         args.params,
-        args.world_size,
+        dims,
         PRECISION_ALIASES.get(args.precision, args.precision),
         args.bucket_cap_mb,
         args.stage,
         args.unit_params,
         args.prefetch_units,
-        group,
     )
     return 0
 

@@ -7,7 +7,7 @@ timing); how a collective runs on the process group's backend is chosen in one p
 
 from lightning_zero.comm.backends import end_process_group
 from lightning_zero.comm.communicator import Comm
-from lightning_zero.comm.groups import CommGroups, check_shard_group_size, hybrid_mesh
+from lightning_zero.comm.groups import CommGroups, build_mesh, hybrid_mesh
 from lightning_zero.comm.handles import CommError, CommStats, collective_failures
 
 __all__ = [
@@ -15,7 +15,7 @@ __all__ = [
     "CommError",
     "CommGroups",
     "CommStats",
-    "check_shard_group_size",
+    "build_mesh",
     "collective_failures",
     "end_process_group",
     "hybrid_mesh",

@@ -36,7 +36,7 @@ from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.recorder import Entry
 from lightning_zero.comm.signatures import SignatureCheck
 from lightning_zero.comm.simulated import Peer, Simulated
-from lightning_zero.layout.partition import check_shard_group_size
+from lightning_zero.layout.dims import ParallelDims
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -119,20 +119,16 @@ class CommGroups:
             ValueError: a rank outside the world, or a group size that does not divide it.
         """
         dev = torch.device(device)
+        dims = ParallelDims.of(world_size, shard_group_size)
         world_backend = Simulated(rank, world_size, dev, "simulated world", peer=peer, log=log)
         world = Comm(None, world_backend, role="world")
-        g = world_size if shard_group_size is None else shard_group_size
-        if g < 1 or world_size % g:
-            raise ValueError(
-                f"shard_group_size must divide the simulated world size {world_size}, got {shard_group_size}"
-            )
-        if g == world_size:
+        if not dims.hybrid:
             return cls(world, Comm.single(dev), world)
-        base, replicas_n = rank - rank % g, world_size // g
-        shard_ranks = range(base, base + g)
-        shard = Simulated(rank % g, g, dev, "simulated shard", shard_ranks, peer, log)
-        across_ranks = range(rank % g, world_size, g)
-        across = Simulated(rank // g, replicas_n, dev, "simulated replicas", across_ranks, peer, log)
+        shard_ranks, across_ranks = dims.shard_group(rank), dims.replica_group(rank)
+        shard = Simulated(dims.shard_rank(rank), dims.shard, dev, "simulated shard", shard_ranks, peer, log)
+        across = Simulated(
+            dims.replica_rank(rank), dims.replicate, dev, "simulated replicas", across_ranks, peer, log
+        )
         return cls(Comm(None, shard, role="shard"), Comm(None, across, role="replicas"), world)
 
     @classmethod
@@ -162,10 +158,25 @@ class CommGroups:
 
 
 def hybrid_mesh(
-    shard_group_size: int, device_type: str, timeout: timedelta | None = None
+    shard_group_size: int | str,
+    device_type: str,
+    timeout: timedelta | None = None,
+    ranks_per_node: int | None = None,
 ) -> DeviceMesh | None:
-    """A ``(N / G, G)`` mesh over the default process group, dims :data:`MESH_DIMS`; ``None`` when
-    ``G`` is the world size (flat sharding needs no new group). Call on all ranks.
+    """A ``(N / G, G)`` mesh over the default process group with ``G = shard_group_size`` ranks per
+    shard group (``"auto"``: ``ranks_per_node``; :func:`build_mesh`); ``None`` when ``G`` is the world
+    size. Call on all ranks.
+
+    Raises:
+        ValueError: ``shard_group_size`` is not a positive divisor of the world size (named).
+    """
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return build_mesh(ParallelDims.of(world, shard_group_size, ranks_per_node), device_type, timeout)
+
+
+def build_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | None = None) -> DeviceMesh | None:
+    """The ``(R, G)`` mesh of ``dims`` over the default process group, dims :data:`MESH_DIMS`;
+    ``None`` for flat sharding (it needs no new group). Call on all ranks.
 
     Its process groups are created here (every shard group and every replica group, in one fixed order
     on every rank) with ``timeout``, the training group's: torch's ``init_device_mesh`` would give them
@@ -173,27 +184,30 @@ def hybrid_mesh(
     would then cost every rank. ``None``: torch's default.
 
     Raises:
-        ValueError: ``shard_group_size`` is not a positive divisor of the world size (named).
+        ValueError: ``dims`` is not a layout of the default process group's ranks.
     """
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    check_shard_group_size(shard_group_size, world)
-    if shard_group_size == world:
+    if dims.world_size != world:
+        raise ValueError(f"a layout of {dims.world_size} ranks ({dims.layout}) over a world of {world}")
+    if not dims.hybrid:
         return None
-    import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    replicas, size = world // shard_group_size, shard_group_size
-    layout = torch.arange(world).view(replicas, size)  # (R, G): global rank r * G + s
+    grid = dims.mesh()  # (R, G): row r a shard group, column s a replica group
     rank = dist.get_rank()
-    mine: dict[str, ProcessGroup] = {}
+    mine = {
+        "shard": dims.shard_group(rank),
+        "replicate": dims.replica_group(rank),
+    }
+    groups: dict[str, ProcessGroup] = {}
     # dist.new_group is a collective of the default group: every rank creates every group, same order
-    for dim, groups in ((1, layout.tolist()), (0, layout.t().tolist())):
-        for ranks in groups:
+    for name, members in (("shard", grid), ("replicate", [list(col) for col in zip(*grid, strict=True)])):
+        for ranks in members:
             group = dist.new_group(ranks=ranks, timeout=timeout)
-            if rank in ranks:
-                mine[MESH_DIMS[dim]] = group
+            if ranks == mine[name]:
+                groups[name] = group
     return DeviceMesh.from_group(
-        [mine["replicate"], mine["shard"]], device_type, mesh=layout, mesh_dim_names=MESH_DIMS
+        [groups["replicate"], groups["shard"]], device_type, mesh=torch.tensor(grid), mesh_dim_names=MESH_DIMS
     )
 
 

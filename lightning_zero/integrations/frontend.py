@@ -108,9 +108,8 @@ class ZeroFrontEnd:
         """
         if not self._mesh_built:
             size = self.options.shard_group_size
-            group = ranks_per_node if size == "auto" else size
-            assert isinstance(group, int)  # checked by ZeroOptions
-            self._mesh = hybrid_mesh(group, device_type, timeout)
+            assert size is not None  # else the mesh counts as built (flat)
+            self._mesh = hybrid_mesh(size, device_type, timeout, ranks_per_node)
             self._mesh_built = True
         return self._mesh
 

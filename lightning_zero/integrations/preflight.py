@@ -41,9 +41,10 @@ import torch
 
 from lightning_zero._version import VERSION
 from lightning_zero.comm import Comm, CommGroups, end_process_group
-from lightning_zero.comm.groups import hybrid_mesh
+from lightning_zero.comm.groups import build_mesh
 from lightning_zero.integrations.preflight_args import launch_shape
 from lightning_zero.integrations.preflight_views import RankView, check_views, report
+from lightning_zero.layout.dims import ParallelDims
 
 if TYPE_CHECKING:
     from lightning.fabric import Fabric
@@ -201,12 +202,12 @@ def choose_layout(
         return f"flat: every bucket split over all {world.world_size} ranks", CommGroups.flat_over(), []
     group = mine.devices if size == "auto" else int(size) if str(size).isdigit() else -1
     try:
-        mesh = hybrid_mesh(group, device_type, timeout)
+        dims = ParallelDims.of(world.world_size, group)
     except ValueError as err:
         return "", None, [str(err).replace(f"shard_group_size={group!r}", f"shard_group_size={size}")]
+    mesh = build_mesh(dims, device_type, timeout)
     groups = CommGroups.flat_over() if mesh is None else CommGroups.from_mesh(mesh)
-    replicas = world.world_size // group
-    members = [list(range(r * group, (r + 1) * group)) for r in range(replicas)]
+    members = dims.mesh()
     host_of = {v.rank: v.host for v in views or []}
     spanning = [m for m in members if len({host_of[r] for r in m}) > 1] if views else []
     problems = []
@@ -215,7 +216,7 @@ def choose_layout(
             f"shard_group_size=auto: the shard groups {spanning} span several hosts (ranks are not "
             "numbered node by node)"
         )
-    text = f"{replicas}x{group} (shard_group_size={size}): shard groups {members}"
+    text = f"{dims.layout} (shard_group_size={size}): shard groups {members}"
     if not spanning and len(set(host_of.values())) > 1:
         text += ", each within one host"
     return text, groups, problems

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 
 def padded_numel(numel: int, world_size: int, align_numel: int) -> int:
@@ -101,24 +100,3 @@ def shard_segments(
                 )
             )
     return segments
-
-
-def check_shard_group_size(shard_group_size: Any, world_size: int) -> None:
-    """Check that ``shard_group_size`` splits ``world_size`` ranks into equal shard groups (node-aware
-    sharding: the buckets are partitioned over one group, as above with ``world_size`` the group's).
-
-    Raises:
-        ValueError: naming ``shard_group_size`` and the sizes that would do, unless it is a positive
-            divisor of ``world_size``.
-    """
-    if (
-        isinstance(shard_group_size, bool)
-        or not isinstance(shard_group_size, int)
-        or shard_group_size < 1
-        or world_size % shard_group_size
-    ):
-        divisors = [g for g in range(1, world_size + 1) if world_size % g == 0]
-        raise ValueError(
-            f"shard_group_size={shard_group_size!r} must divide the {world_size} data-parallel ranks into "
-            f"equal shard groups: one of {divisors} (or 'auto': the ranks of one node)"
-        )

@@ -313,10 +313,10 @@ def check_shard_group(cfg: DictConfig) -> None:
     devices = cfg.trainer.devices
     if not isinstance(size, int) or isinstance(size, bool) or not isinstance(devices, int) or size < 1:
         return  # None, "auto" (one node), or a bad value the strategy's constructor names
-    from lightning_zero.comm import check_shard_group_size  # checked importable by check_strategy
+    from lightning_zero.layout.dims import ParallelDims  # checked importable by check_strategy
 
     try:
-        check_shard_group_size(size, cfg.cluster.nodes * devices)
+        ParallelDims.of(cfg.cluster.nodes * devices, size)
     except ValueError as error:
         raise ConfigError(
             f"strategy.{error} (the job: cluster.nodes={cfg.cluster.nodes} x trainer.devices={devices})"

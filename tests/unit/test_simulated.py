@@ -64,7 +64,7 @@ def test_collectives_deliver_what_n_equal_ranks_would() -> None:
 def test_bad_rank_and_group_size_are_refused() -> None:
     with pytest.raises(ValueError, match=r"a simulated rank must be in 0\.\.63 \(world_size\), got 64"):
         Simulated(64, N, torch.device("cpu"))
-    with pytest.raises(ValueError, match="shard_group_size must divide the simulated world size 64, got 6"):
+    with pytest.raises(ValueError, match="shard_group_size=6 must divide the 64 data-parallel ranks"):
         CommGroups.simulated(0, N, 6)
     with pytest.raises(RuntimeError, match="a simulated world has no process groups"):
         _comm(0).backend.new_group("gloo", None)

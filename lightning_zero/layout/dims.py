@@ -1,0 +1,111 @@
+"""The ranks laid out over the parallel dimensions: one object owns the arithmetic.
+
+Every layer asks :class:`ParallelDims` where a rank sits and who its groups are (torchtitan's
+``ParallelDims`` plays this part there); nothing else recomputes a rank or a group from sizes. The
+dimensions, outermost first, and the global rank of a coordinate:
+
+  * ``replicate`` (``R = world_size / G``): groups holding the same shards (node-aware sharding);
+  * ``shard`` (``G``, ``shard_group_size``): the ranks that split every bucket;
+
+  ``rank = r * G + s``: a shard group is ``G`` consecutive ranks, one node when ranks are numbered
+  node by node (SLURM's block distribution, torchrun). Flat sharding is ``R = 1``.
+
+Pure arithmetic: no process group, no torch (``lightning-zero estimate`` reads it). The process
+groups and the ``DeviceMesh`` of a layout are built from :meth:`ParallelDims.mesh` by
+:func:`lightning_zero.comm.groups.hybrid_mesh`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+AUTO = "auto"
+"""``shard_group_size="auto"``: the ranks of one node."""
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the dimensions of ``world_size`` ranks (see the module docstring).
+
+    Raises:
+        ValueError: a world size that is no positive count, or a ``shard`` size that does not divide
+            it into equal groups (named, with the sizes that would).
+    """
+
+    world_size: int
+    shard: int
+
+    def __post_init__(self) -> None:
+        if not _is_count(self.world_size):
+            raise ValueError(f"world_size must be a positive number of ranks, got {self.world_size!r}")
+        if not _is_count(self.shard) or self.world_size % self.shard:
+            divisors = [g for g in range(1, self.world_size + 1) if self.world_size % g == 0]
+            raise ValueError(
+                f"shard_group_size={self.shard!r} must divide the {self.world_size} data-parallel ranks "
+                f"into equal shard groups: one of {divisors} (or 'auto': the ranks of one node)"
+            )
+
+    @classmethod
+    def of(
+        cls, world_size: int, shard_group_size: Any = None, ranks_per_node: int | None = None
+    ) -> ParallelDims:
+        """The layout a strategy's ``shard_group_size`` gives on ``world_size`` ranks: ``None`` flat,
+        ``"auto"`` ``ranks_per_node`` per group, a number that many.
+
+        Raises:
+            ValueError: the size does not divide the world (named, with the valid ones), or ``"auto"``
+                without ``ranks_per_node``.
+        """
+        if shard_group_size is None:
+            return cls(world_size, world_size)
+        if shard_group_size == AUTO:
+            if ranks_per_node is None:
+                raise ValueError("shard_group_size='auto' shards within one node: give the ranks of a node")
+            return cls(world_size, ranks_per_node)
+        return cls(world_size, shard_group_size)
+
+    @property
+    def replicate(self) -> int:
+        """``R``: how many shard groups hold the same shards."""
+        return self.world_size // self.shard
+
+    @property
+    def hybrid(self) -> bool:
+        """Shards are replicated across groups (``R > 1``)."""
+        return self.replicate > 1
+
+    @property
+    def layout(self) -> str:
+        """``"RxG"`` (``"1x4"``: flat over 4 ranks)."""
+        return f"{self.replicate}x{self.shard}"
+
+    def shard_rank(self, rank: int) -> int:
+        """``s``: ``rank``'s index in its shard group (the shard it owns)."""
+        return self._check(rank) % self.shard
+
+    def replica_rank(self, rank: int) -> int:
+        """``r``: ``rank``'s index in its replica group (which shard group it is in)."""
+        return self._check(rank) // self.shard
+
+    def shard_group(self, rank: int) -> list[int]:
+        """The global ranks of ``rank``'s shard group, in shard order."""
+        base = self.replica_rank(rank) * self.shard
+        return list(range(base, base + self.shard))
+
+    def replica_group(self, rank: int) -> list[int]:
+        """The global ranks holding the same shard as ``rank``, in replica order."""
+        return list(range(self.shard_rank(rank), self.world_size, self.shard))
+
+    def mesh(self) -> list[list[int]]:
+        """The ``(R, G)`` grid of global ranks: row ``r`` is a shard group, column ``s`` a replica group."""
+        return [list(range(r * self.shard, (r + 1) * self.shard)) for r in range(self.replicate)]
+
+    def _check(self, rank: int) -> int:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank!r} is not one of the {self.world_size} ranks")
+        return rank
