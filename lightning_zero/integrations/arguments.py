@@ -26,7 +26,7 @@ import inspect
 import typing
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import torch
 
@@ -66,6 +66,55 @@ ARGUMENT_TYPES: dict[str, Any] = {"unit_modules": Any}
 """Where a strategy takes more than the field's type: import paths of module classes too."""
 
 _Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+class ZeroArguments(TypedDict, total=False):
+    """The strategies' keyword arguments for type checkers and IDEs (``**arguments:
+    Unpack[TrainerArguments]``); the signature itself is built from the fields (:func:`strategy_signature`),
+    and ``tests/unit/test_one_source.py`` fails when these names or types differ from it."""
+
+    stage: int
+    bucket_cap_mb: float
+    first_bucket_cap_mb: float
+    overlap_comm: bool
+    overlap_param_gather: bool
+    reduce_dtype: str | None
+    error_feedback: bool
+    gather_dtype: str | None
+    find_unused_parameters: bool
+    align_numel: int
+    skip_nonfinite_steps: int
+    sharded_accumulation: bool | None
+    reshard_after_forward: bool
+    prefetch_units: int
+    unit_modules: Any
+    min_unit_numel: int
+    log_comm_stats: bool
+    sharded_checkpoint: bool
+    async_checkpoint: bool
+    broadcast_buffers: bool
+    shard_group_size: int | str | None
+    device_mesh: Any
+    param_init_fn: Callable[[torch.nn.Module], None] | None
+    accelerator: Any  # Lightning's own classes, the Trainer's or Fabric's
+    parallel_devices: list[torch.device] | None
+    cluster_environment: Any
+    checkpoint_io: Any
+    process_group_backend: str | None
+    timeout: timedelta | None
+    start_method: str
+
+
+class TrainerArguments(ZeroArguments, total=False):
+    """:class:`ZeroArguments` with the Trainer's name of the precision plugin."""
+
+    precision_plugin: Any
+
+
+class FabricArguments(ZeroArguments, total=False):
+    """:class:`ZeroArguments` with Fabric's name of the precision plugin."""
+
+    precision: Any
 
 
 def _instance_or_none(name: str, value: Any, cls: type) -> None:

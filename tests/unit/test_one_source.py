@@ -174,6 +174,24 @@ def test_both_strategies_take_one_signature() -> None:
         assert trainer.parameters[lightning_name(name, DDPStrategy)].default == theirs.default
 
 
+def test_the_typed_arguments_are_the_signature() -> None:
+    """``TrainerArguments``/``FabricArguments`` (what type checkers and IDEs read on ``**arguments``)
+    name every argument of the signature built from the fields, with the fields' types."""
+    import typing
+
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_zero.integrations.arguments import FabricArguments, TrainerArguments, strategy_signature
+
+    for typed, peer in ((TrainerArguments, DDPStrategy), (FabricArguments, FabricDDP)):
+        signature = strategy_signature(peer)
+        hints = typing.get_type_hints(typed)
+        assert set(hints) == set(list(signature.parameters)[1:]), typed.__name__
+        for field in zero_fields():
+            assert hints[field.name] == signature.parameters[field.name].annotation, field.name
+
+
 def _windows(path: Path, size: int = 6) -> dict[tuple[str, ...], int]:
     """Every run of ``size`` consecutive non-trivial lines (whitespace-normalized), with its line."""
     lines = [(n, " ".join(line.split())) for n, line in enumerate(path.read_text().splitlines(), 1)]

@@ -41,11 +41,16 @@ import torch
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_zero.comm.watchdog import let_errors_reach_python
 from lightning_zero.engine.deferred_init import is_deferred
-from lightning_zero.integrations.arguments import check_sharded_io, split_arguments, takes_zero_arguments
+from lightning_zero.integrations.arguments import (
+    FabricArguments,
+    check_sharded_io,
+    split_arguments,
+    takes_zero_arguments,
+)
 from lightning_zero.integrations.fabric.checkpointing import FabricCheckpointing
 from lightning_zero.integrations.frontend import ZeroAccessors, ZeroFrontEnd, sharded_of
 from lightning_zero.integrations.loss_scale import update_scale, with_mixin
@@ -78,7 +83,7 @@ class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
     strategy_name = "zero"
 
     @takes_zero_arguments(DDPStrategy)
-    def __init__(self, **arguments: Any) -> None:
+    def __init__(self, **arguments: Unpack[FabricArguments]) -> None:
         options, lightning = split_arguments(ZeroFabricStrategy.__init__, arguments)  # all checked first
         options.refuse(
             ("log_comm_stats", "async_checkpoint"),

@@ -50,7 +50,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_zero.comm import collective_failures
@@ -58,6 +58,7 @@ from lightning_zero.comm.watchdog import let_errors_reach_python
 from lightning_zero.engine.deferred_init import DeferredInit, is_deferred
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import (
+    TrainerArguments,
     check_sharded_io,
     check_sharded_path,
     split_arguments,
@@ -109,7 +110,7 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
     strategy_name = "zero"
 
     @takes_zero_arguments(DDPStrategy)
-    def __init__(self, **arguments: Any) -> None:
+    def __init__(self, **arguments: Unpack[TrainerArguments]) -> None:
         options, lightning = split_arguments(ZeroStrategy.__init__, arguments)  # every argument checked first
         check_sharded_io(lightning["checkpoint_io"], options.sharded_checkpoint, "ZeroStrategy")
         self._zero = ZeroFrontEnd(options)
