@@ -44,6 +44,7 @@ import torch
 from lightning_zero.checkpoint.commit import IN_PLACE, commit_directory, save_outcome, unseen_files
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.handles import CommError
+from lightning_zero.comm.trace import span
 from lightning_zero.engine.engine import ShardEngine
 
 FORMAT_VERSION = 1
@@ -192,22 +193,24 @@ class StagedSave:
         host = socket.gethostname()
         status: Any
         try:
-            if self.before_write is not None:
-                self.before_write()
-            self.tmp.mkdir(parents=True, exist_ok=True)
-            status = (
-                [_write(self.payload, self.tmp / shard_name(self.rank, self.world_size))]
-                if self.writes_shard
-                else []
-            )
-            if comm.rank == 0:
-                status.append(_write(self.extra, self.tmp / EXTRA))
+            with span("checkpoint: write", comm.device):
+                if self.before_write is not None:
+                    self.before_write()
+                self.tmp.mkdir(parents=True, exist_ok=True)
+                status = (
+                    [_write(self.payload, self.tmp / shard_name(self.rank, self.world_size))]
+                    if self.writes_shard
+                    else []
+                )
+                if comm.rank == 0:
+                    status.append(_write(self.extra, self.tmp / EXTRA))
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             status = f"rank {comm.rank}: {type(err).__name__}: {err} (host {host})"
         peer_failure: CommError | None = None
         progress = {"sent": False, "committed": False}
         try:
-            errors = self._agree_and_commit(comm, host, status, progress)
+            with span("checkpoint: agree and commit", comm.device):
+                errors = self._agree_and_commit(comm, host, status, progress)
         except CommError as err:  # a peer died or hung: no commit without every rank's word
             errors, peer_failure = [str(err)], err
         if errors:

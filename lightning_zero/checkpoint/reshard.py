@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.checkpoint.format import AVERAGE, CheckpointError, shard_name, verify_files
+from lightning_zero.comm.trace import span
 from lightning_zero.engine.engine import ShardEngine
 
 _RELEASE_BYTES = 64 * 2**20
@@ -153,6 +154,13 @@ def load_sharded(
     ``average_apart``: restore the current weights and the average each as saved (default: when the
     engine keeps an average, i.e. a resumed fit); otherwise the weights are the saved average.
     """
+    with span("checkpoint: load", engine.world.device):
+        _load(engine, path, meta, with_optimizer, average_apart)
+
+
+def _load(
+    engine: ShardEngine, path: Path, meta: dict[str, Any], with_optimizer: bool, average_apart: bool | None
+) -> None:
     engine.wait_for_params()  # gathers left in flight would overwrite what is loaded here
     layout = _SavedLayout(meta)
     files = ShardFiles(path, layout.world_size)

@@ -31,6 +31,7 @@ from lightning_zero.comm.backends import Backend, SingleProcess, backend_for
 from lightning_zero.comm.handles import CommError, CommStats, EventDone, InCall, Named, process_watchdog
 from lightning_zero.comm.recorder import Recorder, recorder_for
 from lightning_zero.comm.signatures import SignatureCheck
+from lightning_zero.comm.trace import span
 from lightning_zero.comm.watchdog import Watchdog
 
 
@@ -166,8 +167,10 @@ class Comm:
             assert self._watchdog is not None
             where = f"{self._where()}: {what}"
             self._watchdog.watch(in_call, where, self._watch_timeout_s, self.backend.abort, self.device)
+        waiting = getattr(fn, "__name__", "") == "wait"
         try:
-            out = fn(*args)
+            with span(f"{self.role}: {what}{' (wait)' if waiting else ''}", self.device):
+                out = fn(*args)
         except CommError:
             raise
         except Exception as err:  # noqa: BLE001 - named and re-raised

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.trace import span
 from lightning_zero.config import ZeroConfig, master_dtype
 from lightning_zero.engine.codecs import InFlight, WireCodec, codec_for
 from lightning_zero.engine.wire_pool import WirePool, adoptable_params
@@ -249,7 +250,8 @@ class BucketGroup:
         state = self.states[bucket_index]
         accum, shard = self.buffer(bucket_index), self.grad_shards[bucket_index]
         first = self.round.rounds == 0
-        sent = state.codec.launch(self.comm, accum, shard, first, self._inspect, self._ranks)
+        with span(f"bucket {bucket_index}: launch", self.device):
+            sent = state.codec.launch(self.comm, accum, shard, first, self._inspect, self._ranks)
         sent.local_only = not self.round.syncing  # sharded accumulation in no_sync: across once, at the end
         if not sent.uses_accum:
             self._release(state)  # the wire copy is all that is needed from here on
@@ -327,7 +329,8 @@ class BucketGroup:
         assert state.sent is not None
         first = self.round.rounds == 0
         shard = self.grad_shards[bucket_index]
-        state.codec.collect(self.comm, state.sent, shard, first, self._inspect_reduced, self.replicas)
+        with span(f"bucket {bucket_index}: collect", self.device):
+            state.codec.collect(self.comm, state.sent, shard, first, self._inspect_reduced, self.replicas)
         self._release(state)
 
     # -- rounds and steps ----------------------------------------------------------------------------

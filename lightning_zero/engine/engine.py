@@ -43,6 +43,7 @@ import lightning_zero.comm.signatures as signatures
 import lightning_zero.engine.grad_math as grad_math
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups
+from lightning_zero.comm.trace import span
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.averaging import ShardAveraging
 from lightning_zero.engine.deferred_init import DeferredInit, materialize, stand_ins
@@ -349,11 +350,13 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         self.state.count_steps(used_mask)
         if self.units is not None:  # stage 3: the next forward gathers each unit from the shards
             for b in range(len(self.plan.buckets)):
-                self.state.update_bucket(b, self.param_groups, used_mask)
+                with span(f"bucket {b}: update", self.flat.device):
+                    self.state.update_bucket(b, self.param_groups, used_mask)
             self.reducer.reset()
             return
         for b in self.gather.order():  # each bucket's gather overlaps the next one's update
-            self.state.update_bucket(b, self.param_groups, used_mask)
+            with span(f"bucket {b}: update", self.flat.device):
+                self.state.update_bucket(b, self.param_groups, used_mask)
             self.gather.launch(b)
         self.gather.launched()
         self.reducer.reset()

@@ -92,6 +92,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.trace import span
 from lightning_zero.engine.backward_end import EndOfBackward
 from lightning_zero.engine.grad_outputs import grad_outputs
 from lightning_zero.engine.reducer import GradReducer
@@ -163,6 +164,10 @@ class UnitGather:
         enough. A unit gathered from int8 rows is gathered again, exactly, for any other request;
         ``strict`` (a backward, or a recomputation, that must see what its forward saw): a unit held
         exactly is gathered again from int8 rows too when ``quantized`` asks for them."""
+        with span(f"unit {self.units[unit].name}: gather", self.flat.device):
+            self._gather(unit, wait, quantized, strict)
+
+    def _gather(self, unit: int, wait: bool, quantized: bool, strict: bool) -> None:
         state = self.units[unit]
         quantized = quantized and self.quantized
         if self.gathered(unit) and state.quantized != quantized and (strict or state.quantized):
@@ -183,9 +188,10 @@ class UnitGather:
     def free(self, unit: int) -> None:
         """Release ``unit``'s full parameters (after its gathers in flight complete)."""
         state = self.units[unit]
-        complete(self.comm, self.flat, state)
-        for bucket in state.buckets:
-            self.flat.free(bucket)
+        with span(f"unit {state.name}: free", self.flat.device):
+            complete(self.comm, self.flat, state)
+            for bucket in state.buckets:
+                self.flat.free(bucket)
         state.quantized = False
         if unit == self._kept:
             self._kept = None
