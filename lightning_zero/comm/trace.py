@@ -18,12 +18,16 @@ import torch
 
 PREFIX = "lightning_zero"
 
+_NVTX = torch.cuda.is_available()
+"""NVTX exists only in a CUDA build with a device (a CPU build raises on its calls; tests that stand a
+CPU tensor in for a CUDA device must not reach them)."""
+
 
 @contextmanager
 def span(name: str, device: torch.device | None = None) -> Iterator[None]:
     """A range named ``f"{PREFIX} {name}"`` around the block: a ``record_function`` while a profiler
     records, and an NVTX range when ``device`` is a CUDA device."""
-    nvtx = device is not None and device.type == "cuda"
+    nvtx = _NVTX and device is not None and device.type == "cuda"
     if not (nvtx or torch._C._autograd._profiler_enabled()):
         yield
         return
