@@ -166,6 +166,13 @@ def _parity_one(device: str, stage: int, dtype: torch.dtype, **wires: Any) -> di
         "comm_wait_s": stats.wait_s,  # from CUDA events on cuda, a host timer on cpu
         "wait_timer": "cuda_events" if opt.engine.comm.time_device_waits else "host",
     }
+    with torch.profiler.profile() as prof:  # one more step: the named ranges (and NVTX on CUDA)
+        model(x.to(dtype)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    names = {e.name for e in prof.events() if e.name.startswith("lightning_zero")}
+    out["trace_ranges"] = len(names)
+    out["trace_has_buckets"] = any(n.startswith("lightning_zero bucket") for n in names)
     if stage == 3:
         out["placeholders_between_steps"] = placeholders  # every unit freed after the step
         out["param_mib"] = sum(p.numel() for p in reference.parameters()) * dtype.itemsize / 2**20

@@ -35,6 +35,7 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
     assert parity["zero3_float32"]["placeholders_between_steps"] is True, "stage 3 freed no unit"
     for row in parity.values():
         assert row["collectives"] > 0 and row["comm_wait_s"] > 0.0  # the wait timing is read back
+        assert row["trace_ranges"] > 0 and row["trace_has_buckets"], row  # named ranges in a trace
     assert parity["zero3_float32"]["collectives"] > parity["float32"]["collectives"], "unit gathers"
     # int8 wires: the forward on dequantized weights, so close to AdamW but not equal
     assert 0.0 < parity["zero3_int8"]["max_abs_diff_after_20_steps"] <= 1e-2, parity["zero3_int8"]
