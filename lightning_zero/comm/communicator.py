@@ -3,17 +3,14 @@
 Every collective the engine, the optimizer and the checkpoints make goes through a :class:`Comm`,
 which
 
-  * delegates how it runs to the backend chosen for the process group
-    (:func:`~lightning_zero.comm.backends.backend_for`: single process, torch's native collectives,
-    or gloo's split ones), so no caller branches on the world size or the backend;
-  * counts what this rank *sends* with the ring-algorithm cost the literature uses (reduce-scatter
-    and all-gather of ``P`` elements: ``P·(N−1)/N``; all-reduce: ``2·P·(N−1)/N``), in elements and
-    in bytes of the dtype on the wire, so the 2Ψ-versus-3Ψ claim is measured, not assumed, and a
-    16-bit wire (``reduce_dtype="bf16"``) shows as half the bytes;
+  * delegates how it runs to the backend chosen for the process group (:func:`backend_for`: single
+    process, torch's native collectives, or gloo's split ones): no caller branches on the backend;
+  * counts what this rank *sends* at the ring-algorithm cost (reduce-scatter and all-gather of ``P``
+    elements: ``P·(N−1)/N``; all-reduce: ``2·P·(N−1)/N``), in elements and in bytes on the wire;
   * times how long the caller blocks in :meth:`Comm.wait`: communication that backward did not hide;
-  * names what failed: a collective that ends in an error (a dead peer closes its connections; a
-    hung one makes the wait run into the process group's timeout) raises :class:`CommError` naming
-    the operation, its size and this rank, on every rank that waited for it.
+  * names what failed: a collective that ends in an error (a dead peer; a hung one runs into the
+    timeout) raises :class:`CommError` naming the operation, its size, this rank and the group's last
+    collectives (:class:`~lightning_zero.comm.handles.History`), on every rank that waited for it.
 """
 
 from __future__ import annotations
@@ -28,7 +25,15 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm.backends import Backend, SingleProcess, backend_for
-from lightning_zero.comm.handles import CommError, CommStats, EventDone, InCall, Named, process_watchdog
+from lightning_zero.comm.handles import (
+    CommError,
+    CommStats,
+    EventDone,
+    History,
+    InCall,
+    Named,
+    process_watchdog,
+)
 from lightning_zero.comm.recorder import Recorder, recorder_for
 from lightning_zero.comm.signatures import SignatureCheck
 from lightning_zero.comm.trace import span
@@ -41,8 +46,7 @@ class Comm:
     Args:
         group: the process group; ``None`` for the default one, or for no process group at all
             (then every collective is a local copy).
-        backend: how the collectives run; default: :func:`~lightning_zero.comm.backends.backend_for`
-            ``group``.
+        backend: how the collectives run; default: :func:`backend_for` ``(group)``.
         role: what the group is for (``"world"``, ``"shard"``, ``"replicas"``, ``"background"``), the
             name the collective-order recorder compares ranks by (:mod:`lightning_zero.comm.recorder`);
             default ``"world"`` for the default group, ``"group"`` for another.
@@ -71,6 +75,7 @@ class Comm:
             )
         )
         self._some_groups = 0  # depth of only_some_groups()
+        self._history = History(self.backend.device)
         self._signatures: SignatureCheck | None = None  # LZ_CHECK_COLLECTIVES: compared before each one
         self._watchdog: Watchdog | None = None
         self._watch_timeout_s = 0.0
@@ -101,7 +106,8 @@ class Comm:
     def _fail(self, what: str, err: BaseException) -> CommError:
         return CommError(
             f"{self._where()}: {what} failed ({type(err).__name__}: {err}); a peer "
-            "has died, hung past the process group's timeout, or lost its connection"
+            "has died, hung past the process group's timeout, or lost its connection; "
+            + self._history.describe()
         )
 
     @contextmanager
@@ -127,19 +133,22 @@ class Comm:
 
     def _watched(self, named: Named) -> Named:
         if self._watchdog is not None:
-            what = f"{self._where()}: {named.what}"
-            self._watchdog.watch(named, what, self._watch_timeout_s, self.backend.abort, self.device)
+            self._watch(named, named.what)
         return named
+
+    def _watch(self, pending: Any, what: str) -> None:
+        """Hand ``pending`` to the watchdog, its failure message naming this rank, ``what`` and the
+        group's last collectives."""
+        assert self._watchdog is not None
+        timeout_s, abort, where = self._watch_timeout_s, self.backend.abort, f"{self._where()}: {what}"
+        self._watchdog.watch(pending, where, timeout_s, abort, self.device, self._history.describe)
 
     def _watch_stream(self, what: str) -> None:
         """After a blocking collective on CUDA (enqueued, not finished): watch an event behind it."""
         if self._watchdog is not None and self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-            where = f"{self._where()}: {what}"
-            self._watchdog.watch(
-                EventDone(event), where, self._watch_timeout_s, self.backend.abort, self.device
-            )
+            self._watch(EventDone(event), what)
 
     def check_signatures(self, check: SignatureCheck) -> None:
         """Compare every collective this ``Comm`` issues in program order with every rank's before
@@ -153,6 +162,7 @@ class Comm:
         signature across ranks; in test mode log the collective (:mod:`lightning_zero.comm.recorder`)."""
         if self._watchdog is not None:
             self._watchdog.check()
+        self._history.note(what or op, numel)
         if self._signatures is not None and not self._some_groups:
             self._signatures.check(self.role, op, numel, dtype if dtype is not None else "object", what or op)
         if self._recorder is not None:
@@ -164,9 +174,7 @@ class Comm:
         event behind it afterwards), with a failure named."""
         in_call = InCall() if blocking and self._watchdog is not None and self.device.type == "cuda" else None
         if in_call is not None:
-            assert self._watchdog is not None
-            where = f"{self._where()}: {what}"
-            self._watchdog.watch(in_call, where, self._watch_timeout_s, self.backend.abort, self.device)
+            self._watch(in_call, what)
         waiting = getattr(fn, "__name__", "") == "wait"
         try:
             with span(f"{self.role}: {what}{' (wait)' if waiting else ''}", self.device):
@@ -295,9 +303,8 @@ class Comm:
             yield
 
     def read_here(self, tensor: Tensor) -> None:
-        """``tensor`` was made inside :meth:`after` (on CUDA: on the side stream) and is read on the
-        current stream from now on: on CUDA its memory is not handed out again before the current
-        stream's work on it is done (``record_stream``); nothing to do elsewhere."""
+        """``tensor``, made inside :meth:`after` (CUDA: on the side stream), is read on the current stream
+        from now on: its memory is not handed out before that stream's work on it (``record_stream``)."""
         if tensor.is_cuda:
             tensor.record_stream(torch.cuda.current_stream(tensor.device))
 
@@ -312,9 +319,8 @@ class Comm:
     def broadcast_tensors(self, tensors: list[Tensor], src: int = 0, bucket_bytes: int = 250 * 2**20) -> None:
         """Overwrite ``tensors`` with rank ``src``'s values (blocking, control traffic).
 
-        Tensors of one dtype travel together, in broadcasts of at most ``bucket_bytes`` (a tensor
-        larger than that alone), so the transient copy stays bounded (torch DDP's start-up sync uses
-        the same 250 MiB).
+        Tensors of one dtype travel together, in broadcasts of at most ``bucket_bytes`` (a larger tensor
+        alone), so the transient copy stays bounded (torch DDP's start-up sync uses 250 MiB too).
         """
         if self.world_size == 1 or not tensors:
             return

@@ -65,6 +65,8 @@ class _Watched:
     timeout_s: float
     deadline: float
     abort: Callable[[], None] | None
+    context: Callable[[], str] | None = None
+    """Read when it expires: what the failure message adds (its group's last collectives)."""
 
 
 class Watchdog:
@@ -98,15 +100,17 @@ class Watchdog:
         timeout_s: float,
         abort: Callable[[], None] | None = None,
         device: torch.device | None = None,
+        context: Callable[[], str] | None = None,
     ) -> None:
         """Register ``pending`` (anything with ``is_completed()``): it must complete within ``timeout_s``;
         ``abort`` (e.g. the process group's) is called if it does not. ``device``: the CUDA device the
         completion is queried on (the thread makes it current: a query from device 0 by default would
-        create a CUDA context there on every rank of a node)."""
+        create a CUDA context there on every rank of a node). ``context()``: text the failure message
+        ends with, read when it expires."""
         self.check()
         if device is not None and device.type == "cuda":
             self.device = device
-        watched = _Watched(pending, what, timeout_s, time.monotonic() + timeout_s, abort)
+        watched = _Watched(pending, what, timeout_s, time.monotonic() + timeout_s, abort, context)
         with self._lock:
             self._pending.append(watched)
             if self._thread is None or not self._thread.is_alive():
@@ -144,6 +148,7 @@ class Watchdog:
             f"{expired.what} did not complete within its process group's timeout of {expired.timeout_s:g} s "
             f"(found {time.monotonic() - expired.deadline:.1f} s past its deadline by the collective "
             "watchdog); a peer has died, hung, or lost its connection"
+            + ("" if expired.context is None else f"; {expired.context()}")
         )
         self.failure = self.error_type(message)
         base = self.error_type
