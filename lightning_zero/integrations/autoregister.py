@@ -1,4 +1,5 @@
-"""Register the ``zero`` strategies with Lightning when Lightning is imported, not before.
+"""Register the ``zero`` strategies with Lightning when Lightning is imported, not before (and keep
+torch's import-time capture of the world group away from the user's process group, see the end).
 
 ``import lightning_zero`` must make ``Trainer(strategy="zero")`` and ``Fabric(strategy="zero")`` work
 (the public contract), yet a user of the standalone :class:`~lightning_zero.ShardedAdamW` should not
@@ -12,6 +13,17 @@ registration runs right after Lightning's own package has finished importing:
   * otherwise a finder on ``sys.meta_path`` wraps the loader of that package, and the registration
     runs when the package's ``__init__`` has run to its end (the registry and everything our
     strategy imports then exist). The finder removes itself once every action has run.
+
+The same mechanism runs one thing after ``torch`` is imported: ``torch.distributed.nn``, whose
+functions take ``group=group.WORLD`` as a default argument, evaluated when that module is imported.
+Imported after ``init_process_group`` it holds the world group forever: ``destroy_process_group()``
+then cannot free it, gloo's worker threads outlive the user's script, and a worker still releasing
+a finished collective when the interpreter shuts down aborts the process after all its work is done
+("terminate called without an active exception", 2 of 30 runs of a 2-rank script here). Our engine's
+first use imports it (through ``torch._dynamo``, which ``torch.compiler.disable`` needs), and with
+the lazy package face that first use comes after the user's ``init_process_group``; importing it
+with torch (4 ms), before any group exists, keeps it from capturing one. Lightning imports it with
+itself, so only the standalone optimizer needed this.
 
 This module imports nothing of Lightning itself.
 """
@@ -40,9 +52,18 @@ def _import(module: str) -> Callable[[], None]:
     return run
 
 
+def _before_any_group() -> None:
+    """Import ``torch.distributed.nn`` while no process group exists (see the module docstring)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        importlib.import_module("torch.distributed.nn")
+
+
 ACTIONS: dict[str, Callable[[], None]] = {
     "lightning.pytorch": _import("lightning_zero.integrations.trainer.strategy"),
     "lightning.fabric": _import("lightning_zero.integrations.fabric.strategy"),
+    "torch": _before_any_group,
 }
 """Package -> what to run once it is imported."""
 
@@ -65,8 +86,8 @@ class _Loader(importlib.abc.Loader):
             self._action()
         except Exception as err:  # noqa: BLE001 - never break the user's `import lightning`
             warnings.warn(
-                f"lightning-zero could not register its strategies with {module.__name__}: "
-                f"{type(err).__name__}: {err}",
+                f"lightning-zero could not register its strategies with (or prepare after) "
+                f"{module.__name__}: {type(err).__name__}: {err}",
                 stacklevel=2,
             )
 

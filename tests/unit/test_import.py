@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 CHECK_REGISTERED = """
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
@@ -60,3 +62,29 @@ def test_the_strategy_modules_register_when_imported_first() -> None:
     the registration must still happen (at the module's end), not fail on the half-imported module."""
     _run("from lightning_zero import ZeroStrategy\n" + CHECK_REGISTERED)
     _run("from lightning_zero import ZeroFabricStrategy\n" + CHECK_REGISTERED)
+
+
+PROCESS_GROUP_FREED = """
+import sys, tempfile
+import torch.distributed as dist
+store = dist.FileStore(tempfile.mktemp(), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+group = dist.distributed_c10d._get_default_group()
+from lightning_zero import ShardedAdamW, ZeroConfig  # the engine's first import: after the group exists
+model = torch.nn.Linear(4, 2)
+opt = ShardedAdamW(model.parameters(), lr=0.1, config=ZeroConfig(stage=3), module=model)
+model(torch.ones(3, 4)).sum().backward()
+opt.step()
+dist.destroy_process_group()
+held = sys.getrefcount(group) - 2  # less this name and the call's argument
+assert held == 0, f"{held} references keep the destroyed world group (and gloo's threads) alive"
+"""
+
+
+@pytest.mark.parametrize("first", ["torch", "lightning_zero"])
+def test_a_destroyed_process_group_is_freed_when_the_engine_is_imported_after_it(first: str) -> None:
+    """torch.distributed.nn captures the world group in default arguments when imported after
+    init_process_group (our engine imports it, through torch._dynamo): the group then outlives
+    destroy_process_group and gloo's threads can abort the exit. Imported with torch, it cannot."""
+    order = ["torch", "lightning_zero"] if first == "torch" else ["lightning_zero", "torch"]
+    _run("".join(f"import {name}\n" for name in order) + PROCESS_GROUP_FREED)
