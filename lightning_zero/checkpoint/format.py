@@ -46,6 +46,7 @@ from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.handles import CommError
 from lightning_zero.comm.trace import span
 from lightning_zero.engine.engine import ShardEngine
+from lightning_zero.engine.tensor_parallel import TensorParallel
 
 FORMAT_VERSION = 1
 META = "meta.pt"
@@ -282,7 +283,11 @@ def stage_save(
 
     Returns:
         The staged save; its ``write`` must then be called on all ranks.
+
+    Raises:
+        NotImplementedError: tensor-parallel parameters (before anything is written).
     """
+    TensorParallel.refuse(engine.tensor, "a sharded checkpoint")
     engine.wait_for_params()  # parameter gathers left in flight write the buffers saved here
     comm, world, target = engine.comm, engine.world, Path(path)
     token = world.broadcast_object(uuid.uuid4().hex if world.rank == 0 else None, src=0)

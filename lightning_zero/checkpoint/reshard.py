@@ -27,6 +27,7 @@ from torch import Tensor
 from lightning_zero.checkpoint.format import AVERAGE, CheckpointError, shard_name, verify_files
 from lightning_zero.comm.trace import span
 from lightning_zero.engine.engine import ShardEngine
+from lightning_zero.engine.tensor_parallel import TensorParallel
 
 _RELEASE_BYTES = 64 * 2**20
 """A load unmaps the shard files after reading about this much (then maps them again as needed):
@@ -154,6 +155,7 @@ def load_sharded(
     ``average_apart``: restore the current weights and the average each as saved (default: when the
     engine keeps an average, i.e. a resumed fit); otherwise the weights are the saved average.
     """
+    TensorParallel.refuse(engine.tensor, "loading a sharded checkpoint")
     with span("checkpoint: load", engine.world.device):
         _load(engine, path, meta, with_optimizer, average_apart)
 

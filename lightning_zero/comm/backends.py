@@ -18,6 +18,7 @@ Asynchronous collectives return a handle with ``wait()`` (and ``is_completed()``
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Any
@@ -304,6 +305,15 @@ def backend_for(group: dist.ProcessGroup | None) -> Backend:
     if world_size == 1:
         return SingleProcess(group, rank, world_size, device)
     return _BY_NAME.get(name, Native)(group, rank, world_size, device)
+
+
+def before_any_group() -> None:
+    """Import ``torch.distributed.nn`` while no process group exists: its functions' default argument
+    ``group=group.WORLD`` is evaluated at its import and would hold the world group past
+    ``destroy_process_group()`` (:mod:`lightning_zero.integrations.autoregister` runs this right after
+    torch's import)."""
+    if dist.is_available() and not dist.is_initialized():
+        importlib.import_module("torch.distributed.nn")
 
 
 def end_process_group() -> None:

@@ -45,8 +45,10 @@ from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.trace import span
 from lightning_zero.config import ZeroConfig, master_dtype
 from lightning_zero.engine.codecs import InFlight, WireCodec, codec_for
+from lightning_zero.engine.tensor_parallel import TensorParallel
 from lightning_zero.engine.wire_pool import WirePool, adoptable_params
 from lightning_zero.layout.buckets import Bucket, BucketPlan
+from lightning_zero.layout.local import is_dtensor
 
 MAX_IN_FLIGHT = 2
 """Launched buckets that may wait uncollected at once (bounds stage 2's transient gradient memory)."""
@@ -103,6 +105,8 @@ class BucketGroup:
         device: where buffers and shards live.
         round: the reducer's :class:`RoundState`.
         inspect, inspect_reduced: the non-finite guard's checks of what is sent and of what arrives.
+        tensor: tensor parallelism's group (``DTensor`` parameters): partial gradients are summed over
+            it just before each bucket's launch.
     """
 
     def __init__(
@@ -114,8 +118,10 @@ class BucketGroup:
         device: torch.device,
         round: RoundState,  # noqa: A002 - the reducer's round, shared
         inspect: tuple[Callable[[Tensor], None] | None, Callable[[Tensor], None] | None] = (None, None),
+        tensor: TensorParallel | None = None,
     ) -> None:
         self.comm, self.replicas = comms
+        self.tensor = tensor
         self.config, self.round, self.device = config, round, device
         self._ranks = self.comm.world_size * self.replicas.world_size  # what a gradient is averaged over
         self._inspect, self._inspect_reduced = inspect
@@ -135,7 +141,8 @@ class BucketGroup:
         """The buckets launched in this round, in launch order (bucket order at stages 1 and 2)."""
         self._next_across = 0
         """Position in ``_launched`` of the first bucket whose all-reduce across is not issued."""
-        self._adoptable = adoptable_params(plan)
+        # a DTensor's gradient is not the buffer's layout: it is copied (tensor parallelism)
+        self._adoptable = {i for i in adoptable_params(plan) if not is_dtensor(params[i])}
         cap_bytes = max(config.bucket_cap_mb, config.first_bucket_cap_mb) * 2**20
         adopted_buckets = {self._where[i][0] for i in self._adoptable}
         keep = config.stage < 3  # stage 3 frees each buffer when its bucket is collected (wire_pool.py)
@@ -250,6 +257,8 @@ class BucketGroup:
         state = self.states[bucket_index]
         accum, shard = self.buffer(bucket_index), self.grad_shards[bucket_index]
         first = self.round.rounds == 0
+        if self.tensor is not None:
+            self.tensor.reduce_partial(state.bucket, accum)
         with span(f"bucket {bucket_index}: launch", self.device):
             sent = state.codec.launch(self.comm, accum, shard, first, self._inspect, self._ranks)
         sent.local_only = not self.round.syncing  # sharded accumulation in no_sync: across once, at the end

@@ -55,9 +55,11 @@ from lightning_zero.engine.plan_check import check_same_plan
 from lightning_zero.engine.reducer import GradReducer
 from lightning_zero.engine.replan import Parked, carry_state
 from lightning_zero.engine.shard_state import ShardState, UpdateRule
+from lightning_zero.engine.tensor_parallel import TensorParallel
 from lightning_zero.engine.unit_gather import UnitGather
 from lightning_zero.layout.buckets import BucketPlan, ParamSpec, plan_buckets
 from lightning_zero.layout.flat import FlatParams
+from lightning_zero.layout.local import local
 from lightning_zero.layout.units import find_units
 
 
@@ -137,10 +139,15 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
             raise ValueError("the optimizer has no parameter with requires_grad=True")
         deferred, self._deferred_init = self._deferred_init, None  # the first build only
         self._check_not_meta(order, deferred)
+        names = [self._names.get(p, f"param{i}") for i, p in enumerate(order)]
+        self.tensor = TensorParallel.of(order, names, self.world.backend.global_ranks())
+        """Tensor parallelism's group when parameters are ``DTensor``s (:mod:`.tensor_parallel`)."""
         specs = [
-            ParamSpec(self._names.get(p, f"param{i}"), tuple(p.shape), p.dtype) for i, p in enumerate(order)
+            ParamSpec(name, tuple(local(p).shape), p.dtype) for name, p in zip(names, order, strict=True)
         ]
         config = self.config
+        if self.tensor is not None:
+            self.tensor.check(config)
         layout = None
         if config.stage == 3:
             assert self.module is not None  # checked in __init__
@@ -175,7 +182,7 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
             if deferred is not None:
                 self.init_peak_elements = materialize(self.module, deferred, self.flat, layout)
             register_sharded(self.module, self)
-        self.reducer = GradReducer(order, self.plan, self.flat, self.groups, config, self.guard)
+        self.reducer = GradReducer(order, self.plan, self.flat, self.groups, config, self.guard, self.tensor)
         if self.units is not None:  # a unit's buckets launch once its backward is done
             self.units.reduce_with(self.reducer)
         self.state = ShardState(
@@ -280,12 +287,17 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the global gradient norm over all shards; returns the norm before clipping. All ranks."""
         self.finish_grad_sync()
-        return grad_math.clip_by_norm(self.comm, self.reducer.grad_shards, max_norm, norm_type)
+        shards = self.reducer.grad_shards
+        if self.tensor is None:
+            return grad_math.clip_by_norm(self.comm, shards, max_norm, norm_type)
+        counted = self.tensor.counted(self.plan, self.comm.rank, shards)
+        return grad_math.clip_by_norm(self.comm, shards, max_norm, norm_type, self.tensor.comm, counted)
 
     def unscale_(self, scale: float | Tensor) -> bool:
         """Divide the shard gradients by a loss scale; True on every rank if any rank has inf/NaN."""
         self.finish_grad_sync()
-        found_inf = grad_math.unscale(self.comm, self.reducer.grad_shards, scale)
+        tensor = None if self.tensor is None else self.tensor.comm
+        found_inf = grad_math.unscale(self.comm, self.reducer.grad_shards, scale, tensor)
         if found_inf:  # the loss scaler skips this step: error feedback's residuals of it go too
             self.reducer.forget_sent()
         else:
@@ -306,7 +318,8 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         if self._owned is None or self._owned[0] is not self.plan:  # once per plan (re-plans make a new one)
             self._owned = (self.plan, grad_math.owned_params(self.plan, self.comm.rank, self.comm.device))
         shards = self.reducer.grad_shards
-        norms = grad_math.param_norms(self.comm, self.plan, shards, norm_type, self._owned[1])
+        also = None if self.tensor is None else (self.tensor.comm, self.tensor.counted_mask(self.comm.device))
+        norms = grad_math.param_norms(self.comm, self.plan, shards, norm_type, self._owned[1], also)
         return self.params_in_order, norms, used
 
     # ---- the step ---------------------------------------------------------------------------

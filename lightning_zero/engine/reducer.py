@@ -80,6 +80,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.backward_end import EndOfBackward
 from lightning_zero.engine.bucket_group import BucketGroup, RoundState
 from lightning_zero.engine.nonfinite import NonFiniteGuard
+from lightning_zero.engine.tensor_parallel import TensorParallel
 from lightning_zero.engine.used_params import UsedParams
 from lightning_zero.layout.buckets import BucketPlan
 from lightning_zero.layout.flat import FlatParams
@@ -96,8 +97,11 @@ class GradReducer:
         comm: Comm | CommGroups,
         config: ZeroConfig,
         guard: NonFiniteGuard | None = None,
+        tensor: TensorParallel | None = None,
     ) -> None:
         self.params = list(params)
+        self.tensor = tensor
+        """Tensor parallelism's group (``DTensor`` parameters), else ``None``."""
         self.plan = plan
         self.flat = flat
         groups = CommGroups.of(comm)
@@ -110,7 +114,7 @@ class GradReducer:
         self._where = plan.locate()
         self.round = RoundState()
         self.group = BucketGroup(
-            self.params, plan, config, (self.comm, self.replicas), flat.device, self.round, inspect
+            self.params, plan, config, (self.comm, self.replicas), flat.device, self.round, inspect, tensor
         )
         self.grad_shards: list[Tensor] = self.group.grad_shards
         """``grad_shards[b]``: ``(padded_numel // world_size,)``, master dtype; valid after
@@ -212,7 +216,8 @@ class GradReducer:
         if self.group.launched(self._where[index][0]):  # already on the wire: this gradient opens a new round
             self._finish_round()
         assert param.grad is not None  # callers check
-        self.group.accumulate(index, param.grad, first=not self._has_data[index])
+        grad = param.grad if self.tensor is None else self.tensor.local_grad(index, param, param.grad)
+        self.group.accumulate(index, grad, first=not self._has_data[index])
         self._has_data[index] = True
         self._round_open = True
         param.grad = None

@@ -53,11 +53,8 @@ def _import(module: str) -> Callable[[], None]:
 
 
 def _before_any_group() -> None:
-    """Import ``torch.distributed.nn`` while no process group exists (see the module docstring)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and not dist.is_initialized():
-        importlib.import_module("torch.distributed.nn")
+    """Import what must come before a process group exists (see the module docstring)."""
+    importlib.import_module("lightning_zero.comm.backends").before_any_group()
 
 
 ACTIONS: dict[str, Callable[[], None]] = {

@@ -17,6 +17,10 @@ back (contents undefined until an all-gather fills it) and points the parameters
 again, the same storage object as before, so a tensor saved in forward sees the gathered values in
 backward.
 
+A tensor-parallel parameter (a ``DTensor``) is bound through its local shard
+(:func:`~lightning_zero.layout.local.local`): the plan holds local shapes, and the views,
+placeholders and ``.data`` assignments are the local tensor's.
+
 Anything that replaces a parameter's storage afterwards (``module.to(other_device)``,
 ``module.half()``) unbinds it; bind after the model has its final device and dtype.
 """
@@ -29,6 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.layout.buckets import Bucket, BucketPlan
+from lightning_zero.layout.local import local
 from lightning_zero.layout.partition import shard_range
 from lightning_zero.layout.placeholders import allow_writes, name_parameter, refuse_writes
 
@@ -75,15 +80,17 @@ class FlatParams:
                     )
                     self._nan.append(nan)
                     for j, slot in enumerate(bucket.slots):
-                        self._placeholders[slot.param_index] = nan[j].expand(params[slot.param_index].shape)
+                        shape = local(params[slot.param_index]).shape
+                        self._placeholders[slot.param_index] = nan[j].expand(shape)
                         name_parameter(params[slot.param_index], plan.params[slot.param_index].name)
                 flat = self.bucket(bucket)
                 for slot in bucket.slots:
                     param = params[slot.param_index]
                     allow_writes(param)  # a parameter another (stage 3) FlatParams left freed
-                    view = flat[slot.bucket_offset : slot.bucket_offset + slot.numel].view_as(param)
-                    view.copy_(param.detach())
-                    param.data = view  # the parameter's own storage is released here
+                    values = local(param)
+                    view = flat[slot.bucket_offset : slot.bucket_offset + slot.numel].view_as(values)
+                    view.copy_(values.detach())
+                    values.data = view  # the parameter's own storage is released here
                     self._views[slot.param_index] = view
                 if sharded:  # keep this rank's slice, free the rest at once: one bucket at a time
                     start, end = shard_range(bucket.padded_numel, plan.world_size, rank)
@@ -99,7 +106,8 @@ class FlatParams:
         ):
             if param is not ours:
                 return False
-            if param.data_ptr() != view.data_ptr() and not self._is_placeholder(param, placeholder):
+            values = local(param)
+            if values.data_ptr() != view.data_ptr() and not self._is_placeholder(values, placeholder):
                 return False
         return True
 
@@ -130,7 +138,7 @@ class FlatParams:
         self._nan[bucket.index].fill_(float("nan"))  # undoes a write that got past the refusal
         for slot in bucket.slots:
             param = self.params[slot.param_index]
-            param.data = self._placeholders[slot.param_index]
+            local(param).data = self._placeholders[slot.param_index]
             refuse_writes(param)
         self._gathered[bucket.index] = False
 
@@ -144,7 +152,7 @@ class FlatParams:
         for slot in bucket.slots:
             param = self.params[slot.param_index]
             allow_writes(param)
-            param.data = self._views[slot.param_index]
+            local(param).data = self._views[slot.param_index]
         self._gathered[bucket.index] = True
 
     @torch.no_grad()

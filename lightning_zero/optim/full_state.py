@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.engine.engine import ShardEngine
+from lightning_zero.engine.tensor_parallel import TensorParallel
 
 
 def _group_indices(engine: ShardEngine) -> dict[torch.nn.Parameter, int]:
@@ -34,6 +35,7 @@ def gather_full_state(engine: ShardEngine, dst: int = 0) -> dict[str, Any] | Non
 
     Under hybrid sharding ``dst`` must be a rank of the first replica group (``dst < G``): that group
     gathers its shards to ``dst``; the other groups, which hold the same, send nothing."""
+    TensorParallel.refuse(engine.tensor, "consolidate_state_dict")
     comm, plan, shards = engine.comm, engine.plan, engine.state
     if not 0 <= dst < comm.world_size:
         raise ValueError(
@@ -78,6 +80,7 @@ def gather_full_state(engine: ShardEngine, dst: int = 0) -> dict[str, Any] | Non
 @torch.no_grad()
 def scatter_full_state(engine: ShardEngine, full: dict[str, Any]) -> None:
     """Load a torch-format Adam/AdamW state dict into this rank's shards (no communication)."""
+    TensorParallel.refuse(engine.tensor, "load_state_dict")
     numbering = _group_indices(engine)
     saved_groups = full.get("param_groups", [])
     if len(saved_groups) != len(engine.param_groups):

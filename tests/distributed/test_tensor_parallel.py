@@ -1,0 +1,71 @@
+"""Tensor (and sequence) parallelism inside ZeRO: a model parallelized with torch's
+``parallelize_module`` over the ``tensor`` dimension of a ``(data, tensor)`` mesh, its ``DTensor``
+parameters sharded by ``ShardedAdamW`` over the ``data`` dimension, equals one unsplit copy trained by
+``torch.optim.AdamW`` on the whole global batch (float64, accumulation 2, clipping 0.5), at every stage
+(:mod:`lightning_zero.engine.tensor_parallel`). One launch of 4 ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.distributed.harness import ranks, run_ranks_each
+from tests.distributed.workers_tp import tp_parity, tp_refusals
+
+WORLD = 4
+CASES = {
+    "tp2xdp2-stage1": {"tensor": 2, "stage": 1, "accum": 2, "clip": 0.5},
+    "tp2xdp2-stage2": {"tensor": 2, "stage": 2, "accum": 2, "clip": 0.5},
+    "tp2xdp2-stage3": {"tensor": 2, "stage": 3, "accum": 2, "clip": 0.5},
+    "tp4xdp1-stage2": {"tensor": 4, "stage": 2, "accum": 2, "clip": 0.5},
+}
+SEQUENCE_PARALLEL_NORMS = ["norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[Any] | RuntimeError]:
+    calls = [(tp_parity, ([case],)) for case in CASES.values()] + [(tp_refusals, ())]
+    out = run_ranks_each(calls, WORLD)
+    return dict(zip([*CASES, "refusals"], out, strict=True))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_rank_equals_the_unsplit_model_in_float64(case: str, runs: dict) -> None:
+    for rank, (result,) in enumerate(ranks(runs, case)):
+        assert result["moved"] > 1e-2, "parameters barely moved: the test would be vacuous"
+        assert result["dtensors"] == 11, "the plan left parameters unsplit: not a tensor-parallel test"
+        assert max(result["max_diff"]) <= 1e-10, (rank, result["max_diff"])
+        for norm, unsplit in result["norms"]:  # the clipping norm counts a replicated weight once
+            assert norm == pytest.approx(unsplit, rel=1e-12, abs=0), (rank, result["norms"])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sequence_parallel_norms_get_partial_gradients_summed_over_the_tensor_group(
+    case: str, runs: dict
+) -> None:
+    """The norms' gradients arrive as ``Partial`` sums (the trap FSDP2 fixed in pytorch PR #136237);
+    the engine sums them over the tensor group, and counts what it sends there."""
+    for (result,) in ranks(runs, case):
+        assert result["partial"] == SEQUENCE_PARALLEL_NORMS
+        assert result["tensor_elements"] > 0
+
+
+def test_what_does_not_compose_yet_is_refused_by_name(runs: dict) -> None:
+    """Never a silent difference: the non-finite guard (its agreement is per data-parallel rank), the
+    checkpoint formats (they cannot tell the tensor-parallel slices apart), parameters that are not
+    on a 1-D tensor-parallel mesh and a tensor-parallel group overlapping the data-parallel one raise,
+    naming what to do."""
+    for messages in ranks(runs, "refusals"):
+        assert set(messages) == {
+            "skip_nonfinite_steps",
+            "consolidate_state_dict",
+            "load_state_dict",
+            "2-D parameters",
+            "overlapping groups",
+        }
+        assert "skip_nonfinite_steps=0" in messages["skip_nonfinite_steps"]
+        assert messages["consolidate_state_dict"].startswith("NotImplementedError: consolidate_state_dict")
+        assert messages["load_state_dict"].startswith("NotImplementedError: load_state_dict")
+        assert "mesh['tensor']" in messages["2-D parameters"]
+        assert "share ranks" in messages["overlapping groups"]

@@ -1,0 +1,182 @@
+"""Tensor parallelism on every rank (:func:`tests.distributed.harness.run_ranks`): a tiny sequence-
+parallel transformer block, parallelized with torch's ``parallelize_module`` over the ``tensor``
+dimension of a ``(data, tensor)`` mesh, trained by ``ShardedAdamW`` over the ``data`` dimension, against
+one unsplit copy trained by ``torch.optim.AdamW`` on the whole global batch in this process."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lightning_zero
+from lightning_zero import ShardedAdamW, ZeroConfig
+
+VOCAB, DIM, HIDDEN, SEQ, MICRO = 16, 8, 32, 8, 2
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter on this rank (a DTensor's gathered over its mesh), as a plain copy."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(param, DTensor):
+        return param.detach().clone()
+    whole = param.detach().redistribute(param.device_mesh, [Replicate()] * param.device_mesh.ndim)
+    return whole.to_local().clone()
+
+
+class SequenceBlock(nn.Module):
+    """Embedding, one residual MLP between two layer norms, an output layer: the layers a Megatron
+    plan splits (column/row parallel) and the norms sequence parallelism runs on sequence shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.norm1 = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+        self.norm2 = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+        with torch.no_grad():  # norms that are not the identity, so their gradients matter
+            for norm in (self.norm1, self.norm2):
+                norm.weight.normal_(1.0, 0.2)
+                norm.bias.normal_(0.0, 0.2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + self.down(torch.tanh(self.up(self.norm1(h))))
+        return self.head(self.norm2(h))
+
+
+def tensor_parallel_plan() -> dict[str, Any]:
+    """torchtitan's plan, shrunk: sequence-parallel norms, column/row-parallel MLP, replicated logits."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    return {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm1": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+        "norm2": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
+def _batch(step: int, micro: int, data_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + data_rank)
+    tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def tp_parity(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case: ``tensor`` ranks per group, ``stage``, ``accum``, ``clip``, ``steps``; returns the
+    largest difference to the unsplit run after every step, and what the tensor group did."""
+    return [_tp_case(rank, world_size, **case) for case in cases]
+
+
+def _tp_case(
+    rank: int, world_size: int, *, tensor: int, stage: int, accum: int, clip: float | None, steps: int = 3
+) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        data = world_size // tensor
+        mesh = init_device_mesh("cpu", (data, tensor), mesh_dim_names=("data", "tensor"))
+        data_rank = mesh["data"].get_local_rank()
+        torch.manual_seed(0)
+        reference = SequenceBlock()
+        model = parallelize_module(copy.deepcopy(reference), mesh["tensor"], tensor_parallel_plan())
+        config = ZeroConfig(stage=stage, bucket_cap_mb=0.0005)
+        opt = ShardedAdamW(
+            model.parameters(),
+            lr=0.05,
+            weight_decay=0.1,
+            config=config,
+            device_mesh=mesh["data"],
+            module=model,
+        )
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+        names = [n for n, _ in reference.named_parameters()]
+        initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        max_diff, norms = [], []
+        for step in range(steps):
+            for micro in range(accum):
+                tokens, targets = _batch(step, micro, data_rank)
+                if micro < accum - 1:
+                    with opt.no_sync():
+                        (_loss(model, tokens, targets) / accum).backward()
+                else:
+                    (_loss(model, tokens, targets) / accum).backward()
+                for d in range(data):  # the unsplit run: every data rank's micro-batch, averaged
+                    ref_tokens, ref_targets = _batch(step, micro, d)
+                    (_loss(reference, ref_tokens, ref_targets) / (accum * data)).backward()
+            if clip is not None:
+                norm = opt.clip_grad_norm_(clip)
+                ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+                norms.append((float(norm), float(ref_norm)))
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            with torch.no_grad(), lightning_zero.gathered(model) if stage == 3 else contextlib.nullcontext():
+                params = dict(model.named_parameters())
+                full = {n: _full(p) for n, p in params.items()}
+            ref = dict(reference.named_parameters())
+            max_diff.append(max(float((full[n] - ref[n].detach()).abs().max()) for n in names))
+        engine = opt.engine
+        assert engine.tensor is not None
+        return {
+            "max_diff": max_diff,
+            "norms": norms,
+            "moved": max(float((ref[n].detach() - initial[n]).abs().max()) for n in names),
+            "partial": [names[i] for i, p in enumerate(engine.tensor.partial) if p],
+            "tensor_elements": engine.tensor.comm.stats.elements_sent,
+            "dtensors": sum(isinstance(p, DTensor) for p in model.parameters()),
+        }
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def tp_refusals(rank: int, world_size: int) -> dict[str, str]:
+    """What does not compose with tensor parallelism yet is refused, each with its message."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("data", "tensor"))
+    messages = {}
+
+    def refused(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except (ValueError, NotImplementedError) as err:
+            messages[name] = f"{type(err).__name__}: {err}"
+
+    def build(**config: Any) -> tuple[nn.Module, ShardedAdamW]:
+        model = parallelize_module(SequenceBlock(), mesh["tensor"], tensor_parallel_plan())
+        opt = ShardedAdamW(model.parameters(), config=ZeroConfig(**config), device_mesh=mesh["data"])
+        return model, opt
+
+    refused("skip_nonfinite_steps", lambda: build(skip_nonfinite_steps=2))
+    model, opt = build()
+    refused("consolidate_state_dict", opt.consolidate_state_dict)
+    refused("load_state_dict", lambda: opt.load_state_dict({"state": {}, "param_groups": []}))
+    whole = parallelize_module(
+        SequenceBlock(), init_device_mesh("cpu", (world_size,)), tensor_parallel_plan()
+    )
+    refused("overlapping groups", lambda: ShardedAdamW(whole.parameters(), device_mesh=mesh["data"]))
+    two_d = nn.Parameter(distribute_tensor(torch.zeros(4, 4), mesh, [Replicate(), Shard(0)]))
+    refused("2-D parameters", lambda: ShardedAdamW([two_d], device_mesh=mesh["data"]))
+    return messages
