@@ -152,7 +152,7 @@ def make_strategy(name: str, args: argparse.Namespace) -> Any:
     if name.startswith("fsdp2"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        return ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+        return ModelParallelStrategy(args.devices, 1)  # data-parallel size, tensor-parallel size: FSDP2 alone
     if name.startswith("fsdp-"):
         from torch.distributed.fsdp import ShardingStrategy
 

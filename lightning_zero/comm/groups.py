@@ -191,23 +191,46 @@ def build_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | None =
         raise ValueError(f"a layout of {dims.world_size} ranks ({dims.layout}) over a world of {world}")
     if not dims.hybrid:
         return None
+    return _grid_mesh(dims.mesh(), MESH_DIMS, device_type, timeout)  # row r a shard group, column s a replica
+
+
+TENSOR_MESH_DIMS = ("data_parallel", "tensor_parallel")
+"""The dims of :func:`tensor_mesh`: Lightning ``ModelParallelStrategy``'s names, so that a user's
+``configure_model`` written for it finds ``self.device_mesh["tensor_parallel"]``."""
+
+
+def tensor_mesh(
+    tensor: int, device_type: str, timeout: timedelta | None = None, ranks_per_node: int | None = None
+) -> DeviceMesh:
+    """The ``(N / T, T)`` mesh :data:`TENSOR_MESH_DIMS` over the default process group, ``T = tensor``
+    consecutive ranks per tensor-parallel group (:meth:`ParallelDims.with_tensor`), its groups created
+    with ``timeout`` (:func:`build_mesh`). Call on all ranks.
+
+    Raises:
+        ValueError: ``tensor`` does not divide the world or the ranks of a node (named).
+    """
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    dims = ParallelDims.with_tensor(world, tensor, ranks_per_node)
+    return _grid_mesh(dims.tensor_grid(), TENSOR_MESH_DIMS, device_type, timeout)
+
+
+def _grid_mesh(
+    grid: list[list[int]], names: tuple[str, str], device_type: str, timeout: timedelta | None
+) -> DeviceMesh:
+    """A 2-D mesh of the global ranks in ``grid``: dim 1 along its rows, dim 0 along its columns; every
+    group created here, by every rank in one order (``dist.new_group`` is a collective of the world)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    grid = dims.mesh()  # (R, G): row r a shard group, column s a replica group
     rank = dist.get_rank()
-    mine = {
-        "shard": dims.shard_group(rank),
-        "replicate": dims.replica_group(rank),
-    }
-    groups: dict[str, ProcessGroup] = {}
-    # dist.new_group is a collective of the default group: every rank creates every group, same order
-    for name, members in (("shard", grid), ("replicate", [list(col) for col in zip(*grid, strict=True)])):
+    columns = [list(col) for col in zip(*grid, strict=True)]
+    mine: dict[int, ProcessGroup] = {}
+    for dim, members in ((1, grid), (0, columns)):
         for ranks in members:
             group = dist.new_group(ranks=ranks, timeout=timeout)
-            if ranks == mine[name]:
-                groups[name] = group
+            if rank in ranks:
+                mine[dim] = group
     return DeviceMesh.from_group(
-        [groups["replicate"], groups["shard"]], device_type, mesh=torch.tensor(grid), mesh_dim_names=MESH_DIMS
+        [mine[0], mine[1]], device_type, mesh=torch.tensor(grid), mesh_dim_names=names
     )
 
 

@@ -95,6 +95,7 @@ class ZeroArguments(TypedDict, total=False):
     broadcast_buffers: bool
     shard_group_size: int | str | None
     device_mesh: Any
+    tensor_parallel_size: int
     param_init_fn: Callable[[torch.nn.Module], None] | None
     accelerator: Any  # Lightning's own classes, the Trainer's or Fabric's
     parallel_devices: list[torch.device] | None

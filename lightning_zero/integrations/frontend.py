@@ -33,6 +33,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.checkpoint.reshard import load_sharded, preflight
 from lightning_zero.comm import Comm, hybrid_mesh
+from lightning_zero.comm.groups import TENSOR_MESH_DIMS, tensor_mesh
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ShardEngine
 from lightning_zero.engine.deferred_init import (
@@ -47,6 +48,7 @@ from lightning_zero.engine.deferred_init import (
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.options import ZeroOptions
 from lightning_zero.layout.buckets import fingerprint
+from lightning_zero.layout.local import local
 from lightning_zero.optim import ShardedAdamW
 from lightning_zero.optim.twin import make_twin, repoint_scheduler
 
@@ -91,12 +93,40 @@ class ZeroFrontEnd:
         """The sharded twin, once :meth:`shard` has run."""
         self._mesh: Any = options.device_mesh
         self._mesh_built = options.device_mesh is not None or options.shard_group_size is None
+        self.model_mesh: Any = None
+        """Tensor parallelism: the ``(data_parallel, tensor_parallel)`` mesh of :meth:`build_model_mesh`."""
         self._buffers_need_sync = True  # a fresh DDP wrapper's state
         self._construction_rng: RngState | None = None
 
     @property
     def engine(self) -> ShardEngine | None:
         return None if self.optimizer is None else self.optimizer.engine
+
+    def build_model_mesh(self, ranks_per_node: int, device_type: str, timeout: timedelta | None) -> Any:
+        """With ``tensor_parallel_size > 1``: the ``(data_parallel, tensor_parallel)`` mesh (dims
+        :data:`~lightning_zero.comm.groups.TENSOR_MESH_DIMS`, Lightning ``ModelParallelStrategy``'s),
+        built at the first call and kept; ``None`` otherwise. Call on all ranks, after the process
+        group exists.
+
+        Raises:
+            ValueError: ``tensor_parallel_size`` does not divide the world or a node's ranks (named).
+        """
+        tensor = self.options.tensor_parallel_size
+        if tensor > 1 and self.model_mesh is None:
+            self.model_mesh = tensor_mesh(tensor, device_type, timeout, ranks_per_node)
+        return self.model_mesh
+
+    def data_parallel(self) -> tuple[int, int] | None:
+        """``(ranks, this rank)`` of the data-parallel dimension under tensor parallelism (what the
+        sampler splits the data by), else ``None``."""
+        if self.model_mesh is None:
+            return None
+        data = self.model_mesh[TENSOR_MESH_DIMS[0]]
+        return data.size(), data.get_local_rank()
+
+    def data_comm(self) -> Comm:
+        """The communicator of the data-parallel ranks (the world without tensor parallelism)."""
+        return Comm() if self.model_mesh is None else Comm(self.model_mesh[TENSOR_MESH_DIMS[0]].get_group())
 
     def device_mesh(self, ranks_per_node: int, device_type: str, timeout: timedelta | None) -> Any:
         """The mesh the engine shards over (``None``: flat over the default group), built at the first
@@ -106,6 +136,8 @@ class ZeroFrontEnd:
         Raises:
             ValueError: a group size that does not divide the world size (named, with the valid ones).
         """
+        if self.model_mesh is not None:  # tensor parallelism: flat over the data-parallel dimension
+            return self.model_mesh[TENSOR_MESH_DIMS[0]]
         if not self._mesh_built:
             size = self.options.shard_group_size
             assert size is not None  # else the mesh counts as built (flat)
@@ -194,7 +226,9 @@ class ZeroFrontEnd:
         materialize(module, init)
 
     @staticmethod
-    def sync_module_states(module: torch.nn.Module, check_same: bool = False, broadcast: bool = True) -> None:
+    def sync_module_states(
+        module: torch.nn.Module, check_same: bool = False, broadcast: bool = True, comm: Comm | None = None
+    ) -> None:
         """Rank 0's parameters and buffers on every rank (in place), as DDP does at construction;
         names in ``module._ddp_params_and_buffers_to_ignore`` are left alone. Call on all ranks.
 
@@ -203,6 +237,8 @@ class ZeroFrontEnd:
                 so that different models are an error on every rank, not a broadcast that hangs.
 
             broadcast: ``False``: only the check (a model still on the meta device).
+            comm: the ranks to agree over (default the world; under tensor parallelism the data-parallel
+                ranks, :meth:`data_comm`: a ``DTensor``'s local slice is the same across them only).
 
         Raises:
             ValueError: with ``check_same``, on every rank, naming a tensor that differs.
@@ -212,9 +248,9 @@ class ZeroFrontEnd:
         sharded = set() if engine is None else {id(p) for p in engine.sharded_parameters()}
         tensors = itertools.chain(module.named_parameters(), module.named_buffers())
         named: list[tuple[str, torch.Tensor]] = [
-            (n, t) for n, t in tensors if n not in ignored and id(t) not in sharded
+            (n, local(t)) for n, t in tensors if n not in ignored and id(t) not in sharded
         ]
-        comm = Comm()
+        comm = comm if comm is not None else Comm()
         mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
         if check_same and not comm.same_everywhere([fingerprint(map(repr, mine))]):  # O(1) unless they differ
             layouts = comm.all_gather_object(mine)

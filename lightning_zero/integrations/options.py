@@ -52,6 +52,14 @@ class ZeroOptions:
     device_mesh: Any = None
     """Instead of ``shard_group_size``: a torch ``DeviceMesh`` over all ranks, built by the user after
     ``init_process_group``: 2-D ``(replicate, shard)`` as in FSDP2's hybrid sharding, or 1-D (flat)."""
+    tensor_parallel_size: int = 1
+    """Tensor (and sequence) parallelism inside a node: ``T`` consecutive ranks split each layer the way
+    the LightningModule's ``configure_model`` plans it (``parallelize_module(model,
+    self.device_mesh["tensor_parallel"], plan)``, as under Lightning's ``ModelParallelStrategy``), and
+    ZeRO shards over the ``N / T`` data-parallel ranks (``self.device_mesh["data_parallel"]``); the
+    ranks of a tensor-parallel group see the same batches. ``T`` must divide the world size and a node's
+    ranks (checked at setup). Trainer only, flat sharding only; not yet with ``skip_nonfinite_steps``,
+    this package's checkpoints or a model built on the meta device, each refused by name."""
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     """A model built on the meta device: ``param_init_fn(module)`` runs on each of its modules, children
     first, after every module's ``reset_parameters()``, as ``model.apply(param_init_fn)`` at the end of
@@ -79,6 +87,21 @@ class ZeroOptions:
                     f"pass shard_group_size={size!r} or a device_mesh, not both (the mesh's dim 1 is the "
                     "shard group)"
                 )
+        tensor = self.tensor_parallel_size
+        if not (isinstance(tensor, int) and not isinstance(tensor, bool) and tensor >= 1):
+            raise ValueError(
+                f"tensor_parallel_size must be a positive number of ranks dividing a node's, got {tensor!r}"
+            )
+        if tensor > 1 and self.config.skip_nonfinite_steps:
+            raise ValueError(
+                f"tensor_parallel_size={tensor} does not work with skip_nonfinite_steps yet (its agreement "
+                "is over the data-parallel ranks only): set skip_nonfinite_steps=0"
+            )
+        if tensor > 1 and (size is not None or self.device_mesh is not None):
+            raise ValueError(
+                f"tensor_parallel_size={tensor} works with flat sharding over the data-parallel ranks only "
+                "for now: leave shard_group_size and device_mesh unset"
+            )
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise ValueError(
                 "param_init_fn must be None or a function of one module (run on each module of a model "

@@ -10,6 +10,10 @@ dimensions, outermost first, and the global rank of a coordinate:
   ``rank = r * G + s``: a shard group is ``G`` consecutive ranks, one node when ranks are numbered
   node by node (SLURM's block distribution, torchrun). Flat sharding is ``R = 1``.
 
+With tensor parallelism (``tensor = T > 1``) a third dimension sits innermost: each data-parallel
+rank ``d`` above is a group of ``T`` consecutive ranks, ``rank = d * T + t`` (a node's ranks, over
+NVLink), whose data-parallel peers are the ranks of the same ``t``.
+
 Pure arithmetic: no process group, no torch (``lightning-zero estimate`` reads it). The process
 groups and the ``DeviceMesh`` of a layout are built from :meth:`ParallelDims.mesh` by
 :func:`lightning_zero.comm.groups.hybrid_mesh`.
@@ -38,11 +42,16 @@ class ParallelDims:
     """
 
     world_size: int
+    """The data-parallel ranks (all ranks when ``tensor`` is 1)."""
     shard: int
+    tensor: int = 1
+    """``T``: ranks per tensor-parallel group, innermost."""
 
     def __post_init__(self) -> None:
         if not _is_count(self.world_size):
             raise ValueError(f"world_size must be a positive number of ranks, got {self.world_size!r}")
+        if not _is_count(self.tensor):
+            raise ValueError(f"tensor_parallel_size must be a positive number of ranks, got {self.tensor!r}")
         if not _is_count(self.shard) or self.world_size % self.shard:
             divisors = [g for g in range(1, self.world_size + 1) if self.world_size % g == 0]
             raise ValueError(
@@ -104,6 +113,30 @@ class ParallelDims:
     def mesh(self) -> list[list[int]]:
         """The ``(R, G)`` grid of global ranks: row ``r`` is a shard group, column ``s`` a replica group."""
         return [list(range(r * self.shard, (r + 1) * self.shard)) for r in range(self.replicate)]
+
+    @classmethod
+    def with_tensor(cls, ranks: int, tensor: int, ranks_per_node: int | None = None) -> ParallelDims:
+        """``ranks`` in all, ``tensor`` per tensor-parallel group (innermost: inside a node), flat
+        sharding over the ``ranks / tensor`` data-parallel ranks.
+
+        Raises:
+            ValueError: ``tensor`` does not divide ``ranks``, or the ranks of a node (named, with the
+                sizes that would).
+        """
+        for what, count in (("the world's", ranks), ("a node's", ranks_per_node)):
+            if count is not None and (not _is_count(tensor) or count % tensor):
+                sizes = [t for t in range(1, count + 1) if count % t == 0]
+                raise ValueError(
+                    f"tensor_parallel_size={tensor!r} must divide {what} {count} ranks (a tensor-parallel "
+                    f"group lives inside one node): one of {sizes}"
+                )
+        data = ranks // tensor
+        return cls(data, data, tensor)
+
+    def tensor_grid(self) -> list[list[int]]:
+        """The ``(D, T)`` grid of global ranks: row ``d`` a tensor-parallel group, column ``t`` the
+        data-parallel ranks of tensor rank ``t``."""
+        return [list(range(d * self.tensor, (d + 1) * self.tensor)) for d in range(self.world_size)]
 
     def _check(self, rank: int) -> int:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:

@@ -29,6 +29,12 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return whole.to_local().clone()
 
 
+def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` whole, by name (collective over the meshes of its DTensors)."""
+    with torch.no_grad():
+        return {name: _full(p) for name, p in module.named_parameters()}
+
+
 class SequenceBlock(nn.Module):
     """Embedding, one residual MLP between two layer norms, an output layer: the layers a Megatron
     plan splits (column/row parallel) and the norms sequence parallelism runs on sequence shards."""

@@ -36,6 +36,7 @@ BAD = {
     "broadcast_buffers": None,
     "shard_group_size": 0,
     "device_mesh": "2x2",
+    "tensor_parallel_size": 0,
     "param_init_fn": "normal",
     # Lightning's DDPStrategy
     "accelerator": "cpu",
@@ -82,3 +83,29 @@ def test_a_timeout_that_is_not_positive_is_refused(index: int, timeout: timedelt
         cls(timeout=timeout)
     message = str(caught.value)
     assert repr(timeout) in message and "positive datetime.timedelta" in message, message
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (
+            {"tensor_parallel_size": 2, "shard_group_size": 2},
+            "flat sharding over the data-parallel ranks only",
+        ),
+        ({"tensor_parallel_size": 2, "skip_nonfinite_steps": 3}, "set skip_nonfinite_steps=0"),
+        ({"tensor_parallel_size": True}, "tensor_parallel_size must be a positive number"),
+    ],
+)
+def test_tensor_parallelism_refuses_what_it_does_not_compose_with_yet(arguments: dict, message: str) -> None:
+    from lightning_zero import ZeroStrategy
+
+    with pytest.raises(ValueError, match=message):
+        ZeroStrategy(**arguments)
+
+
+def test_the_fabric_strategy_refuses_tensor_parallelism_by_name() -> None:
+    from lightning_zero import ZeroFabricStrategy
+
+    ZeroFabricStrategy(tensor_parallel_size=1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: the Fabric strategy does not build"):
+        ZeroFabricStrategy(tensor_parallel_size=2)

@@ -58,3 +58,27 @@ def test_auto_needs_the_ranks_of_a_node_and_ranks_are_checked() -> None:
         ParallelDims(0, 1)
     with pytest.raises(ValueError, match="rank 4 is not one of the 4 ranks"):
         ParallelDims(4, 2).shard_group(4)
+
+
+def test_tensor_parallel_groups_are_consecutive_ranks_and_their_data_parallel_peers_the_columns() -> None:
+    dims = ParallelDims.with_tensor(8, 2, ranks_per_node=4)
+    assert (dims.world_size, dims.shard, dims.tensor) == (4, 4, 2)  # 4 data-parallel ranks, flat
+    grid = dims.tensor_grid()
+    assert grid == [[0, 1], [2, 3], [4, 5], [6, 7]]  # a tensor-parallel group inside a node
+    assert [list(col) for col in zip(*grid, strict=True)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert ParallelDims.with_tensor(4, 4).tensor_grid() == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "tensor", "per_node", "message"),
+    [
+        (8, 3, None, r"tensor_parallel_size=3 must divide the world's 8 ranks .*one of \[1, 2, 4, 8\]"),
+        (8, 8, 4, r"tensor_parallel_size=8 must divide a node's 4 ranks .*one of \[1, 2, 4\]"),
+        (8, 0, None, r"tensor_parallel_size=0 must divide the world's 8 ranks"),
+    ],
+)
+def test_a_tensor_parallel_size_that_does_not_divide_names_the_valid_ones(
+    ranks: int, tensor: int, per_node: int | None, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelDims.with_tensor(ranks, tensor, per_node)

@@ -77,7 +77,8 @@ class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
 
     Raises:
         TypeError: an argument it does not take (named, with the closest valid ones).
-        ValueError: an invalid setting (named), or ``log_comm_stats``/``async_checkpoint`` set.
+        ValueError: an invalid setting (named), or ``log_comm_stats``/``async_checkpoint`` set, or
+            ``tensor_parallel_size`` other than 1 (the Trainer strategy only, for now).
     """
 
     strategy_name = "zero"
@@ -90,6 +91,12 @@ class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
             "the Trainer strategy only: a Fabric loop has no end-of-fit hook to report a background "
             "save's failure, nor a logger of the strategy's own",
         )
+        if options.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={options.tensor_parallel_size}: the Fabric strategy does not build a "
+                "tensor-parallel mesh yet; use Trainer(strategy=ZeroStrategy(tensor_parallel_size=...)), or "
+                "parallelize the model yourself and give ShardedAdamW the data-parallel mesh"
+            )
         check_sharded_io(lightning["checkpoint_io"], options.sharded_checkpoint, "ZeroFabricStrategy")
         self._zero = ZeroFrontEnd(options)
         super().__init__(**lightning)

@@ -121,6 +121,16 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
         self._pending_load = None
 
     @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The data-parallel ranks split the data; under tensor parallelism the ranks of a tensor-parallel
+        group get the same batches."""
+        data = self._zero.data_parallel()
+        if data is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": data[0], "rank": data[1]}
+
+    @property
     def timeout(self) -> timedelta | None:
         """How long a collective may wait for a peer: the training process group's timeout, which
         every group the strategy creates uses too (the background checkpoint writer's)."""
@@ -131,6 +141,9 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
         let_errors_reach_python()  # before Lightning creates the process group (comm/watchdog.py)
         super().setup_environment()
         module = self.lightning_module
+        mesh = self._zero.build_model_mesh(self.num_processes, self.root_device.type, self._timeout)
+        if mesh is not None and module is not None:  # configure_model reads self.device_mesh, as under
+            module._device_mesh = mesh  # ModelParallelStrategy
         trainer = None if module is None else module._trainer
         if trainer is not None:  # before any callback's setup: WeightAveraging's deep copy never happens
             replace_weight_averaging(
@@ -152,6 +165,12 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
             self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True, as DDPStrategy does
         stage3 = self.zero_config.stage == 3
         deferred = self._zero.deferred_init(self.model, self.root_device)  # a model on the meta device
+        if deferred is not None and self._zero.model_mesh is not None:
+            raise ValueError(
+                "tensor_parallel_size > 1 needs the model built with values for now: not under "
+                "trainer.init_module(empty_init=True) (configure_model builds it on the device)"
+            )
+        data = self._zero.data_comm()
         self.precision_plugin.convert_module(self.model)
         if deferred is not None and not (fitting and stage3):
             ZeroFrontEnd.initialize_whole(self.model, deferred)
@@ -166,24 +185,29 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
         if fitting:
             self.setup_optimizers(trainer)
             if stage3:  # rank 0's full parameters, before each rank keeps only its shard of them
-                ZeroFrontEnd.sync_module_states(self.model, check_same=True, broadcast=deferred is None)
+                ZeroFrontEnd.sync_module_states(self.model, True, deferred is None, data)
             self._shard_optimizer(deferred)  # compares bucket plans first: a mismatch is an error, not a hang
             if deferred is not None:  # the rest of the module (e.g. a metric's state) to the device
                 self.model_to_device()  # the parameters and buffers are there: they stay as they are
             if not stage3 or deferred is not None:  # deferred: the buffers and frozen parameters
-                ZeroFrontEnd.sync_module_states(self.model)  # identical start on every rank, as DDP does
+                ZeroFrontEnd.sync_module_states(self.model, comm=data)  # identical start, as DDP does
             engine = self._zero.engine
             assert engine is not None and self.lightning_module is not None
             engine.refresh_master()
             self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
             install_callbacks(trainer, engine, self._zero.options.log_comm_stats)
         else:
-            ZeroFrontEnd.sync_module_states(self.model)
+            ZeroFrontEnd.sync_module_states(self.model, comm=data)
         self.setup_precision_plugin()
 
     def _check_checkpoint_targets(self, trainer: pl.Trainer) -> None:
         """Before any work: a checkpoint IO plugin or a URL that sharded saves could not honour."""
         sharded = self._zero.options.sharded_checkpoint
+        if self._zero.model_mesh is not None and trainer.checkpoint_callbacks:
+            raise ValueError(
+                "tensor_parallel_size > 1 cannot save this package's checkpoints yet (they would not tell "
+                "the tensor-parallel slices apart): pass Trainer(enable_checkpointing=False)"
+            )
         check_sharded_io(self.checkpoint_io, sharded, "ZeroStrategy")
         if sharded:
             for callback in trainer.checkpoint_callbacks:
@@ -222,7 +246,7 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Stage 3: what ``configure_model()`` builds lands on the meta device, initialized unit by unit
         at setup; below stage 3 it is built as under ``"ddp"``."""
-        if self.zero_config.stage != 3:
+        if self.zero_config.stage != 3 or self._zero.options.tensor_parallel_size > 1:
             with super().model_sharded_context():
                 yield
             return

@@ -1,0 +1,101 @@
+"""Trainer fits of a tensor-parallel LightningModule on 4 CPU ranks (tensor 2 x data 2), launched by
+``tests/distributed/test_tensor_parallel_trainer.py``: ``ZeroStrategy(tensor_parallel_size=2)`` at each
+stage, and Lightning's ``ModelParallelStrategy`` (FSDP2 over the data-parallel mesh) as the peer. The
+LightningModule's ``configure_model`` is the one a ``ModelParallelStrategy`` user writes; rank 0 saves
+every fit's full parameters."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_zero
+from tests.distributed.workers_tp import SEQ, VOCAB, SequenceBlock, full_parameters, tensor_parallel_plan
+
+SAMPLES, BATCH, STEPS, ACCUM, CLIP, LR = 32, 2, 3, 2, 0.5, 0.05
+
+
+def dataset() -> TensorDataset:
+    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:], torch.arange(SAMPLES))
+
+
+class TensorParallelModule(pl.LightningModule):
+    def __init__(self, fsdp: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = SequenceBlock()
+        self.fsdp = fsdp
+        self.seen: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(self.net, self.device_mesh["tensor_parallel"], tensor_parallel_plan())
+        if self.fsdp:  # ModelParallelStrategy leaves the data-parallel sharding to the user
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
+        tokens, targets, samples = batch
+        self.seen.append(samples.clone())  # which samples this rank trained on, in order
+        return F.cross_entropy(self.net(tokens).reshape(-1, VOCAB), targets.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+
+
+def fit(case: dict[str, Any]) -> dict[str, Any]:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    peer = case["strategy"] == "model_parallel"
+    if peer:
+        strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+    else:
+        strategy = lightning_zero.ZeroStrategy(stage=case["stage"], tensor_parallel_size=2)
+    module = TensorParallelModule(fsdp=peer)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=4,
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH, shuffle=False))
+    stage3 = not peer and case["stage"] == 3
+    with lightning_zero.gathered(module.net) if stage3 else contextlib.nullcontext():
+        params = full_parameters(module.net)
+    return {"params": params, "seen": torch.cat(module.seen)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", required=True)
+    args = parser.parse_args()
+    torch.set_default_dtype(torch.float64)
+    results = {case["name"]: fit(case) for case in json.loads(args.cases)}
+    seen = {name: r.pop("seen") for name, r in results.items()}
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    if dist.get_rank() == 0:
+        torch.save({"results": results, "seen": everyone}, args.out)
+
+
+if __name__ == "__main__":
+    main()
