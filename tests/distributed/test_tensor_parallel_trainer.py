@@ -25,6 +25,8 @@ CASES = [
     {"name": "zero1", "strategy": "zero", "stage": 1},
     {"name": "zero2", "strategy": "zero", "stage": 2},
     {"name": "zero3", "strategy": "zero", "stage": 3},
+    {"name": "checkpointing", "strategy": "zero", "stage": 2, "refuse": "checkpointing"},
+    {"name": "meta", "strategy": "zero", "stage": 1, "refuse": "meta"},
 ]
 DATA = 2  # data-parallel ranks: 4 ranks, tensor-parallel groups of 2
 
@@ -85,3 +87,11 @@ def test_the_ranks_of_a_tensor_parallel_group_see_the_same_batches(launched: dic
         seen = [rank[name] for rank in launched["seen"]]
         assert torch.equal(seen[0], seen[1]) and torch.equal(seen[2], seen[3]), name
         assert not torch.equal(seen[0], seen[2]), name
+
+
+def test_what_it_cannot_do_yet_is_refused_at_setup_on_every_rank(launched: dict) -> None:
+    """Lightning's default checkpointing (this package's formats would not tell the slices apart) and
+    a model built under init_module(empty_init=True) end the fit with an error naming the way out."""
+    results = launched["results"]
+    assert "pass Trainer(enable_checkpointing=False)" in results["checkpointing"]["error"]
+    assert "init_module(empty_init=True)" in results["meta"]["error"]
