@@ -146,8 +146,7 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
             ParamSpec(name, tuple(local(p).shape), p.dtype) for name, p in zip(names, order, strict=True)
         ]
         config = self.config
-        if self.tensor is not None:
-            self.tensor.check(config)
+        self.guard.also = None if self.tensor is None else self.tensor.comm
         layout = None
         if config.stage == 3:
             assert self.module is not None  # checked in __init__

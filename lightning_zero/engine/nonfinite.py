@@ -64,6 +64,9 @@ class NonFiniteGuard:
     def __init__(self, comm: Comm, limit: int) -> None:
         self.comm = comm
         self.limit = limit
+        self.also: Comm | None = None
+        """Tensor parallelism's group: the flags are agreed over it too (its ranks hold other slices
+        of the same gradients, and must skip or step together)."""
         self.skipped_steps = 0
         """Steps skipped since the engine was built."""
         self.consecutive = 0
@@ -111,6 +114,11 @@ class NonFiniteGuard:
                 flags[half * world_size + self.comm.rank] = bad
         return flags
 
+    def agree_also(self, flags: Tensor) -> None:
+        """Max-reduce ``flags`` (already agreed over the data-parallel ranks) over :attr:`also`."""
+        if self.also is not None:
+            self.also.wait(self.also.all_reduce(flags, op="max", control=True))
+
     def agreed(self, flags: Sequence[int]) -> None:
         """Take the all-reduced flags (e.g. from the used-parameter mask's all-reduce)."""
         world_size = self.comm.world_size
@@ -133,6 +141,7 @@ class NonFiniteGuard:
             flags = self.local_flags()
             if self.comm.world_size > 1:
                 self.comm.wait(self.comm.all_reduce(flags, op="max", control=True))
+            self.agree_also(flags)
             self.agreed(flags.tolist())  # the step's one host synchronisation
         assert self._agreed is not None
         return self._agreed

@@ -22,7 +22,9 @@ distributed optimizer shards over data-parallel ranks. What the tensor-parallel 
   * **Norms count every element once**: the norm for clipping sums the local shards over the
     data-parallel group, then over the tensor-parallel group, counting a parameter that is replicated
     across it on tensor-parallel rank 0 only (Megatron's ``param_is_not_tensor_parallel_duplicate``).
-    A loss-scale overflow check (``unscale_``) agrees over both groups.
+    A loss-scale overflow check (``unscale_``) and the non-finite guard's flags
+    (``skip_nonfinite_steps``) agree over both groups: one rank's non-finite slice skips the step on
+    every rank.
 
 Refused, with an error naming the parameter: ``DTensor`` parameters of more than one mesh or of a mesh
 of more than one dimension (data parallelism is the engine's, not the mesh's), and gradients whose
@@ -37,7 +39,6 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm.communicator import Comm
-from lightning_zero.config import ZeroConfig
 from lightning_zero.layout.buckets import Bucket, BucketPlan
 from lightning_zero.layout.local import is_dtensor
 
@@ -98,19 +99,6 @@ class TensorParallel:
     ) -> TensorParallel | None:
         """The group of ``params`` if any is a ``DTensor``, else ``None``."""
         return cls(params, names, data) if any(is_dtensor(p) for p in params) else None
-
-    def check(self, config: ZeroConfig) -> None:
-        """Refuse what does not compose with tensor parallelism yet.
-
-        Raises:
-            ValueError: ``skip_nonfinite_steps`` (its agreement is over the data-parallel ranks only).
-        """
-        if config.skip_nonfinite_steps:
-            raise ValueError(
-                f"skip_nonfinite_steps={config.skip_nonfinite_steps} does not work with tensor-parallel "
-                "(DTensor) parameters yet: its ranks would not agree across the tensor-parallel group; "
-                "set skip_nonfinite_steps=0"
-            )
 
     @staticmethod
     def refuse(engine_tensor: TensorParallel | None, what: str) -> None:

@@ -77,6 +77,8 @@ class UsedParams:
 
     def _read(self, used: Tensor, handle: object) -> None:
         self.world.wait(handle)
+        if self.guard is not None:
+            self.guard.agree_also(used)  # tensor parallelism: the flags (and the mask) over its group too
         values = used.tolist()  # the step's one host synchronisation
         if self.skip_unused:
             self.agreed = [bool(u) for u in values[: len(self.local)]]

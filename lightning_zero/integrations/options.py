@@ -58,8 +58,8 @@ class ZeroOptions:
     self.device_mesh["tensor_parallel"], plan)``, as under Lightning's ``ModelParallelStrategy``), and
     ZeRO shards over the ``N / T`` data-parallel ranks (``self.device_mesh["data_parallel"]``); the
     ranks of a tensor-parallel group see the same batches. ``T`` must divide the world size and a node's
-    ranks (checked at setup). Trainer only, flat sharding only; not yet with ``skip_nonfinite_steps``,
-    this package's checkpoints or a model built on the meta device, each refused by name."""
+    ranks (checked at setup). Trainer only, flat sharding only; not yet with this package's checkpoints
+    or a model built on the meta device, each refused by name."""
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     """A model built on the meta device: ``param_init_fn(module)`` runs on each of its modules, children
     first, after every module's ``reset_parameters()``, as ``model.apply(param_init_fn)`` at the end of
@@ -91,11 +91,6 @@ class ZeroOptions:
         if not (isinstance(tensor, int) and not isinstance(tensor, bool) and tensor >= 1):
             raise ValueError(
                 f"tensor_parallel_size must be a positive number of ranks dividing a node's, got {tensor!r}"
-            )
-        if tensor > 1 and self.config.skip_nonfinite_steps:
-            raise ValueError(
-                f"tensor_parallel_size={tensor} does not work with skip_nonfinite_steps yet (its agreement "
-                "is over the data-parallel ranks only): set skip_nonfinite_steps=0"
             )
         if tensor > 1 and (size is not None or self.device_mesh is not None):
             raise ValueError(

@@ -84,13 +84,26 @@ def _loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torc
 
 
 def tp_parity(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each case: ``tensor`` ranks per group, ``stage``, ``accum``, ``clip``, ``steps``; returns the
-    largest difference to the unsplit run after every step, and what the tensor group did."""
+    """Each case: ``tensor`` ranks per group, ``stage``, ``accum``, ``clip``, ``steps``, and optionally
+    ``nan_step`` (rank 1 alone gets a NaN gradient in one tensor-parallel slice at that step: every
+    rank must skip it, as the unsplit run does) with ``skip`` (``skip_nonfinite_steps``) and
+    ``unused`` (``find_unused_parameters``); returns the largest difference to the unsplit run after
+    every step, and what the tensor group did."""
     return [_tp_case(rank, world_size, **case) for case in cases]
 
 
 def _tp_case(
-    rank: int, world_size: int, *, tensor: int, stage: int, accum: int, clip: float | None, steps: int = 3
+    rank: int,
+    world_size: int,
+    *,
+    tensor: int,
+    stage: int,
+    accum: int,
+    clip: float | None,
+    steps: int = 3,
+    nan_step: int | None = None,
+    skip: int = 0,
+    unused: bool = False,
 ) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -104,7 +117,17 @@ def _tp_case(
         torch.manual_seed(0)
         reference = SequenceBlock()
         model = parallelize_module(copy.deepcopy(reference), mesh["tensor"], tensor_parallel_plan())
-        config = ZeroConfig(stage=stage, bucket_cap_mb=0.0005)
+        now = {"step": 0}
+        if nan_step is not None and rank == 1:  # before the optimizer's hook: its slice arrives NaN
+
+            def poison(param: torch.Tensor) -> None:
+                if now["step"] == nan_step:
+                    param.grad._local_tensor.fill_(float("nan"))  # type: ignore[union-attr]
+
+            model.up.weight.register_post_accumulate_grad_hook(poison)
+        config = ZeroConfig(
+            stage=stage, bucket_cap_mb=0.0005, skip_nonfinite_steps=skip, find_unused_parameters=unused
+        )
         opt = ShardedAdamW(
             model.parameters(),
             lr=0.05,
@@ -118,6 +141,7 @@ def _tp_case(
         initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
         max_diff, norms = [], []
         for step in range(steps):
+            now["step"] = step
             for micro in range(accum):
                 tokens, targets = _batch(step, micro, data_rank)
                 if micro < accum - 1:
@@ -130,11 +154,13 @@ def _tp_case(
                     (_loss(reference, ref_tokens, ref_targets) / (accum * data)).backward()
             if clip is not None:
                 norm = opt.clip_grad_norm_(clip)
-                ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
-                norms.append((float(norm), float(ref_norm)))
+                if step != nan_step:
+                    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+                    norms.append((float(norm), float(ref_norm)))
             opt.step()
             opt.zero_grad()
-            ref_opt.step()
+            if step != nan_step:  # the unsplit run skips the step the non-finite guard skips
+                ref_opt.step()
             ref_opt.zero_grad()
             with torch.no_grad(), lightning_zero.gathered(model) if stage == 3 else contextlib.nullcontext():
                 params = dict(model.named_parameters())
@@ -150,6 +176,7 @@ def _tp_case(
             "partial": [names[i] for i, p in enumerate(engine.tensor.partial) if p],
             "tensor_elements": engine.tensor.comm.stats.elements_sent,
             "dtensors": sum(isinstance(p, DTensor) for p in model.parameters()),
+            "skipped": opt.skipped_steps,
         }
     finally:
         torch.set_default_dtype(torch.float32)
@@ -175,7 +202,6 @@ def tp_refusals(rank: int, world_size: int) -> dict[str, str]:
         opt = ShardedAdamW(model.parameters(), config=ZeroConfig(**config), device_mesh=mesh["data"])
         return model, opt
 
-    refused("skip_nonfinite_steps", lambda: build(skip_nonfinite_steps=2))
     model, opt = build()
     refused("consolidate_state_dict", opt.consolidate_state_dict)
     refused("load_state_dict", lambda: opt.load_state_dict({"state": {}, "param_groups": []}))

@@ -92,7 +92,6 @@ def test_a_timeout_that_is_not_positive_is_refused(index: int, timeout: timedelt
             {"tensor_parallel_size": 2, "shard_group_size": 2},
             "flat sharding over the data-parallel ranks only",
         ),
-        ({"tensor_parallel_size": 2, "skip_nonfinite_steps": 3}, "set skip_nonfinite_steps=0"),
         ({"tensor_parallel_size": True}, "tensor_parallel_size must be a positive number"),
     ],
 )

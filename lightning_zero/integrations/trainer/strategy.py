@@ -141,9 +141,10 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
         let_errors_reach_python()  # before Lightning creates the process group (comm/watchdog.py)
         super().setup_environment()
         module = self.lightning_module
-        mesh = self._zero.build_model_mesh(self.num_processes, self.root_device.type, self._timeout)
-        if mesh is not None and module is not None:  # configure_model reads self.device_mesh, as under
-            module._device_mesh = mesh  # ModelParallelStrategy
+        if self._zero.options.tensor_parallel_size > 1:  # configure_model reads self.device_mesh, as
+            mesh = self._zero.build_model_mesh(self.num_processes, self.root_device.type, self._timeout)
+            if module is not None:  # under ModelParallelStrategy
+                module._device_mesh = mesh
         trainer = None if module is None else module._trainer
         if trainer is not None:  # before any callback's setup: WeightAveraging's deep copy never happens
             replace_weight_averaging(
