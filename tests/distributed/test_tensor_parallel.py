@@ -42,6 +42,7 @@ def test_every_rank_equals_the_unsplit_model_in_float64(case: str, runs: dict) -
         assert result["dtensors"] == 11, "the plan left parameters unsplit: not a tensor-parallel test"
         assert max(result["max_diff"]) <= 1e-10, (rank, result["max_diff"])
         assert result["skipped"] == (1 if "nan_step" in CASES[case] else 0)
+        assert result["param_norm_diff"] <= 1e-12  # per-parameter norms (lightning_zero.grad_norm)
         for norm, unsplit in result["norms"]:  # the clipping norm counts a replicated weight once
             assert norm == pytest.approx(unsplit, rel=1e-12, abs=0), (rank, result["norms"])
 

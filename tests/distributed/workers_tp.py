@@ -152,6 +152,10 @@ def _tp_case(
                 for d in range(data):  # the unsplit run: every data rank's micro-batch, averaged
                     ref_tokens, ref_targets = _batch(step, micro, d)
                     (_loss(reference, ref_tokens, ref_targets) / (accum * data)).backward()
+            if step == 0:  # lightning_zero.grad_norm's per-parameter norms, each element counted once
+                _, mine, _ = opt.engine.grad_norms(2.0)
+                unsplit = torch.stack([p.grad.norm() for p in reference.parameters()])  # type: ignore[union-attr]
+                param_norm_diff = float((mine - unsplit).abs().max())
             if clip is not None:
                 norm = opt.clip_grad_norm_(clip)
                 if step != nan_step:
@@ -177,6 +181,7 @@ def _tp_case(
             "tensor_elements": engine.tensor.comm.stats.elements_sent,
             "dtensors": sum(isinstance(p, DTensor) for p in model.parameters()),
             "skipped": opt.skipped_steps,
+            "param_norm_diff": param_norm_diff,
         }
     finally:
         torch.set_default_dtype(torch.float32)
