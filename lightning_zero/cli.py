@@ -22,7 +22,13 @@ from pathlib import Path
 from lightning_zero.config import ZeroConfig
 from lightning_zero.integrations.preflight_args import add_arguments as add_preflight_arguments
 from lightning_zero.layout.dims import ParallelDims
-from lightning_zero.layout.memory import POOL_SLOTS, PRECISION_ALIASES, PRECISION_BYTES, estimate_rows
+from lightning_zero.layout.memory import (
+    POOL_SLOTS,
+    PRECISION_ALIASES,
+    PRECISION_BYTES,
+    activation_bytes,
+    estimate_rows,
+)
 
 
 def verify(src: Path) -> int:
@@ -99,22 +105,39 @@ def estimate(
     stage: int | None = None,
     unit_params: float = 0.0,
     prefetch_units: int = ZeroConfig.prefetch_units,
+    activations: tuple[int, int, int, int] | None = None,
 ) -> None:
     """Print :func:`estimate_rows` (``stage``: that one only, beside ``ddp``) for the ranks of ``dims``:
-    under node-aware sharding the state is split over one shard group's ranks, not all."""
-    rows = estimate_rows(params, dims.shard, precision, bucket_cap_mb, unit_params, prefetch_units)
+    under node-aware sharding the state is split over one shard group's ranks, not all; under tensor
+    parallelism each rank holds ``1/T`` of every layer, sharded over the data-parallel ranks.
+    ``activations``: ``(seq_len, micro_batch, d_model, layers)``, printed per rank too."""
+    tensor = dims.tensor
+    rows = estimate_rows(
+        params / tensor, dims.shard, precision, bucket_cap_mb, unit_params / tensor, prefetch_units
+    )
     if stage is not None:
         rows = {name: value for name, value in rows.items() if name in ("ddp", f"zero{stage}")}
     layout = f" sharded in groups of {dims.shard} (replicated {dims.replicate}x)" if dims.hybrid else ""
+    if tensor > 1:
+        layout = f" (tensor {tensor} x data {dims.world_size}; ddp: data parallel over the {dims.world_size})"
     print(
-        f"{params / 1e9:.3g}B parameters, {dims.world_size} ranks{layout}, {precision}: model state per rank "
-        "(parameters, gradients, optimizer; no activations)"
+        f"{params / 1e9:.3g}B parameters, {dims.world_size * tensor} ranks{layout}, {precision}: model state "
+        "per rank (parameters, gradients, optimizer; no activations)"
     )
     for name, nbytes in rows.items():
         print(f"  {name:<6} {nbytes / 2**30:10.2f} GiB")
     print(f"  (zero rows include up to {POOL_SLOTS} x {bucket_cap_mb:g} MiB of gradient buckets in flight)")
     if "zero1" in rows:
         print("  (stage 1 sends 1.5x stage 2's bytes for the same memory)")
+    if activations is not None:
+        seq, batch, width, layers = activations
+        nbytes = activation_bytes(seq, batch, width, layers, tensor)
+        split = f", sequence parallel over {tensor}" if tensor > 1 else ""
+        print(
+            f"  activations {nbytes / 2**30:5.2f} GiB per micro-batch of {batch} x {seq} tokens "
+            f"({layers} layers x 34 bytes per token and width {width}{split}; 16-bit, flash attention, "
+            "no recomputation; embedding and logits on top)"
+        )
     if "zero3" in rows:
         units = (
             f"{1 + prefetch_units} gathered units of {unit_params / 1e6:.4g}M parameters and the gradient "
@@ -163,6 +186,20 @@ def _parser() -> argparse.ArgumentParser:
         "(the ranks of one node: --devices)",
     )
     p_est.add_argument("--devices", type=int, help="ranks per node, as the Trainer's devices")
+    p_est.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="T",
+        help="as the strategy's tensor_parallel_size: ranks per tensor-parallel group (inside a node)",
+    )
+    for flag, what in (
+        ("--seq-len", "tokens per sequence"),
+        ("--micro-batch", "sequences per micro-batch and data-parallel rank"),
+        ("--d-model", "the model's width"),
+        ("--layers", "transformer layers"),
+    ):
+        p_est.add_argument(flag, type=int, help=f"activations (all four or none): {what}")
     p_pre = sub.add_parser(
         "preflight", help="check a multi-node launch before training (run it like training)"
     )
@@ -181,6 +218,16 @@ def _layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Parall
             "with --devices (the Trainer's devices, e.g. 8)"
         )
     group = int(size) if size is not None and size.isdigit() else size
+    if args.tensor_parallel != 1:
+        if size is not None:
+            parser.error(
+                "--tensor-parallel works with flat sharding over the data-parallel ranks: "
+                "drop --shard-group-size"
+            )
+        try:
+            return ParallelDims.with_tensor(args.world_size, args.tensor_parallel, devices)
+        except ValueError as err:
+            parser.error(f"--tensor-parallel: {err}")
     try:
         return ParallelDims.of(args.world_size, group, devices)
     except ValueError as err:
@@ -209,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
             "--unit-params and --prefetch-units must be >= 0, "
             f"got {args.unit_params} and {args.prefetch_units}"
         )
+    shape = (args.seq_len, args.micro_batch, args.d_model, args.layers)
+    given = [v is not None for v in shape]
+    if any(given) and not all(given):
+        parser.error("activations need all four of --seq-len, --micro-batch, --d-model and --layers")
+    if all(given) and min(shape) < 1:
+        parser.error(f"--seq-len, --micro-batch, --d-model and --layers must be >= 1, got {shape}")
     estimate(
         args.params,
         dims,
@@ -217,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         args.stage,
         args.unit_params,
         args.prefetch_units,
+        shape if all(given) else None,  # type: ignore[arg-type]
     )
     return 0
 

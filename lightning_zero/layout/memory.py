@@ -116,6 +116,21 @@ def estimate_components(
     }
 
 
+ACTIVATION_BYTES_PER_TOKEN_AND_WIDTH = 34
+"""Bytes of activations a transformer layer saves for backward per token and unit of model width in
+16-bit training, with flash attention (no ``seq x seq`` scores kept) and no recomputation: ``34 s b h``
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2
+without its ``5 a s / h`` attention-score term). Tensor parallelism with sequence parallelism divides
+all of it by ``T`` (their eq. 5)."""
+
+
+def activation_bytes(seq_len: int, micro_batch: int, d_model: int, layers: int, tensor: int = 1) -> float:
+    """Activations per rank saved for backward by ``layers`` transformer layers for one micro-batch,
+    ``tensor`` ranks per tensor-parallel group with sequence parallelism
+    (:data:`ACTIVATION_BYTES_PER_TOKEN_AND_WIDTH`; the embedding and the logits come on top)."""
+    return layers * seq_len * micro_batch * d_model * ACTIVATION_BYTES_PER_TOKEN_AND_WIDTH / tensor
+
+
 def estimate_rows(
     params: float,
     n: int,

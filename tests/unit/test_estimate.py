@@ -16,6 +16,7 @@ from lightning_zero.layout.memory import (
     POOL_SLOTS,
     PRECISION_ALIASES,
     PRECISION_BYTES,
+    activation_bytes,
     estimate_rows,
     full_precision,
 )
@@ -88,3 +89,44 @@ def test_shard_group_size_auto_is_the_ranks_of_one_node(capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         main([*ESTIMATE, "--shard-group-size", "many"])
     assert "shard_group_size='many' must divide the 32 data-parallel ranks" in capsys.readouterr().err
+
+
+def test_tensor_parallelism_splits_every_layer_and_the_activations(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """70B on 8 x 8 ranks: under T = 8 each rank holds 1/8 of every layer sharded over the 8 data-
+    parallel ranks (ZeRO's fully sharded state is 1/64 either way); sequence parallelism divides the
+    activations by T."""
+    shape = ["--seq-len", "4096", "--micro-batch", "1", "--d-model", "8192", "--layers", "80"]
+    base = ["estimate", "--params", "69e9", "--world-size", "64", "--devices", "8", *shape]
+    assert main([*base, "--tensor-parallel", "8"]) == 0
+    split = capsys.readouterr().out
+    assert main(base) == 0
+    whole = capsys.readouterr().out
+    assert "64 ranks (tensor 8 x data 8; ddp: data parallel over the 8)" in split
+    rows = [
+        dict(
+            line.split()[:2]
+            for line in out.splitlines()
+            if line.startswith("  zero") or line.startswith("  ddp")
+        )
+        for out in (split, whole)
+    ]
+    assert rows[0]["zero3"] == rows[1]["zero3"]  # 16 Psi / 64 per rank either way
+    assert float(rows[0]["ddp"]) == pytest.approx(float(rows[1]["ddp"]) / 8, rel=1e-3)
+    assert activation_bytes(4096, 1, 8192, 80) == 80 * 4096 * 8192 * 34  # 85 GiB
+    assert "activations 85.00 GiB" in whole and "activations 10.62 GiB" in split
+
+
+def test_tensor_parallel_sizes_and_activation_arguments_are_checked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for extra, message in (
+        (["--tensor-parallel", "3"], "tensor_parallel_size=3 must divide the world's 32 ranks"),
+        (["--tensor-parallel", "8", "--devices", "4"], "tensor_parallel_size=8 must divide a node's 4 ranks"),
+        (["--tensor-parallel", "2", "--shard-group-size", "8"], "drop --shard-group-size"),
+        (["--seq-len", "4096"], "activations need all four of --seq-len"),
+    ):
+        with pytest.raises(SystemExit):
+            main([*ESTIMATE, *extra])
+        assert message in capsys.readouterr().err, extra
