@@ -24,6 +24,11 @@ CASES = {
     # the tensor group too), through the guard's own all-reduce and riding on the used-parameter mask
     "tp2xdp2-stage2-nan": {"tensor": 2, "stage": 2, "accum": 2, "clip": 0.5, **NAN},
     "tp2xdp2-stage3-nan-unused": {"tensor": 2, "stage": 3, "accum": 2, "clip": None, "unused": True, **NAN},
+    # reduce-scatters every micro-batch (the partial sums too), and a weight average on the shards
+    "tp2xdp2-stage2-sharded-accumulation-ema": {
+        **{"tensor": 2, "stage": 2, "accum": 3, "clip": 0.5, "sharded_accumulation": True, "ema": True}
+    },
+    "tp2xdp2-stage3-ema": {"tensor": 2, "stage": 3, "accum": 1, "clip": None, "ema": True},
 }
 SEQUENCE_PARALLEL_NORMS = ["norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"]
 
@@ -43,6 +48,8 @@ def test_every_rank_equals_the_unsplit_model_in_float64(case: str, runs: dict) -
         assert max(result["max_diff"]) <= 1e-10, (rank, result["max_diff"])
         assert result["skipped"] == (1 if "nan_step" in CASES[case] else 0)
         assert result["param_norm_diff"] <= 1e-12  # per-parameter norms (lightning_zero.grad_norm)
+        if CASES[case].get("ema"):  # the weight average on the shards equals AveragedModel's
+            assert result["average_diff"] <= 1e-10, (rank, result["average_diff"])
         for norm, unsplit in result["norms"]:  # the clipping norm counts a replicated weight once
             assert norm == pytest.approx(unsplit, rel=1e-12, abs=0), (rank, result["norms"])
 

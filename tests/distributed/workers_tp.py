@@ -104,6 +104,8 @@ def _tp_case(
     nan_step: int | None = None,
     skip: int = 0,
     unused: bool = False,
+    sharded_accumulation: bool | None = None,
+    ema: bool = False,
 ) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -126,7 +128,11 @@ def _tp_case(
 
             model.up.weight.register_post_accumulate_grad_hook(poison)
         config = ZeroConfig(
-            stage=stage, bucket_cap_mb=0.0005, skip_nonfinite_steps=skip, find_unused_parameters=unused
+            stage=stage,
+            bucket_cap_mb=0.0005,
+            skip_nonfinite_steps=skip,
+            find_unused_parameters=unused,
+            sharded_accumulation=sharded_accumulation,
         )
         opt = ShardedAdamW(
             model.parameters(),
@@ -137,6 +143,10 @@ def _tp_case(
             module=model,
         )
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+        ema_fn = torch.optim.swa_utils.get_ema_multi_avg_fn(0.8)
+        if ema:  # the average kept on the shards against AveragedModel of the unsplit model
+            opt.keep_weight_average()
+            averaged = torch.optim.swa_utils.AveragedModel(reference, multi_avg_fn=ema_fn)
         names = [n for n, _ in reference.named_parameters()]
         initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
         max_diff, norms = [], []
@@ -166,6 +176,9 @@ def _tp_case(
             if step != nan_step:  # the unsplit run skips the step the non-finite guard skips
                 ref_opt.step()
             ref_opt.zero_grad()
+            if ema:
+                opt.update_weight_average(multi_avg_fn=ema_fn)
+                averaged.update_parameters(reference)
             with torch.no_grad(), lightning_zero.gathered(model) if stage == 3 else contextlib.nullcontext():
                 params = dict(model.named_parameters())
                 full = {n: _full(p) for n, p in params.items()}
@@ -173,7 +186,15 @@ def _tp_case(
             max_diff.append(max(float((full[n] - ref[n].detach()).abs().max()) for n in names))
         engine = opt.engine
         assert engine.tensor is not None
+        average_diff = None
+        if ema:
+            opt.swap_weight_average()  # the parameters are the average now
+            with torch.no_grad(), lightning_zero.gathered(model) if stage == 3 else contextlib.nullcontext():
+                mine = full_parameters(model)
+            theirs = dict(averaged.module.named_parameters())
+            average_diff = max(float((mine[n] - theirs[n].detach()).abs().max()) for n in names)
         return {
+            "average_diff": average_diff,
             "max_diff": max_diff,
             "norms": norms,
             "moved": max(float((ref[n].detach() - initial[n]).abs().max()) for n in names),
