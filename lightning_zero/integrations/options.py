@@ -58,8 +58,9 @@ class ZeroOptions:
     self.device_mesh["tensor_parallel"], plan)``, as under Lightning's ``ModelParallelStrategy``), and
     ZeRO shards over the ``N / T`` data-parallel ranks (``self.device_mesh["data_parallel"]``); the
     ranks of a tensor-parallel group see the same batches. ``T`` must divide the world size and a node's
-    ranks (checked at setup). Trainer only, flat sharding only; not yet with this package's checkpoints
-    or a model built on the meta device, each refused by name."""
+    ranks (checked at setup). Fabric: parallelize the model over ``strategy.device_mesh["tensor_parallel"]``
+    after ``fabric.launch()``, before ``fabric.setup``. Flat sharding only; not yet with this package's
+    checkpoints or a model built on the meta device, each refused by name."""
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     """A model built on the meta device: ``param_init_fn(module)`` runs on each of its modules, children
     first, after every module's ``reset_parameters()``, as ``model.apply(param_init_fn)`` at the end of

@@ -76,11 +76,43 @@ def refused(case: dict[str, Any]) -> dict[str, Any]:
     return {"error": None}
 
 
+def fabric_loop(case: dict[str, Any]) -> dict[str, Any]:
+    """The same training as a Fabric loop: the model parallelized over the strategy's mesh after
+    launch, accumulation under ``no_backward_sync``, ``fabric.clip_gradients``."""
+    from lightning.fabric import Fabric
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    strategy = lightning_zero.ZeroFabricStrategy(stage=case["stage"], tensor_parallel_size=2)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=4)
+    fabric.launch()
+    torch.manual_seed(0)
+    net = parallelize_module(SequenceBlock(), strategy.device_mesh["tensor_parallel"], tensor_parallel_plan())
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
+    model, opt = fabric.setup(net, opt)
+    loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=False))
+    seen, batches = [], iter(loader)
+    for _ in range(STEPS):
+        for micro in range(ACCUM):
+            tokens, targets, samples = next(batches)
+            seen.append(samples.clone())
+            with fabric.no_backward_sync(model, enabled=micro < ACCUM - 1):
+                loss = F.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
+                fabric.backward(loss / ACCUM)
+        fabric.clip_gradients(model, opt, max_norm=CLIP)
+        opt.step()
+        opt.zero_grad()
+    with lightning_zero.gathered(net) if case["stage"] == 3 else contextlib.nullcontext():
+        params = full_parameters(net)
+    return {"params": params, "seen": torch.cat(seen)}
+
+
 def fit(case: dict[str, Any]) -> dict[str, Any]:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     if "refuse" in case:
         return refused(case)
+    if case["strategy"] == "fabric":
+        return fabric_loop(case)
     peer = case["strategy"] == "model_parallel"
     if peer:
         strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)

@@ -100,11 +100,3 @@ def test_tensor_parallelism_refuses_what_it_does_not_compose_with_yet(arguments:
 
     with pytest.raises(ValueError, match=message):
         ZeroStrategy(**arguments)
-
-
-def test_the_fabric_strategy_refuses_tensor_parallelism_by_name() -> None:
-    from lightning_zero import ZeroFabricStrategy
-
-    ZeroFabricStrategy(tensor_parallel_size=1)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: the Fabric strategy does not build"):
-        ZeroFabricStrategy(tensor_parallel_size=2)

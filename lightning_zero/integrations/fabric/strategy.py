@@ -77,8 +77,7 @@ class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
 
     Raises:
         TypeError: an argument it does not take (named, with the closest valid ones).
-        ValueError: an invalid setting (named), or ``log_comm_stats``/``async_checkpoint`` set, or
-            ``tensor_parallel_size`` other than 1 (the Trainer strategy only, for now).
+        ValueError: an invalid setting (named), or ``log_comm_stats``/``async_checkpoint`` set.
     """
 
     strategy_name = "zero"
@@ -91,12 +90,6 @@ class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
             "the Trainer strategy only: a Fabric loop has no end-of-fit hook to report a background "
             "save's failure, nor a logger of the strategy's own",
         )
-        if options.tensor_parallel_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size={options.tensor_parallel_size}: the Fabric strategy does not build a "
-                "tensor-parallel mesh yet; use Trainer(strategy=ZeroStrategy(tensor_parallel_size=...)), or "
-                "parallelize the model yourself and give ShardedAdamW the data-parallel mesh"
-            )
         check_sharded_io(lightning["checkpoint_io"], options.sharded_checkpoint, "ZeroFabricStrategy")
         self._zero = ZeroFrontEnd(options)
         super().__init__(**lightning)
@@ -113,6 +106,25 @@ class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
     def setup_environment(self) -> None:
         let_errors_reach_python()  # before Lightning creates the process group (comm/watchdog.py)
         super().setup_environment()
+        if self._zero.options.tensor_parallel_size > 1:
+            self._zero.build_model_mesh(self.num_processes, self.root_device.type, self._timeout)
+
+    @property
+    def device_mesh(self) -> Any:
+        """With ``tensor_parallel_size > 1``: the ``(data_parallel, tensor_parallel)`` mesh, after
+        ``fabric.launch()``; parallelize the model over ``device_mesh["tensor_parallel"]`` before
+        ``fabric.setup`` (as Fabric's ``ModelParallelStrategy``'s ``parallelize_fn`` does). ``None``
+        otherwise."""
+        return self._zero.model_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The data-parallel ranks split the data; the ranks of a tensor-parallel group get the same."""
+        data = self._zero.data_parallel()
+        if data is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": data[0], "rank": data[1]}
 
     @override
     def setup_module_and_optimizers(
@@ -132,18 +144,24 @@ class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
         deferred = self._zero.deferred_init(
             module, self.root_device
         )  # built under init_module(empty_init=True)
+        data = self._zero.data_comm()
+        if deferred is not None and self._zero.model_mesh is not None:
+            raise ValueError(
+                "tensor_parallel_size > 1 needs the model built with values for now: not under "
+                "fabric.init_module(empty_init=True)"
+            )
         if deferred is not None and not stage3:
             ZeroFrontEnd.initialize_whole(module, deferred)
             super().module_to_device(module)  # Fabric skipped moving the meta model
             deferred = None
         # stage 3: every rank must hold the same model before it keeps only its shard of rank 0's
-        ZeroFrontEnd.sync_module_states(module, check_same=stage3, broadcast=deferred is None)
+        ZeroFrontEnd.sync_module_states(module, stage3, deferred is None, data)
         mesh = self._zero.device_mesh(self.num_processes, self.root_device.type, self._timeout)
         schedulers = [] if scheduler is None else [scheduler]
         sharded = self._zero.shard(optimizers[0], module, schedulers, mesh, deferred)
         if deferred is not None:  # initialized unit by unit: the buffers and frozen parameters, rank 0's
             super().module_to_device(module)  # the rest (a metric): Fabric skipped moving the meta model
-            ZeroFrontEnd.sync_module_states(module)
+            ZeroFrontEnd.sync_module_states(module, comm=data)
         self._module = module
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward),
@@ -168,7 +186,7 @@ class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
         if deferred is not None:
             ZeroFrontEnd.initialize_whole(module, deferred)
             super().module_to_device(module)  # Fabric skipped moving the meta model
-        ZeroFrontEnd.sync_module_states(module)
+        ZeroFrontEnd.sync_module_states(module, comm=self._zero.data_comm())
         return module
 
     @override
