@@ -7,7 +7,7 @@ timing); how a collective runs on the process group's backend is chosen in one p
 
 from lightning_zero.comm.backends import end_process_group
 from lightning_zero.comm.communicator import Comm
-from lightning_zero.comm.groups import CommGroups, build_mesh, hybrid_mesh
+from lightning_zero.comm.groups import CommGroups, build_mesh, hybrid_mesh, tensor_groups, tensor_mesh
 from lightning_zero.comm.handles import CommError, CommStats, collective_failures
 
 __all__ = [
@@ -19,4 +19,6 @@ __all__ = [
     "collective_failures",
     "end_process_group",
     "hybrid_mesh",
+    "tensor_groups",
+    "tensor_mesh",
 ]

@@ -214,6 +214,45 @@ def tensor_mesh(
     return _grid_mesh(dims.tensor_grid(), TENSOR_MESH_DIMS, device_type, timeout)
 
 
+def tensor_groups(
+    dims: ParallelDims, device_type: str, timeout: timedelta | None = None
+) -> tuple[CommGroups, DeviceMesh]:
+    """Node-aware sharding beside tensor parallelism: this rank's :class:`CommGroups` (its shard group,
+    its replicas and all data-parallel ranks of its tensor rank) and its ``(data_parallel,
+    tensor_parallel)`` mesh (:func:`tensor_mesh`), over the default process group laid out as ``dims``
+    (:meth:`ParallelDims.with_tensor`). Every group is created here, by every rank in one order, with
+    ``timeout``. Call on all ranks.
+
+    Raises:
+        ValueError: ``dims`` is not a layout of the default process group's ranks.
+    """
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if dims.world_size * dims.tensor != world:
+        raise ValueError(f"a layout of {dims.world_size * dims.tensor} ranks over a world of {world}")
+    mesh = _grid_mesh(dims.tensor_grid(), TENSOR_MESH_DIMS, device_type, timeout)
+    rank = dist.get_rank()
+    mine: dict[str, ProcessGroup] = {}
+    for t in range(dims.tensor):
+
+        def at(data_ranks: list[int], t: int = t) -> list[int]:
+            return [dims.global_rank(d, t) for d in data_ranks]
+
+        layouts = {
+            "shard": [at(row) for row in dims.mesh()],
+            "replicas": [at(list(col)) for col in zip(*dims.mesh(), strict=True)],
+        }
+        for name, members in layouts.items():
+            for ranks in members:
+                group = dist.new_group(ranks=ranks, timeout=timeout)
+                if rank in ranks:
+                    mine[name] = group
+    data = mesh[TENSOR_MESH_DIMS[0]].get_group()  # all data-parallel ranks of this tensor rank
+    groups = CommGroups(
+        Comm(mine["shard"], role="shard"), Comm(mine["replicas"], role="replicas"), Comm(data, role="world")
+    )
+    return groups, mesh
+
+
 def _grid_mesh(
     grid: list[list[int]], names: tuple[str, str], device_type: str, timeout: timedelta | None
 ) -> DeviceMesh:

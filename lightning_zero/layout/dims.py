@@ -115,13 +115,16 @@ class ParallelDims:
         return [list(range(r * self.shard, (r + 1) * self.shard)) for r in range(self.replicate)]
 
     @classmethod
-    def with_tensor(cls, ranks: int, tensor: int, ranks_per_node: int | None = None) -> ParallelDims:
-        """``ranks`` in all, ``tensor`` per tensor-parallel group (innermost: inside a node), flat
-        sharding over the ``ranks / tensor`` data-parallel ranks.
+    def with_tensor(
+        cls, ranks: int, tensor: int, ranks_per_node: int | None = None, shard_group_size: Any = None
+    ) -> ParallelDims:
+        """``ranks`` in all, ``tensor`` per tensor-parallel group (innermost: inside a node), and the
+        ``ranks / tensor`` data-parallel ranks sharded flat or in groups of ``shard_group_size``
+        (:meth:`of`; ``"auto"``: the data-parallel ranks of one node, ``ranks_per_node / tensor``).
 
         Raises:
-            ValueError: ``tensor`` does not divide ``ranks``, or the ranks of a node (named, with the
-                sizes that would).
+            ValueError: ``tensor`` does not divide ``ranks``, or the ranks of a node; a shard group
+                size that does not divide the data-parallel ranks (named, with the sizes that would).
         """
         for what, count in (("the world's", ranks), ("a node's", ranks_per_node)):
             if count is not None and (not _is_count(tensor) or count % tensor):
@@ -131,7 +134,13 @@ class ParallelDims:
                     f"group lives inside one node): one of {sizes}"
                 )
         data = ranks // tensor
-        return cls(data, data, tensor)
+        per_node = None if ranks_per_node is None else ranks_per_node // tensor
+        return cls(data, cls.of(data, shard_group_size, per_node).shard, tensor)
+
+    def global_rank(self, data_rank: int, tensor_rank: int) -> int:
+        """The global rank of data-parallel rank ``data_rank`` (0 to ``world_size - 1``) and tensor
+        rank ``tensor_rank``."""
+        return self._check(data_rank) * self.tensor + tensor_rank
 
     def tensor_grid(self) -> list[list[int]]:
         """The ``(D, T)`` grid of global ranks: row ``d`` a tensor-parallel group, column ``t`` the

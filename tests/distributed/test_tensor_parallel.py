@@ -80,3 +80,29 @@ def test_what_does_not_compose_yet_is_refused_by_name(runs: dict) -> None:
         assert messages["load_state_dict"].startswith("NotImplementedError: load_state_dict")
         assert "mesh['tensor']" in messages["2-D parameters"]
         assert "share ranks" in messages["overlapping groups"]
+
+
+HYBRID = {  # 8 ranks: tensor 2 x (2 replica groups x 2 shard ranks), the layout of 2 nodes' data ranks
+    "tp2-hybrid2x2-stage2": {"tensor": 2, "stage": 2, "accum": 2, "clip": 0.5, "shard_group_size": 2},
+    "tp2-hybrid2x2-stage3": {"tensor": 2, "stage": 3, "accum": 2, "clip": 0.5, "shard_group_size": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs() -> dict[str, list[Any] | RuntimeError]:
+    out = run_ranks_each([(tp_parity, ([case],)) for case in HYBRID.values()], 8)
+    return dict(zip(HYBRID, out, strict=True))
+
+
+@pytest.mark.parametrize("case", list(HYBRID))
+def test_node_aware_sharding_beside_tensor_parallelism_equals_the_unsplit_model(
+    case: str, hybrid_runs: dict
+) -> None:
+    """``comm.tensor_groups``: shard groups and replicas of each tensor rank's data-parallel ranks; the
+    partial sums over the tensor group come before the reduction inside the shard group and the
+    all-reduce across the replicas."""
+    for rank, (result,) in enumerate(ranks(hybrid_runs, case)):
+        assert result["moved"] > 1e-2
+        assert max(result["max_diff"]) <= 1e-10, (rank, result["max_diff"])
+        assert result["param_norm_diff"] <= 1e-12
+        assert result["partial"] == SEQUENCE_PARALLEL_NORMS

@@ -15,6 +15,8 @@ from torch import nn
 
 import lightning_zero
 from lightning_zero import ShardedAdamW, ZeroConfig
+from lightning_zero.comm import tensor_groups
+from lightning_zero.layout.dims import ParallelDims
 
 VOCAB, DIM, HIDDEN, SEQ, MICRO = 16, 8, 32, 8, 2
 
@@ -106,6 +108,7 @@ def _tp_case(
     unused: bool = False,
     sharded_accumulation: bool | None = None,
     ema: bool = False,
+    shard_group_size: int | None = None,
 ) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -114,11 +117,18 @@ def _tp_case(
     torch.set_default_dtype(torch.float64)
     try:
         data = world_size // tensor
-        mesh = init_device_mesh("cpu", (data, tensor), mesh_dim_names=("data", "tensor"))
-        data_rank = mesh["data"].get_local_rank()
+        sharding: dict[str, Any] = {}
+        if shard_group_size is None:
+            mesh = init_device_mesh("cpu", (data, tensor), mesh_dim_names=("data", "tensor"))
+            tensor_mesh, sharding["device_mesh"] = mesh["tensor"], mesh["data"]
+            data_rank = mesh["data"].get_local_rank()
+        else:  # node-aware: shard groups of shard_group_size data-parallel ranks, replicated across
+            dims = ParallelDims.with_tensor(world_size, tensor, shard_group_size=shard_group_size)
+            sharding["groups"], mesh = tensor_groups(dims, "cpu")
+            tensor_mesh, data_rank = mesh["tensor_parallel"], mesh["data_parallel"].get_local_rank()
         torch.manual_seed(0)
         reference = SequenceBlock()
-        model = parallelize_module(copy.deepcopy(reference), mesh["tensor"], tensor_parallel_plan())
+        model = parallelize_module(copy.deepcopy(reference), tensor_mesh, tensor_parallel_plan())
         now = {"step": 0}
         if nan_step is not None and rank == 1:  # before the optimizer's hook: its slice arrives NaN
 
@@ -139,8 +149,8 @@ def _tp_case(
             lr=0.05,
             weight_decay=0.1,
             config=config,
-            device_mesh=mesh["data"],
             module=model,
+            **sharding,
         )
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
         ema_fn = torch.optim.swa_utils.get_ema_multi_avg_fn(0.8)
