@@ -33,7 +33,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.checkpoint.reshard import load_sharded, preflight
 from lightning_zero.comm import Comm, hybrid_mesh
-from lightning_zero.comm.groups import TENSOR_MESH_DIMS, tensor_mesh
+from lightning_zero.comm.groups import TENSOR_MESH_DIMS, CommGroups, tensor_groups, tensor_mesh
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ShardEngine
 from lightning_zero.engine.deferred_init import (
@@ -48,6 +48,7 @@ from lightning_zero.engine.deferred_init import (
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.options import ZeroOptions
 from lightning_zero.layout.buckets import fingerprint
+from lightning_zero.layout.dims import ParallelDims
 from lightning_zero.layout.local import local
 from lightning_zero.optim import ShardedAdamW
 from lightning_zero.optim.twin import make_twin, repoint_scheduler
@@ -95,6 +96,8 @@ class ZeroFrontEnd:
         self._mesh_built = options.device_mesh is not None or options.shard_group_size is None
         self.model_mesh: Any = None
         """Tensor parallelism: the ``(data_parallel, tensor_parallel)`` mesh of :meth:`build_model_mesh`."""
+        self._tensor_groups: CommGroups | None = None
+        """Tensor parallelism with ``shard_group_size``: the engine's groups for this tensor rank."""
         self._buffers_need_sync = True  # a fresh DDP wrapper's state
         self._construction_rng: RngState | None = None
 
@@ -108,12 +111,19 @@ class ZeroFrontEnd:
         built at the first call and kept; ``None`` otherwise. Call on all ranks, after the process
         group exists.
 
+        With ``shard_group_size`` too, the engine's shard groups and replicas of this rank's tensor index
+        are built with it (:func:`~lightning_zero.comm.groups.tensor_groups`).
+
         Raises:
-            ValueError: ``tensor_parallel_size`` does not divide the world or a node's ranks (named).
+            ValueError: ``tensor_parallel_size`` does not divide the world or a node's ranks, or
+                ``shard_group_size`` the data-parallel ranks (named).
         """
-        tensor = self.options.tensor_parallel_size
-        if tensor > 1 and self.model_mesh is None:
+        tensor, size = self.options.tensor_parallel_size, self.options.shard_group_size
+        if tensor > 1 and self.model_mesh is None and size is None:
             self.model_mesh = tensor_mesh(tensor, device_type, timeout, ranks_per_node)
+        elif tensor > 1 and self.model_mesh is None:
+            dims = ParallelDims.with_tensor(Comm().world_size, tensor, ranks_per_node, size)
+            self._tensor_groups, self.model_mesh = tensor_groups(dims, device_type, timeout)
         return self.model_mesh
 
     def data_parallel(self) -> tuple[int, int] | None:
@@ -126,6 +136,8 @@ class ZeroFrontEnd:
 
     def data_comm(self) -> Comm:
         """The communicator of the data-parallel ranks (the world without tensor parallelism)."""
+        if self._tensor_groups is not None:
+            return self._tensor_groups.world
         return Comm() if self.model_mesh is None else Comm(self.model_mesh[TENSOR_MESH_DIMS[0]].get_group())
 
     def device_mesh(self, ranks_per_node: int, device_type: str, timeout: timedelta | None) -> Any:
@@ -136,6 +148,8 @@ class ZeroFrontEnd:
         Raises:
             ValueError: a group size that does not divide the world size (named, with the valid ones).
         """
+        if self._tensor_groups is not None:  # tensor parallelism beside node-aware sharding
+            return self._tensor_groups
         if self.model_mesh is not None:  # tensor parallelism: flat over the data-parallel dimension
             return self.model_mesh[TENSOR_MESH_DIMS[0]]
         if not self._mesh_built:

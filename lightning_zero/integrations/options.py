@@ -59,8 +59,9 @@ class ZeroOptions:
     ZeRO shards over the ``N / T`` data-parallel ranks (``self.device_mesh["data_parallel"]``); the
     ranks of a tensor-parallel group see the same batches. ``T`` must divide the world size and a node's
     ranks (checked at setup). Fabric: parallelize the model over ``strategy.device_mesh["tensor_parallel"]``
-    after ``fabric.launch()``, before ``fabric.setup``. Flat sharding only; not yet with this package's
-    checkpoints or a model built on the meta device, each refused by name."""
+    after ``fabric.launch()``, before ``fabric.setup``. With ``shard_group_size`` the data-parallel ranks
+    of each tensor rank are sharded node-aware (``"auto"``: a node's data-parallel ranks). Not yet
+    with this package's checkpoints or a model built on the meta device, each refused by name."""
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     """A model built on the meta device: ``param_init_fn(module)`` runs on each of its modules, children
     first, after every module's ``reset_parameters()``, as ``model.apply(param_init_fn)`` at the end of
@@ -93,10 +94,10 @@ class ZeroOptions:
             raise ValueError(
                 f"tensor_parallel_size must be a positive number of ranks dividing a node's, got {tensor!r}"
             )
-        if tensor > 1 and (size is not None or self.device_mesh is not None):
+        if tensor > 1 and self.device_mesh is not None:
             raise ValueError(
-                f"tensor_parallel_size={tensor} works with flat sharding over the data-parallel ranks only "
-                "for now: leave shard_group_size and device_mesh unset"
+                f"tensor_parallel_size={tensor} builds its own mesh: leave device_mesh unset (node-aware "
+                "sharding beside it: shard_group_size)"
             )
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise ValueError(

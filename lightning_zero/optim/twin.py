@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lightning_zero.comm.groups import CommGroups
 from lightning_zero.config import ZeroConfig
 from lightning_zero.optim.sharded_adam import ShardedAdamW
 
@@ -37,7 +38,8 @@ def make_twin(
     deferred_init: Any = None,
 ) -> ShardedAdamW:
     """The sharded twin of ``optimizer`` for a module with ``named_parameters`` (registration order);
-    ``module``: the model, needed at stage 3; ``device_mesh``: hybrid sharding; ``deferred_init``: a
+    ``module``: the model, needed at stage 3; ``device_mesh``: hybrid sharding (a ``DeviceMesh``, or
+    the :class:`~lightning_zero.comm.CommGroups` built for tensor parallelism); ``deferred_init``: a
     stage-3 model on the meta device, initialized unit by unit (see ShardedAdamW).
 
     Must be called on all ranks (the bucket plans are compared).
@@ -47,13 +49,15 @@ def make_twin(
         PlanMismatchError: the ranks do not build the same bucket plan.
     """
     named = list(named_parameters)
+    groups = device_mesh if isinstance(device_mesh, CommGroups) else None  # groups built for the engine
     return twin_class(type(optimizer)).from_optimizer(
         optimizer,
         config=config,
         param_order=[p for _, p in named],
         param_names={p: n for n, p in named},
         module=module,
-        device_mesh=device_mesh,
+        device_mesh=None if groups is not None else device_mesh,
+        groups=groups,
         deferred_init=deferred_init,
     )
 

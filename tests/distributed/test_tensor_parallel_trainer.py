@@ -25,6 +25,9 @@ CASES = [
     {"name": "zero1", "strategy": "zero", "stage": 1},
     {"name": "zero2", "strategy": "zero", "stage": 2},
     {"name": "zero3", "strategy": "zero", "stage": 3},
+    # node-aware beside tensor parallelism: the 2 data-parallel ranks of each tensor rank as 2 replicas
+    # of a shard group of 1 (each replica holds the whole slice, the gradients all-reduced across)
+    {"name": "zero2_hybrid", "strategy": "zero", "stage": 2, "shard_group_size": 1},
     {"name": "fabric2", "strategy": "fabric", "stage": 2},
     {"name": "fabric3", "strategy": "fabric", "stage": 3},
     {"name": "checkpointing", "strategy": "zero", "stage": 2, "refuse": "checkpointing"},
@@ -72,7 +75,7 @@ def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "fabric2", "fabric3"])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero2_hybrid", "fabric2", "fabric3"])
 def test_every_stage_equals_model_parallel_strategy_and_the_unsplit_model(name: str, launched: dict) -> None:
     """Each run against the unsplit model on the batches it saw; the Trainer's against the peer too
     (a Fabric loop's sampler deals the samples in another order than the Trainer's)."""
@@ -84,11 +87,12 @@ def test_every_stage_equals_model_parallel_strategy_and_the_unsplit_model(name: 
         assert _diff(results[run]["params"], unsplit(data_ranks)) <= 1e-10, run
     if not name.startswith("fabric"):
         assert _diff(results[name]["params"], results["model_parallel"]["params"]) <= 1e-10
+        assert results[name]["layout"] == ("2x1" if name.endswith("hybrid") else "1x2")
 
 
 def test_the_ranks_of_a_tensor_parallel_group_see_the_same_batches(launched: dict) -> None:
     """The sampler follows the data-parallel rank (ranks 0, 1 and ranks 2, 3 form tensor groups)."""
-    for name in ("zero1", "zero2", "zero3", "model_parallel", "fabric2", "fabric3"):
+    for name in ("zero1", "zero2", "zero3", "zero2_hybrid", "model_parallel", "fabric2", "fabric3"):
         seen = [rank[name] for rank in launched["seen"]]
         assert torch.equal(seen[0], seen[1]) and torch.equal(seen[2], seen[3]), name
         assert not torch.equal(seen[0], seen[2]), name

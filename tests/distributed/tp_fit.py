@@ -117,7 +117,8 @@ def fit(case: dict[str, Any]) -> dict[str, Any]:
     if peer:
         strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
     else:
-        strategy = lightning_zero.ZeroStrategy(stage=case["stage"], tensor_parallel_size=2)
+        hybrid = {"shard_group_size": case["shard_group_size"]} if "shard_group_size" in case else {}
+        strategy = lightning_zero.ZeroStrategy(stage=case["stage"], tensor_parallel_size=2, **hybrid)
     module = TensorParallelModule(fsdp=peer)
     trainer = pl.Trainer(
         strategy=strategy,
@@ -135,7 +136,8 @@ def fit(case: dict[str, Any]) -> dict[str, Any]:
     stage3 = not peer and case["stage"] == 3
     with lightning_zero.gathered(module.net) if stage3 else contextlib.nullcontext():
         params = full_parameters(module.net)
-    return {"params": params, "seen": torch.cat(module.seen)}
+    layout = "" if peer else strategy.sharded_optimizer.engine.groups.layout  # replicas x shard ranks
+    return {"params": params, "seen": torch.cat(module.seen), "layout": layout}
 
 
 def main() -> None:

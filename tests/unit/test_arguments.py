@@ -89,14 +89,18 @@ def test_a_timeout_that_is_not_positive_is_refused(index: int, timeout: timedelt
     ("arguments", "message"),
     [
         (
-            {"tensor_parallel_size": 2, "shard_group_size": 2},
-            "flat sharding over the data-parallel ranks only",
+            {"tensor_parallel_size": 2, "device_mesh": "a mesh"},
+            "builds its own mesh: leave device_mesh unset",
         ),
         ({"tensor_parallel_size": True}, "tensor_parallel_size must be a positive number"),
     ],
 )
 def test_tensor_parallelism_refuses_what_it_does_not_compose_with_yet(arguments: dict, message: str) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from lightning_zero import ZeroStrategy
 
+    if arguments.get("device_mesh") == "a mesh":  # a DeviceMesh object, without a process group
+        arguments = {**arguments, "device_mesh": DeviceMesh.__new__(DeviceMesh)}
     with pytest.raises(ValueError, match=message):
         ZeroStrategy(**arguments)
