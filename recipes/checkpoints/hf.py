@@ -7,9 +7,9 @@ no biases, optional tied head. Every `GPTConfig` field is either mapped onto a `
 (a feature Llama lacks) is refused, naming the field, rather than exported into a model that computes
 something else. All of `conf/model/` (tiny, gpt2_124m, llama_1b, llama_7b) maps.
 
-Weight layout: our fused `attn.qkv` rows are [q (n_head * head_dim), k (kv_heads * head_dim),
-v (kv_heads * head_dim)] and split into `q_proj`, `k_proj`, `v_proj`; a tied head is written once (as
-`embed_tokens`, with `tie_word_embeddings: true`).
+Weight layout: our `attn.q`, `attn.k`, `attn.v` are `q_proj`, `k_proj`, `v_proj` as they are (a
+checkpoint of the former fused `attn.qkv` is split when the model loads it); a tied head is written
+once (as `embed_tokens`, with `tie_word_embeddings: true`).
 
 OUT_DIR receives `config.json`, `generation_config.json`, `model.safetensors` (or
 `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` above `--max-shard-size`) and the
@@ -95,18 +95,16 @@ def llama_config(config: GPTConfig, bos_id: int | None, eos_id: int | None, dtyp
 
 def llama_state_dict(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Our `GPT.state_dict()` under `LlamaForCausalLM`'s names (a tied head once, as the embedding)."""
-    q_rows, kv_rows = config.n_head * config.head_dim, config.kv_heads * config.head_dim
     out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"]}
     if not config.tie_embeddings:
         out["lm_head.weight"] = state["head.weight"]
     for i in range(config.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        q, k, v = state[ours + "attn.qkv.weight"].split([q_rows, kv_rows, kv_rows], dim=0)
         out |= {
             theirs + "input_layernorm.weight": state[ours + "attn_norm.weight"],
-            theirs + "self_attn.q_proj.weight": q,
-            theirs + "self_attn.k_proj.weight": k,
-            theirs + "self_attn.v_proj.weight": v,
+            theirs + "self_attn.q_proj.weight": state[ours + "attn.q.weight"],
+            theirs + "self_attn.k_proj.weight": state[ours + "attn.k.weight"],
+            theirs + "self_attn.v_proj.weight": state[ours + "attn.v.weight"],
             theirs + "self_attn.o_proj.weight": state[ours + "attn.proj.weight"],
             theirs + "post_attention_layernorm.weight": state[ours + "mlp_norm.weight"],
             theirs + "mlp.gate_proj.weight": state[ours + "mlp.gate.weight"],

@@ -49,9 +49,9 @@ def llama_values(config: GPTConfig) -> dict[str, Any]:
 
 def llama_sources(config: GPTConfig, prefix: str = "") -> dict[str, list[str]]:
     """Our parameter names (under `prefix`, e.g. "model." in `PretrainModule`) -> the
-    `LlamaForCausalLM` tensors each is, in order (the fused `attn.qkv` is q, k, v stacked; a tied head
-    is the embedding): what `lightning_zero.checkpoint.SafetensorsReader` reads an import from,
-    the inverse of `recipes.checkpoints.hf.llama_state_dict`."""
+    `LlamaForCausalLM` tensors each is (one each; a tied head is the embedding): what
+    `lightning_zero.checkpoint.SafetensorsReader` reads an import from, the inverse of
+    `recipes.checkpoints.hf.llama_state_dict`."""
     sources = {
         f"{prefix}embed.weight": ["model.embed_tokens.weight"],
         f"{prefix}norm.weight": ["model.norm.weight"],
@@ -61,7 +61,9 @@ def llama_sources(config: GPTConfig, prefix: str = "") -> dict[str, list[str]]:
         ours, theirs = f"{prefix}blocks.{i}.", f"model.layers.{i}."
         sources |= {
             ours + "attn_norm.weight": [theirs + "input_layernorm.weight"],
-            ours + "attn.qkv.weight": [theirs + f"self_attn.{p}_proj.weight" for p in "qkv"],
+            ours + "attn.q.weight": [theirs + "self_attn.q_proj.weight"],
+            ours + "attn.k.weight": [theirs + "self_attn.k_proj.weight"],
+            ours + "attn.v.weight": [theirs + "self_attn.v_proj.weight"],
             ours + "attn.proj.weight": [theirs + "self_attn.o_proj.weight"],
             ours + "mlp_norm.weight": [theirs + "post_attention_layernorm.weight"],
             ours + "mlp.gate.weight": [theirs + "mlp.gate_proj.weight"],

@@ -114,22 +114,47 @@ class KVCache:
         return cls(keys=make[: config.n_layer], values=make[config.n_layer :])
 
 
+def split_fused_qkv(
+    module: Attention,
+    state_dict: dict[str, torch.Tensor],
+    prefix: str,
+    *args: object,
+) -> None:
+    """Load-state-dict pre-hook of `Attention`: a full state dict of the former layout, one fused
+    `attn.qkv.weight` of rows [q (n_head * head_dim), k (kv_heads * head_dim), v (kv_heads * head_dim)],
+    is split into `attn.q.weight`, `attn.k.weight`, `attn.v.weight` in place (older checkpoints load)."""
+    fused = state_dict.pop(prefix + "qkv.weight", None)
+    if fused is None:
+        return
+    rows = [module.q.out_features, module.k.out_features, module.v.out_features]
+    if fused.shape[0] != sum(rows):
+        state_dict[prefix + "qkv.weight"] = fused  # left for load_state_dict to report as unexpected
+        return
+    for name, part in zip("qkv", fused.split(rows, dim=0), strict=True):
+        state_dict[f"{prefix}{name}.weight"] = part
+
+
 class Attention(nn.Module):
-    """Causal self-attention with RoPE and optional grouped key/value heads."""
+    """Causal self-attention with RoPE and optional grouped key/value heads.
+
+    Separate `q`, `k`, `v` projections (Llama's q_proj / k_proj / v_proj), so that a column-parallel
+    split of each gives a rank whole heads of each; a state dict with the former fused `qkv` loads
+    (`split_fused_qkv`)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
-        self.kv_heads = config.kv_heads
         self.head_dim = config.head_dim
-        qkv_dim = (config.n_head + 2 * config.kv_heads) * config.head_dim
-        self.qkv = nn.Linear(config.d_model, qkv_dim, bias=False)
+        self.q = nn.Linear(config.d_model, config.n_head * config.head_dim, bias=False)
+        self.k = nn.Linear(config.d_model, config.kv_heads * config.head_dim, bias=False)
+        self.v = nn.Linear(config.d_model, config.kv_heads * config.head_dim, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
         self.init_std, self.residual_std = config.init_std, config.residual_std
+        self.register_load_state_dict_pre_hook(split_fused_qkv)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.qkv.weight, mean=0.0, std=self.init_std)
+        for layer in (self.q, self.k, self.v):  # in this order: the rows of the former fused `qkv`
+            nn.init.normal_(layer.weight, mean=0.0, std=self.init_std)
         nn.init.normal_(self.proj.weight, mean=0.0, std=self.residual_std)  # writes into the residual
 
     def forward(
@@ -141,13 +166,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """`cache`: this layer's (keys, values, start) - the new positions are written at `start`."""
         batch, seq, _ = x.shape
-        q, k, v = self.qkv(x).split(
-            [self.n_head * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim],
-            dim=-1,
-        )
-        q = q.view(batch, seq, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
-        v = v.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        # Head counts from the projections' widths: under tensor parallelism (column-parallel q, k, v)
+        # this rank holds H / T query and KV / T key/value heads, each of head_dim.
+        q = self.q(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        v = self.v(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask: torch.Tensor | None = None
         if cache is not None:
@@ -160,8 +183,8 @@ class Attention(nn.Module):
             )  # (B, KV, S, D), S = start + T
             if start > 0 and seq > 1:  # query i sits at start + i: it sees keys 0 .. start + i
                 mask = torch.ones(seq, start + seq, dtype=torch.bool, device=x.device).tril(start)
-        if self.kv_heads != self.n_head:
-            repeat = self.n_head // self.kv_heads
+        if k.shape[1] != q.shape[1]:
+            repeat = q.shape[1] // k.shape[1]
             k, v = (
                 k.repeat_interleave(repeat, dim=1),
                 v.repeat_interleave(repeat, dim=1),

@@ -56,6 +56,43 @@ def test_residual_projections_have_scaled_init() -> None:
     assert torch.equal(model.blocks[0].attn_norm.weight, torch.ones(256))
 
 
+@pytest.mark.parametrize("n_kv_head", [None, 2])
+def test_q_k_v_are_drawn_as_the_former_fused_qkv(n_kv_head: int | None) -> None:
+    """q, k, v are initialized in that order from one std: together the rows one fused draw gives
+    (bitwise on CPU when each holds a multiple of 16 elements: torch draws normals in blocks of 16)."""
+    attn = GPT(small_config(n_kv_head=n_kv_head)).blocks[0].attn
+    torch.manual_seed(3)
+    attn.reset_parameters()
+    torch.manual_seed(3)
+    rows = attn.q.out_features + attn.k.out_features + attn.v.out_features
+    fused = torch.empty(rows, 32).normal_(mean=0.0, std=attn.init_std)
+    assert torch.equal(torch.cat([attn.q.weight, attn.k.weight, attn.v.weight]), fused)
+
+
+def test_a_state_dict_with_the_former_fused_qkv_loads_split() -> None:
+    """An older full checkpoint (one `attn.qkv.weight` of rows q | k | v) loads into q, k, v."""
+    torch.manual_seed(0)
+    model = GPT(small_config(n_kv_head=2))
+    old = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(("attn.k.weight", "attn.v.weight")):
+            continue
+        if name.endswith("attn.q.weight"):
+            prefix = name.removesuffix("q.weight")
+            parts = [model.state_dict()[prefix + p + ".weight"] for p in "qkv"]
+            old[prefix + "qkv.weight"] = torch.cat(parts).clone()
+        else:
+            old[name] = tensor.clone()
+    fresh = GPT(small_config(n_kv_head=2))
+    fresh.load_state_dict(old)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    old["blocks.0.attn.qkv.weight"] = old["blocks.0.attn.qkv.weight"][:-1]  # not q | k | v: reported
+    unexpected = r'Unexpected key\(s\) in state_dict: "blocks\.0\.attn\.qkv\.weight"'
+    with pytest.raises(RuntimeError, match=unexpected):
+        fresh.load_state_dict(old)
+
+
 def test_activation_checkpointing_gives_the_same_gradients() -> None:
     torch.manual_seed(0)
     plain = GPT(small_config())
