@@ -33,7 +33,9 @@ from lightning_zero.layout.memory import (
 
 def verify(src: Path) -> int:
     """Print a report of ``src``; 0 if complete and intact, 1 otherwise."""
-    from lightning_zero.checkpoint import META, CheckpointError, read_meta, shard_name, verify_files
+    from lightning_zero.checkpoint import META, CheckpointError, read_meta, verify_files
+    from lightning_zero.checkpoint.format import all_shard_names
+    from lightning_zero.checkpoint.tensor_layout import saved_size
 
     try:
         meta = read_meta(src)
@@ -41,7 +43,7 @@ def verify(src: Path) -> int:
         print(f"FAIL {err}")
         return 1
     world_size = meta["world_size"]
-    expected = {shard_name(r, world_size) for r in range(world_size)}
+    expected = set(all_shard_names(meta))
     problems = [
         f"{src / name}: shard file not recorded in {META}" for name in sorted(expected - set(meta["files"]))
     ]
@@ -57,6 +59,7 @@ def verify(src: Path) -> int:
     print(
         f"format       lightning-zero v{meta['format_version']}, stage {meta['stage']}, "
         f"world size {world_size}"
+        + (f" x tensor parallel {saved_size(meta)}" if saved_size(meta) > 1 else "")
     )
     print(
         f"parameters   {len(params)} trainable tensors, {numel:,} elements, "

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero.checkpoint.format import CheckpointError, StagedSave, stage_save
+from lightning_zero.checkpoint.format import CheckpointError, StagedSave, checkpoint_comm, stage_save
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.engine.engine import ShardEngine
 
@@ -145,7 +145,7 @@ class AsyncCheckpointWriter:
         """
         self.wait()
         if self._comm is None:
-            self._comm = engine.world.new_group("gloo", self._timeout)  # all ranks, at their first save
+            self._comm = checkpoint_comm(engine).new_group("gloo", self._timeout)  # at the first save
         snapshot = HostSnapshot()
         staged = stage_save(
             engine,

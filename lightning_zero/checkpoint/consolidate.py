@@ -212,7 +212,7 @@ def _checked_meta(src: Path) -> dict[str, Any]:
 def _full_state_dict(src: Path, meta: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
     extras = weights_extras(meta, torch.load(src / EXTRA, map_location="cpu", weights_only=True))
     state_dict: dict[str, torch.Tensor] = {k: v.to(device) for k, v in extras.items()}
-    files = ShardFiles(src, meta["world_size"])
+    files = ShardFiles(src)
     for spec in meta["plan"]["params"]:
         tensor = read_full_param(src, meta, spec["name"], weights_key(meta), files=files)
         assert tensor is not None, spec["name"]
@@ -301,7 +301,7 @@ def _write_tensors(
         slot[0]: b for b, bucket in enumerate(meta["plan"]["buckets"]) for slot in bucket["slots"]
     }
     order = sorted(range(len(meta["plan"]["params"])), key=lambda i: layout_bucket[i])
-    files = ShardFiles(src, meta["world_size"])
+    files = ShardFiles(src)
     current_bucket = None
     for plan_index in order:
         if layout_bucket[plan_index] != current_bucket:

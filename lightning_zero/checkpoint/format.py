@@ -41,12 +41,13 @@ from typing import Any
 
 import torch
 
+from lightning_zero.checkpoint import tensor_layout
 from lightning_zero.checkpoint.commit import IN_PLACE, commit_directory, save_outcome, unseen_files
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.handles import CommError
 from lightning_zero.comm.trace import span
 from lightning_zero.engine.engine import ShardEngine
-from lightning_zero.engine.tensor_parallel import TensorParallel
+from lightning_zero.layout.local import is_dtensor
 
 FORMAT_VERSION = 1
 META = "meta.pt"
@@ -90,8 +91,48 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, from the future, or does not fit the model."""
 
 
-def shard_name(rank: int, world_size: int) -> str:
-    return f"shard-{rank:05d}-of-{world_size:05d}.pt"
+def shard_name(rank: int, world_size: int, tensor: tuple[int, int] | None = None) -> str:
+    """The shard file of data-parallel rank ``rank`` of ``world_size``; ``tensor``: ``(t, T)``, that of
+    tensor-parallel rank ``t`` of ``T`` (:mod:`lightning_zero.checkpoint.tensor_layout`)."""
+    suffix = "" if tensor is None else f"-tensor-{tensor[0]:02d}-of-{tensor[1]:02d}"
+    return f"shard-{rank:05d}-of-{world_size:05d}{suffix}.pt"
+
+
+def saved_shard_name(meta: dict[str, Any], rank: int) -> str:
+    """The file of saved data-parallel rank ``rank`` for ``meta``, a checkpoint's ``meta.pt`` or a
+    tensor-parallel rank's :func:`~lightning_zero.checkpoint.tensor_layout.view` of it."""
+    world = int(meta["plan"]["world_size"])
+    if tensor_layout.VIEW not in meta:
+        return shard_name(rank, world)
+    return shard_name(rank, world, (meta[tensor_layout.VIEW], tensor_layout.saved_size(meta)))
+
+
+def all_shard_names(meta: dict[str, Any]) -> list[str]:
+    """Every shard file a complete checkpoint holds (every data-parallel and tensor-parallel rank)."""
+    views = tensor_layout.views(meta)
+    return [saved_shard_name(v, r) for v in views for r in range(int(v["plan"]["world_size"]))]
+
+
+def checkpoint_comm(engine: ShardEngine) -> Comm:
+    """The ranks that save and load a checkpoint together: the data-parallel ones, and with tensor
+    parallelism every rank (the default process group, which must be exactly data x tensor ranks).
+
+    Raises:
+        NotImplementedError: tensor-parallel and data-parallel ranks that are not the whole world.
+    """
+    tensor = engine.tensor
+    if tensor is None:
+        return engine.world
+    if tensor.everyone is None:
+        everyone = Comm()
+        if everyone.world_size != tensor.size * engine.world.world_size:
+            raise NotImplementedError(
+                f"a checkpoint of a tensor-parallel model is written by every rank of the default process "
+                f"group ({everyone.world_size}), which must be the {engine.world.world_size} data-parallel "
+                f"x {tensor.size} tensor-parallel ranks of the model: build the mesh over the whole world"
+            )
+        tensor.everyone = everyone
+    return tensor.everyone
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -176,10 +217,12 @@ class StagedSave:
     before_write: Callable[[], None] | None = None  # e.g. wait for device-to-host copies
     writes_shard: bool = True
     """Hybrid sharding: only the first replica group writes its shards (the others hold the same)."""
+    tensor: tuple[int, int] | None = None
+    """Tensor parallelism: ``(t, T)``, this rank's tensor-parallel rank and size (its files' names)."""
 
     def write(self, comm: Comm) -> None:
-        """Write, agree with the other ranks over ``comm`` (all data-parallel ranks), commit on its
-        rank 0. On all ranks.
+        """Write, agree with the other ranks over ``comm`` (all ranks of :func:`checkpoint_comm`, or a
+        group of its own over them), commit on its rank 0. On all ranks.
 
         Before committing, rank 0 checks that it sees every rank's files at their sizes: on storage
         that is not shared by all nodes (a node-local disk) the other nodes' shards would be missing
@@ -199,7 +242,7 @@ class StagedSave:
                     self.before_write()
                 self.tmp.mkdir(parents=True, exist_ok=True)
                 status = (
-                    [_write(self.payload, self.tmp / shard_name(self.rank, self.world_size))]
+                    [_write(self.payload, self.tmp / shard_name(self.rank, self.world_size, self.tensor))]
                     if self.writes_shard
                     else []
                 )
@@ -284,13 +327,26 @@ def stage_save(
     Returns:
         The staged save; its ``write`` must then be called on all ranks.
 
+    With tensor-parallel parameters, every tensor-parallel rank writes its slices' shards, and ``meta.pt``
+    records the layout (:mod:`lightning_zero.checkpoint.tensor_layout`); its ``write`` then takes every
+    rank (:func:`checkpoint_comm`).
+
     Raises:
-        NotImplementedError: tensor-parallel parameters (before anything is written).
+        NotImplementedError: a tensor-parallel (``DTensor``) tensor outside the buckets (a frozen
+            parameter or a buffer), or tensor-parallel ranks that are not the whole world (before
+            anything is written).
     """
-    TensorParallel.refuse(engine.tensor, "a sharded checkpoint")
+    sliced = sorted(name for name, value in extra_tensors.items() if is_dtensor(value))
+    if sliced:
+        raise NotImplementedError(
+            f"a checkpoint holds tensor-parallel (DTensor) tensors outside the optimizer's parameters only "
+            f"whole: {sliced} are frozen parameters or buffers of the tensor-parallel plan; keep them "
+            "plain tensors (e.g. requires_grad=True, or leave them out of parallelize_module's plan)"
+        )
+    everyone = checkpoint_comm(engine)
     engine.wait_for_params()  # parameter gathers left in flight write the buffers saved here
-    comm, world, target = engine.comm, engine.world, Path(path)
-    token = world.broadcast_object(uuid.uuid4().hex if world.rank == 0 else None, src=0)
+    comm, target = engine.comm, Path(path)
+    token = everyone.broadcast_object(uuid.uuid4().hex if everyone.rank == 0 else None, src=0)
     payload = _shard_payload(engine, copy_tensor, with_optimizer=not lightning_state.get(WEIGHTS_ONLY, False))
     meta = {
         "format_version": FORMAT_VERSION,
@@ -305,6 +361,9 @@ def stage_save(
     }
     if engine.averaging and AVERAGE in payload:
         meta[AVERAGE] = {"n_averaged": engine.n_averaged}
+    tensor = engine.tensor
+    if tensor is not None:  # every tensor-parallel rank's plan: their local shapes may differ
+        tensor_layout.record(engine, tensor.comm.all_gather_object(plan_meta(engine)), meta)
     copy_extra = copy_tensor or (lambda t: t.detach().cpu())
     return StagedSave(
         target,
@@ -315,6 +374,7 @@ def stage_save(
         {k: copy_extra(v) for k, v in extra_tensors.items()},
         meta,
         writes_shard=engine.groups.replicas.rank == 0,
+        tensor=None if tensor is None else (tensor.rank, tensor.size),
     )
 
 
@@ -332,7 +392,8 @@ def save_sharded(
     Raises:
         CheckpointError: on every rank, if any rank failed to write (the previous ``path`` is kept).
     """
-    stage_save(engine, path, lightning_state, extra_tensors, stage, aliases=aliases).write(engine.world)
+    staged = stage_save(engine, path, lightning_state, extra_tensors, stage, aliases=aliases)
+    staged.write(checkpoint_comm(engine))
 
 
 def moment_names(meta: dict[str, Any]) -> list[str]:

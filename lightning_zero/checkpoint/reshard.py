@@ -9,6 +9,11 @@ unmapped after every :data:`_RELEASE_BYTES` read, so the file pages it touched d
 resident memory. The
 parameters are then completed by the usual per-bucket all-gather.
 
+A checkpoint of a tensor-parallel model (:mod:`lightning_zero.checkpoint.tensor_layout`) is read the
+same way by each tensor-parallel rank from its own files when the layout is unchanged; into another
+tensor-parallel layout (``T=2`` saved, ``T=1`` loading, or the reverse), each parameter this rank
+loads is made whole from the saved slices and this rank's slice of it cut out (:class:`_Whole`).
+
 Before any collective, every rank checks the files it will read (presence, size, sha256) and the
 parameter names and shapes; ranks exchange what they found and all raise the same
 :class:`~lightning_zero.checkpoint.CheckpointError` if anything is wrong, so a bad checkpoint ends
@@ -24,10 +29,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero.checkpoint.format import AVERAGE, CheckpointError, shard_name, verify_files
+from lightning_zero.checkpoint.format import (
+    AVERAGE,
+    CheckpointError,
+    checkpoint_comm,
+    saved_shard_name,
+    verify_files,
+)
+from lightning_zero.checkpoint.tensor_layout import (
+    VIEW,
+    cut,
+    engine_layout,
+    join,
+    same_layout,
+    saved_placement,
+    view,
+    views,
+)
 from lightning_zero.comm.trace import span
 from lightning_zero.engine.engine import ShardEngine
-from lightning_zero.engine.tensor_parallel import TensorParallel
+from lightning_zero.layout.partition import Segment
 
 _RELEASE_BYTES = 64 * 2**20
 """A load unmaps the shard files after reading about this much (then maps them again as needed):
@@ -36,9 +57,12 @@ again once per that many bytes, not once per bucket."""
 
 
 class _SavedLayout:
-    """Where each saved parameter's elements live: saved bucket, offset, and rank shard size."""
+    """Where each saved parameter's elements live: saved bucket, offset, and rank shard size (of a
+    checkpoint, or of one tensor-parallel rank's :func:`~lightning_zero.checkpoint.tensor_layout.view`
+    of it)."""
 
     def __init__(self, meta: dict[str, Any]) -> None:
+        self.meta = meta
         plan = meta["plan"]
         self.world_size = int(plan["world_size"])
         self.params = plan["params"]
@@ -63,11 +87,20 @@ class _SavedLayout:
             lo = stop
         return out
 
+    def file(self, rank: int) -> str:
+        """The shard file of saved data-parallel rank ``rank``."""
+        return saved_shard_name(self.meta, rank)
 
-def check_compatible(engine: ShardEngine, meta: dict[str, Any], path: Path) -> list[str]:
-    """Missing / unexpected / mis-shaped parameters between the checkpoint and the optimizer."""
+    def numel(self, name: str) -> int:
+        return math.prod(self.params[self.by_name[name]]["shape"])
+
+
+def check_compatible(engine: ShardEngine, meta: dict[str, Any], path: Path, whole: bool = False) -> list[str]:
+    """Missing / unexpected / mis-shaped parameters between the checkpoint (or a tensor-parallel rank's
+    view of it) and the optimizer; ``whole``: compare global shapes (``meta`` a whole checkpoint's)."""
     saved = {p["name"]: tuple(p["shape"]) for p in meta["plan"]["params"]}
-    current = {p.name: tuple(p.shape) for p in engine.plan.params}
+    sizes = engine_layout(engine)[3] if whole else [tuple(p.shape) for p in engine.plan.params]
+    current = {p.name: sizes[i] for i, p in enumerate(engine.plan.params)}
     problems = []
     missing = sorted(set(current) - set(saved))
     unexpected = sorted(set(saved) - set(current))
@@ -108,30 +141,57 @@ def files_per_bucket(engine: ShardEngine, meta: dict[str, Any]) -> list[set[int]
     return out
 
 
+def _whole_files(engine: ShardEngine, meta: dict[str, Any]) -> set[str]:
+    """The shard files that make whole the parameters this rank loads (another tensor-parallel layout)."""
+    plan = engine.plan
+    rank = engine.comm.rank
+    wanted = {plan.params[seg.param_index].name for b in plan.buckets for seg in plan.segments(b, rank)}
+    names: set[str] = set()
+    for layout in map(_SavedLayout, views(meta)):
+        for name in wanted & set(layout.by_name):
+            if VIEW not in layout.meta or layout.meta[VIEW] == 0 or saved_placement(meta, name)[0] == "shard":
+                names.update(layout.file(r) for r, *_ in layout.pieces(name, 0, layout.numel(name)))
+    return names
+
+
 def preflight(engine: ShardEngine, path: Path, meta: dict[str, Any]) -> None:
-    """Check, on every rank, what this rank will read; raise the union of problems everywhere."""
-    problems = check_compatible(engine, meta, path)
+    """Check, on every rank, what this rank will read; raise the union of problems everywhere (over
+    every rank that loads: with tensor parallelism, all of them)."""
+    if same_layout(engine, meta):
+        mine = view(meta, engine_layout(engine)[1])
+        problems = check_compatible(engine, mine, path)
+        layout = _SavedLayout(mine)
+        names = {layout.file(r) for r in set().union(*files_per_bucket(engine, mine))}
+    else:
+        problems = check_compatible(engine, meta, path, whole=True)
+        names = set() if problems else _whole_files(engine, meta)
     if not problems:
-        needed = set().union(*files_per_bucket(engine, meta))
-        names = [shard_name(r, int(meta["plan"]["world_size"])) for r in sorted(needed)]
-        problems = verify_files(path, meta, names)
-    found = sorted(engine.world.union_of(problems))
+        problems = verify_files(path, meta, sorted(names))
+    found = sorted(checkpoint_comm(engine).union_of(problems))
     if found:
         raise CheckpointError("cannot load checkpoint:\n  " + "\n  ".join(found))
 
 
 class ShardFiles:
-    """The shard files of one checkpoint, memory-mapped on first use (``release`` unmaps them)."""
+    """The shard files of one checkpoint, by name, memory-mapped on first use (``release`` unmaps
+    them), and the saved layouts read from its ``meta.pt`` (kept)."""
 
-    def __init__(self, path: Path, world_size: int) -> None:
-        self.path, self.world_size = Path(path), world_size
-        self._open: dict[int, dict[str, list[Tensor]]] = {}
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._open: dict[str, dict[str, list[Tensor]]] = {}
+        self._layouts: dict[int, _SavedLayout] = {}
 
-    def __getitem__(self, rank: int) -> dict[str, list[Tensor]]:
-        if rank not in self._open:
-            file = self.path / shard_name(rank, self.world_size)
-            self._open[rank] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        return self._open[rank]
+    def __getitem__(self, name: str) -> dict[str, list[Tensor]]:
+        if name not in self._open:
+            self._open[name] = torch.load(self.path / name, map_location="cpu", weights_only=True, mmap=True)
+        return self._open[name]
+
+    def layout(self, meta: dict[str, Any]) -> _SavedLayout:
+        """The saved layout of ``meta`` (a checkpoint's, or a tensor-parallel rank's view), built once."""
+        key = int(meta.get(VIEW, -1))
+        if key not in self._layouts:
+            self._layouts[key] = _SavedLayout(meta)
+        return self._layouts[key]
 
     def release(self) -> None:
         self._open.clear()
@@ -155,7 +215,6 @@ def load_sharded(
     ``average_apart``: restore the current weights and the average each as saved (default: when the
     engine keeps an average, i.e. a resumed fit); otherwise the weights are the saved average.
     """
-    TensorParallel.refuse(engine.tensor, "loading a sharded checkpoint")
     with span("checkpoint: load", engine.world.device):
         _load(engine, path, meta, with_optimizer, average_apart)
 
@@ -164,8 +223,12 @@ def _load(
     engine: ShardEngine, path: Path, meta: dict[str, Any], with_optimizer: bool, average_apart: bool | None
 ) -> None:
     engine.wait_for_params()  # gathers left in flight would overwrite what is loaded here
-    layout = _SavedLayout(meta)
-    files = ShardFiles(path, layout.world_size)
+    files = ShardFiles(path)
+    reader: _Pieces | _Whole
+    if same_layout(engine, meta):
+        reader = _Pieces(engine, files.layout(view(meta, engine_layout(engine)[1])), files)
+    else:
+        reader = _Whole(engine, path, meta, files)
     shards = engine.state
     saved_average = AVERAGE in meta
     # which saved tensor fills what: the current weights resume as they were only when the average is
@@ -182,28 +245,81 @@ def _load(
         if with_optimizer:
             targets.update({name: [moment] for name, moment in record.moments.items()})
         for seg in engine.plan.segments(bucket, engine.comm.rank):
-            name = engine.plan.params[seg.param_index].name
-            for rank, saved_bucket, offset, numel, at in layout.pieces(name, seg.param_start, seg.param_end):
-                window = slice(seg.shard_offset + at, seg.shard_offset + at + numel)
-                for key, destinations in targets.items():
-                    source = _source(files[rank], sources.get(key, key), saved_bucket)
-                    for dst in destinations:
-                        if source is None:
-                            dst[window].zero_()
-                        else:
-                            dst[window].copy_(source[offset : offset + numel])
-                            read += numel * source.element_size()
+            for key, destinations in targets.items():
+                read += reader.fill(seg, sources.get(key, key), destinations)
         if read >= _RELEASE_BYTES:  # unmap what was read: its pages leave this rank's resident memory
-            source, read = None, 0  # (the last view would keep its file mapped)
-            files.release()
+            read = 0
+            reader.release()
     if with_optimizer:
-        by_name = {layout.params[i]["name"]: int(s) for i, s in enumerate(meta["steps"].tolist())}
+        saved_params = meta["plan"]["params"]
+        by_name = {saved_params[i]["name"]: int(s) for i, s in enumerate(meta["steps"].tolist())}
         shards.steps = [by_name[p.name] for p in engine.plan.params]
         _load_group_hyperparameters(engine, meta)
     if engine.averaging:
         engine.n_averaged = int(meta[AVERAGE]["n_averaged"]) if saved_average else 0
         engine.average_loaded = True  # from the saved average, or started from the loaded weights
     engine.publish_shards()
+
+
+class _Pieces:
+    """Fills this rank's shard from the saved shards of the same parameters (the same tensor-parallel
+    layout; any data-parallel size): the pieces each saved rank's file holds."""
+
+    def __init__(self, engine: ShardEngine, layout: _SavedLayout, files: ShardFiles) -> None:
+        self.layout, self.files = layout, files
+        self.names = [p.name for p in engine.plan.params]
+
+    def fill(self, seg: Segment, key: str, destinations: list[Tensor]) -> int:
+        """Copy saved state ``key`` of ``seg``'s elements into ``destinations``; the bytes read."""
+        read = 0
+        name = self.names[seg.param_index]
+        for rank, saved_bucket, offset, numel, at in self.layout.pieces(name, seg.param_start, seg.param_end):
+            window = slice(seg.shard_offset + at, seg.shard_offset + at + numel)
+            source = _source(self.files[self.layout.file(rank)], key, saved_bucket)
+            for dst in destinations:
+                if source is None:
+                    dst[window].zero_()
+                else:
+                    dst[window].copy_(source[offset : offset + numel])
+                    read += numel * source.element_size()
+        return read
+
+    def release(self) -> None:
+        self.files.release()
+
+
+class _Whole:
+    """Fills this rank's shard in another tensor-parallel layout than the saved one: each parameter made
+    whole from every saved tensor-parallel rank's slices, then this rank's slice cut from it (one
+    parameter's tensors held at a time)."""
+
+    def __init__(self, engine: ShardEngine, path: Path, meta: dict[str, Any], files: ShardFiles) -> None:
+        self.path, self.meta, self.files = path, meta, files
+        self.size, self.rank, self.placements, _ = engine_layout(engine)
+        self.names = [p.name for p in engine.plan.params]
+        self._held: dict[tuple[int, str], Tensor | None] = {}
+
+    def fill(self, seg: Segment, key: str, destinations: list[Tensor]) -> int:
+        """Copy saved state ``key`` of ``seg``'s elements into ``destinations``; the bytes read."""
+        index, read = seg.param_index, 0
+        if (index, key) not in self._held:
+            if any(i != index for i, _ in self._held):
+                self._held.clear()  # the previous parameter's tensors
+            whole = read_full_param(self.path, self.meta, self.names[index], key, self.files)
+            mine = None if whole is None else cut(whole, self.placements[index], self.rank, self.size)
+            self._held[(index, key)] = None if mine is None else mine.reshape(-1)
+            read = 0 if whole is None else whole.numel() * whole.element_size()
+        flat = self._held[(index, key)]
+        window = slice(seg.shard_offset, seg.shard_offset + seg.numel)
+        for dst in destinations:
+            if flat is None:
+                dst[window].zero_()
+            else:
+                dst[window].copy_(flat[seg.param_start : seg.param_end])
+        return read
+
+    def release(self) -> None:
+        self.files.release()
 
 
 def _source(data: dict[str, list[Tensor]], key: str, bucket: int) -> Tensor | None:
@@ -228,18 +344,30 @@ def read_full_param(
     path: Path, meta: dict[str, Any], name: str, key: str = "param", files: ShardFiles | None = None
 ) -> Tensor | None:
     """One full parameter (or its ``exp_avg``/``exp_avg_sq``/``average``/... state) assembled from the
-    shard files (the model's weights: ``key=weights_key(meta)``).
+    shard files (the model's weights: ``key=weights_key(meta)``); of a tensor-parallel model, joined
+    from every tensor-parallel rank's slices (:mod:`~lightning_zero.checkpoint.tensor_layout`).
 
     ``files`` keeps shard files mapped across calls. Returns ``None`` for a state the checkpoint
     does not hold. No communication.
     """
-    layout = _SavedLayout(meta)
-    files = ShardFiles(path, layout.world_size) if files is None else files
+    files = ShardFiles(path) if files is None else files
+    where = saved_placement(meta, name)
+    slices = []
+    for part in views(meta) if where[0] == "shard" else views(meta)[:1]:
+        piece = _read_slice(files.layout(part), files, name, key)
+        if piece is None:
+            return None
+        slices.append(piece)
+    return join(slices, where)
+
+
+def _read_slice(layout: _SavedLayout, files: ShardFiles, name: str, key: str) -> Tensor | None:
+    """Parameter ``name``'s state ``key`` as ``layout`` (one tensor-parallel rank's) holds it."""
     shape = layout.params[layout.by_name[name]]["shape"]
     numel = math.prod(shape)
     out: Tensor | None = None
     for rank, bucket, offset, count, at in layout.pieces(name, 0, numel):
-        source = _source(files[rank], key, bucket)
+        source = _source(files[layout.file(rank)], key, bucket)
         if source is None:
             return None
         if out is None:

@@ -26,9 +26,12 @@ distributed optimizer shards over data-parallel ranks. What the tensor-parallel 
     (``skip_nonfinite_steps``) agree over both groups: one rank's non-finite slice skips the step on
     every rank.
 
-Refused, with an error naming the parameter: ``DTensor`` parameters of more than one mesh or of a mesh
-of more than one dimension (data parallelism is the engine's, not the mesh's), and gradients whose
-placement the engine cannot bring to the parameter's without communication other than the sum above.
+Checkpoints record each parameter's placement and hold every tensor-parallel rank's slices
+(:mod:`lightning_zero.checkpoint.tensor_layout`). Refused, with an error naming the parameter:
+``DTensor`` parameters of more than one mesh or of a mesh of more than one dimension (data
+parallelism is the engine's, not the mesh's), gradients whose placement the engine cannot bring to
+the parameter's without communication other than the sum above, and the optimizer's torch-format
+state dict (:meth:`TensorParallel.refuse`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,18 @@ from torch import Tensor
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.layout.buckets import Bucket, BucketPlan
 from lightning_zero.layout.local import is_dtensor
+
+Placement = tuple[str] | tuple[str, int]
+"""A parameter's layout over the tensor-parallel group: ``("shard", dim)`` (each rank a slice along
+``dim``, split as ``torch.chunk`` splits) or ``("replicate",)`` (every rank the whole of it)."""
+
+
+def placement(param: Tensor) -> Placement:
+    """The layout of ``param`` over the tensor-parallel group (a plain tensor is replicated)."""
+    if not is_dtensor(param):
+        return ("replicate",)
+    (where,) = param.placements  # type: ignore[attr-defined]  # a 1-D mesh (checked by TensorParallel)
+    return ("shard", int(where.dim)) if where.is_shard() else ("replicate",)
 
 
 class TensorParallel:
@@ -90,8 +105,16 @@ class TensorParallel:
             for p in params
         ]
         """Per parameter: the same whole values on every rank of the group."""
+        self.placements = [placement(p) for p in params]
+        """Per parameter: ``("shard", dim)`` or ``("replicate",)`` over the group (what a checkpoint
+        records, :mod:`lightning_zero.checkpoint.tensor_layout`)."""
+        self.shapes = [tuple(p.shape) for p in params]
+        """Per parameter: its global (whole) shape."""
         self.partial = [False] * len(params)
         """Per parameter: its gradients arrive as partial sums over the group (seen so far)."""
+        self.everyone: Comm | None = None
+        """Every rank (data x tensor parallel), which saves and loads checkpoints together; set by
+        :func:`lightning_zero.checkpoint.format.checkpoint_comm` at the first checkpoint."""
 
     @classmethod
     def of(
@@ -102,16 +125,19 @@ class TensorParallel:
 
     @staticmethod
     def refuse(engine_tensor: TensorParallel | None, what: str) -> None:
-        """Refuse ``what`` (a checkpoint operation) for an engine with tensor-parallel parameters.
+        """Refuse ``what`` (a whole-state operation of the optimizer) for an engine with
+        tensor-parallel parameters.
 
         Raises:
             NotImplementedError: ``engine_tensor`` is not ``None``.
         """
         if engine_tensor is not None:
             raise NotImplementedError(
-                f"{what} does not handle tensor-parallel (DTensor) parameters yet: each rank of the "
-                f"tensor-parallel group holds a different slice of them, which this format would not "
-                "tell apart. Save the model's parameters with torch.distributed.checkpoint meanwhile"
+                f"{what} does not handle tensor-parallel (DTensor) parameters: each rank of the "
+                "tensor-parallel group holds a different slice of them, which a torch optimizer state "
+                "dict would not tell apart. Save sharded checkpoint directories (the strategies' "
+                "checkpoints, lightning_zero.checkpoint.save_sharded): they record the layout, resume on "
+                "another one and consolidate to whole tensors"
             )
 
     def local_grad(self, index: int, param: torch.nn.Parameter, grad: Tensor) -> Tensor:

@@ -110,6 +110,12 @@ class ZeroOptions:
                 "need the whole model there); save directories and convert one with `lightning-zero "
                 "consolidate DIR FILE`, which streams parameter by parameter"
             )
+        if tensor > 1 and not self.sharded_checkpoint:
+            raise ValueError(
+                f"sharded_checkpoint=False is not supported with tensor_parallel_size={tensor} (one file "
+                "of whole tensors would be gathered on rank 0); save directories, which record the "
+                "tensor-parallel layout, and convert one with `lightning-zero consolidate DIR FILE`"
+            )
         if self.async_checkpoint and not self.sharded_checkpoint:
             raise ValueError("async_checkpoint=True needs sharded_checkpoint=True (directories of shards)")
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.distributed.harness import ranks, run_ranks_each
-from tests.distributed.workers_tp import tp_parity, tp_refusals
+from tests.distributed.workers_tp import tp_checkpoints, tp_parity, tp_refusals
 
 WORLD = 4
 NAN = {"nan_step": 1, "skip": 2}  # rank 1's slice of up.weight's gradient is NaN at step 1
@@ -34,10 +34,12 @@ SEQUENCE_PARALLEL_NORMS = ["norm1.weight", "norm1.bias", "norm2.weight", "norm2.
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[Any] | RuntimeError]:
-    calls = [(tp_parity, ([case],)) for case in CASES.values()] + [(tp_refusals, ())]
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any] | RuntimeError]:
+    root = str(tmp_path_factory.mktemp("tp-checkpoints"))
+    calls = [(tp_parity, ([case],)) for case in CASES.values()]
+    calls += [(tp_refusals, ()), (tp_checkpoints, (root,))]
     out = run_ranks_each(calls, WORLD)
-    return dict(zip([*CASES, "refusals"], out, strict=True))
+    return dict(zip([*CASES, "refusals", "checkpoints"], out, strict=True))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -65,10 +67,26 @@ def test_sequence_parallel_norms_get_partial_gradients_summed_over_the_tensor_gr
         assert result["tensor_elements"] > 0
 
 
+def test_checkpoints_resume_on_another_tensor_parallel_layout_as_the_unsplit_run(runs: dict) -> None:
+    """A checkpoint saved at TP2 x DP2 resumes at TP1 x DP4 (slices joined), that one at TP2 x DP2 (cut
+    into slices), that one on another bucket plan (each tensor rank its own files), each equal to the
+    unsplit model trained without a break; the files alone give whole parameters and Adam moments
+    (``load_full_state_dict``, ``consolidate``) and pass ``verify``."""
+    for rank, result in enumerate(ranks(runs, "checkpoints")):
+        assert set(result["diff"]) == {"A", "B", "C", "D"}
+        assert max(result["diff"].values()) <= 1e-10, (rank, result["diff"])
+        if rank == 0:
+            assert max(result["whole"].values()) <= 1e-10, result["whole"]
+            assert result["verify A"] == result["verify C"] == 0
+            shards = [f for f in result["files A"] if f.startswith("shard-")]
+            assert shards == [f"shard-0000{r}-of-00002-tensor-0{t}-of-02.pt" for r in (0, 1) for t in (0, 1)]
+            assert [f for f in result["files C"] if f.startswith("shard-")] == shards
+
+
 def test_what_does_not_compose_yet_is_refused_by_name(runs: dict) -> None:
-    """Never a silent difference: the checkpoint formats (they cannot tell the tensor-parallel slices
-    apart), parameters that are not on a 1-D tensor-parallel mesh and a tensor-parallel group
-    overlapping the data-parallel one raise, naming what to do."""
+    """Never a silent difference: the optimizer's torch-format state dict (it cannot tell the
+    tensor-parallel slices apart), parameters that are not on a 1-D tensor-parallel mesh and a
+    tensor-parallel group overlapping the data-parallel one raise, naming what to do."""
     for messages in ranks(runs, "refusals"):
         assert set(messages) == {
             "consolidate_state_dict",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,6 +21,7 @@ import lightning_zero
 from tests.distributed.workers_tp import SEQ, VOCAB, SequenceBlock, full_parameters, tensor_parallel_plan
 
 SAMPLES, BATCH, STEPS, ACCUM, CLIP, LR = 32, 2, 3, 2, 0.5, 0.05
+ROOT = Path(".")  # where checkpoints go: beside --out (set in main)
 
 
 def dataset() -> TensorDataset:
@@ -49,25 +51,64 @@ class TensorParallelModule(pl.LightningModule):
         self.seen.append(samples.clone())  # which samples this rank trained on, in order
         return F.cross_entropy(self.net(tokens).reshape(-1, VOCAB), targets.reshape(-1))
 
+    def validation_step(self, batch: tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
+        tokens, targets, _ = batch
+        return F.cross_entropy(self.net(tokens).reshape(-1, VOCAB), targets.reshape(-1))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
 
 
-def refused(case: dict[str, Any]) -> dict[str, Any]:
-    """A fit tensor parallelism cannot run yet: the error every rank raises at setup."""
+def _trainer(strategy: Any, max_steps: int, **kwargs: Any) -> pl.Trainer:
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 4,
+        "max_steps": max_steps,
+        "accumulate_grad_batches": ACCUM,
+        "gradient_clip_val": CLIP,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return pl.Trainer(strategy=strategy, **{**settings, **kwargs})
+
+
+def resumed(case: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Lightning's checkpointing with tensor parallelism: a stage-2 fit saves a sharded checkpoint at
+    step 2 (ModelCheckpoint), a stage-3 fit resumes it to step 3, and a validation of a fresh module
+    with ``ckpt_path`` loads the step-2 weights (each rank its slices of the whole tensors)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    loader = DataLoader(dataset(), batch_size=BATCH, shuffle=False)
+    saver = ModelCheckpoint(dirpath=root, every_n_train_steps=2)
+    first = TensorParallelModule()
+    strategy = lightning_zero.ZeroStrategy(stage=2, tensor_parallel_size=2)
+    trainer = _trainer(strategy, 2, callbacks=[saver], enable_checkpointing=True)
+    trainer.fit(first, loader)
+    saved = full_parameters(first.net)
+    path = saver.last_model_path or saver.best_model_path
+    second = TensorParallelModule()
     strategy = lightning_zero.ZeroStrategy(stage=case["stage"], tensor_parallel_size=2)
-    meta = case["refuse"] == "meta"
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=4,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=not meta,  # "checkpointing": Lightning's default ModelCheckpoint
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    with trainer.init_module(empty_init=True) if meta else contextlib.nullcontext():
+    _trainer(strategy, STEPS).fit(second, loader, ckpt_path=path)
+    with lightning_zero.gathered(second.net) if case["stage"] == 3 else contextlib.nullcontext():
+        params = full_parameters(second.net)
+    fresh = TensorParallelModule()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    checker = _trainer(lightning_zero.ZeroStrategy(stage=2, tensor_parallel_size=2), 1, limit_val_batches=1)
+    checker.validate(fresh, DataLoader(dataset(), batch_size=BATCH), ckpt_path=path)
+    loaded = full_parameters(fresh.net)
+    diff = max(float((loaded[n] - saved[n]).abs().max()) for n in saved)
+    return {"params": params, "seen": torch.cat(first.seen + second.seen), "loaded_diff": diff, "path": path}
+
+
+def refused(case: dict[str, Any]) -> dict[str, Any]:
+    """A fit tensor parallelism cannot run yet (a model built on the meta device): the error every rank
+    raises at setup."""
+    trainer = _trainer(lightning_zero.ZeroStrategy(stage=case["stage"], tensor_parallel_size=2), 1)
+    with trainer.init_module(empty_init=True):
         module = TensorParallelModule()
     try:
         trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
@@ -111,6 +152,8 @@ def fit(case: dict[str, Any]) -> dict[str, Any]:
 
     if "refuse" in case:
         return refused(case)
+    if case["strategy"] == "resume":
+        return resumed(case, ROOT)
     if case["strategy"] == "fabric":
         return fabric_loop(case)
     peer = case["strategy"] == "model_parallel"
@@ -120,18 +163,7 @@ def fit(case: dict[str, Any]) -> dict[str, Any]:
         hybrid = {"shard_group_size": case["shard_group_size"]} if "shard_group_size" in case else {}
         strategy = lightning_zero.ZeroStrategy(stage=case["stage"], tensor_parallel_size=2, **hybrid)
     module = TensorParallelModule(fsdp=peer)
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=4,
-        max_steps=STEPS,
-        accumulate_grad_batches=ACCUM,
-        gradient_clip_val=CLIP,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(strategy, STEPS)
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH, shuffle=False))
     stage3 = not peer and case["stage"] == 3
     with lightning_zero.gathered(module.net) if stage3 else contextlib.nullcontext():
@@ -145,6 +177,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", required=True)
     args = parser.parse_args()
+    global ROOT
+    ROOT = Path(args.out).parent / "checkpoints"
     torch.set_default_dtype(torch.float64)
     results = {case["name"]: fit(case) for case in json.loads(args.cases)}
     seen = {name: r.pop("seen") for name, r in results.items() if "seen" in r}

@@ -248,3 +248,94 @@ def tp_refusals(rank: int, world_size: int) -> dict[str, str]:
     two_d = nn.Parameter(distribute_tensor(torch.zeros(4, 4), mesh, [Replicate(), Shard(0)]))
     refused("2-D parameters", lambda: ShardedAdamW([two_d], device_mesh=mesh["data"]))
     return messages
+
+
+def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch: 4 sequences (what 2 data ranks see in :func:`_tp_case`)."""
+    parts = [_batch(step, 0, d) for d in range(2)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _sharded_block(
+    world_size: int, tensor: int, stage: int, cap_mb: float
+) -> tuple[nn.Module, ShardedAdamW, int]:
+    """A fresh (differently initialised) block on a ``(data, tensor)`` mesh, its optimizer, its data rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (world_size // tensor, tensor), mesh_dim_names=("data", "tensor"))
+    torch.manual_seed(123)
+    model = SequenceBlock()
+    if tensor > 1:
+        model = parallelize_module(model, mesh["tensor"], tensor_parallel_plan())
+    config = ZeroConfig(stage=stage, bucket_cap_mb=cap_mb)
+    opt = ShardedAdamW(
+        model.parameters(), lr=0.05, weight_decay=0.1, config=config, module=model, device_mesh=mesh["data"]
+    )
+    return model, opt, mesh["data"].get_local_rank()
+
+
+def tp_checkpoints(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Sharded checkpoints across tensor-parallel layouts, each resumed run against the unsplit model
+    trained without a break (float64): A, TP2 x DP2 at stage 2, 2 steps, saved; B, TP1 x DP4 at stage 3,
+    loads A (slices joined), 1 step, saved; C, TP2 x DP2 at stage 1, loads B (cut into slices), 1 step,
+    saved; D, TP2 x DP2 at stage 2 with another bucket plan, loads C (each tensor rank its own files),
+    1 step. Rank 0 also reads A and C whole without a process group (parameters and Adam moments)."""
+    from pathlib import Path
+
+    from lightning_zero.checkpoint import load_full_state_dict, read_meta, save_sharded
+    from lightning_zero.checkpoint.consolidate import consolidate
+    from lightning_zero.checkpoint.reshard import load_sharded, preflight, read_full_param
+    from lightning_zero.cli import verify
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(123)
+        reference = SequenceBlock()
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+        layouts = [("A", 2, 2, 0.0005), ("B", 1, 3, 0.0005), ("C", 2, 1, 0.0005), ("D", 2, 2, 0.002)]
+        out: dict[str, Any] = {"diff": {}, "whole": {}}
+        done, previous = 0, None
+        for name, tensor, stage, cap in layouts:
+            model, opt, data_rank = _sharded_block(world_size, tensor, stage, cap)
+            data = world_size // tensor
+            if previous is not None:
+                meta = read_meta(previous)
+                preflight(opt.engine, previous, meta)
+                load_sharded(opt.engine, previous, meta)
+            for step in range(done, 2 if previous is None else done + 1):
+                tokens, targets = _global_batch(step)
+                rows = slice(data_rank * 4 // data, (data_rank + 1) * 4 // data)
+                _loss(model, tokens[rows], targets[rows]).backward()
+                opt.step()
+                opt.zero_grad()
+                _loss(reference, tokens, targets).backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                done = step + 1
+            with torch.no_grad(), lightning_zero.gathered(model) if stage == 3 else contextlib.nullcontext():
+                mine = full_parameters(model)
+            ref = dict(reference.named_parameters())
+            out["diff"][name] = max(float((mine[n] - ref[n].detach()).abs().max()) for n in ref)
+            if name == "D":
+                break
+            previous = Path(root, name)
+            save_sharded(opt.engine, previous, {}, {}, stage)
+            if rank == 0 and name in ("A", "C"):  # whole tensors from the files alone
+                meta = read_meta(previous)
+                whole = load_full_state_dict(previous)
+                diffs = [float((whole[n] - ref[n].detach()).abs().max()) for n in ref]
+                for n, p in ref.items():
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        saved = read_full_param(previous, meta, n, key)
+                        assert saved is not None
+                        diffs.append(float((saved - ref_opt.state[p][key]).abs().max()))
+                consolidate(previous, Path(root, f"{name}.ckpt"))
+                state = torch.load(Path(root, f"{name}.ckpt"), weights_only=True)["state_dict"]
+                diffs += [float((state[n] - ref[n].detach()).abs().max()) for n in ref]
+                out["whole"][name] = max(diffs)
+                out[f"verify {name}"] = verify(previous)
+                out[f"files {name}"] = sorted(p.name for p in previous.iterdir())
+        return out
+    finally:
+        torch.set_default_dtype(torch.float32)

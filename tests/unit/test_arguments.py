@@ -93,6 +93,10 @@ def test_a_timeout_that_is_not_positive_is_refused(index: int, timeout: timedelt
             "builds its own mesh: leave device_mesh unset",
         ),
         ({"tensor_parallel_size": True}, "tensor_parallel_size must be a positive number"),
+        (
+            {"tensor_parallel_size": 2, "sharded_checkpoint": False},
+            "sharded_checkpoint=False is not supported with tensor_parallel_size=2",
+        ),
     ],
 )
 def test_tensor_parallelism_refuses_what_it_does_not_compose_with_yet(arguments: dict, message: str) -> None:

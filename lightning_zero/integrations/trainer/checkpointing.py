@@ -44,6 +44,7 @@ from lightning_zero.checkpoint.format import (
     weights_extras,
 )
 from lightning_zero.checkpoint.reshard import ShardFiles, load_sharded, read_full_param, weights_key
+from lightning_zero.checkpoint.tensor_layout import copy_slices
 from lightning_zero.comm import Comm
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import check_sharded_path, local_path
@@ -196,12 +197,17 @@ class ShardedCheckpointing(DDPStrategy):
         # validate/test/predict: no optimizer, read whole parameters (a model another Trainer left
         # sharded takes them one unit at a time through its load_state_dict)
         extras = weights_extras(meta, extras)
-        files = ShardFiles(path, meta["world_size"])
+        files = ShardFiles(path)
         for spec in meta["plan"]["params"]:
             extras[spec["name"]] = read_full_param(path, meta, spec["name"], weights_key(meta), files=files)
         for alias, name in meta.get("aliases", {}).items():  # a tied weight's other key
             extras[alias] = extras[name]
+        try:  # a tensor-parallel parameter takes its slice of the whole tensor
+            extras, filled = copy_slices(module, extras)
+        except ValueError as err:
+            raise CheckpointError(f"{path}: {err}") from err
         missing, unexpected = module.load_state_dict(extras, strict=False)
+        missing = [k for k in missing if k not in filled]
         if strict and (missing or unexpected):
             raise CheckpointError(
                 f"{path}: model state does not match: missing keys {sorted(missing)}, "

@@ -204,11 +204,6 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
     def _check_checkpoint_targets(self, trainer: pl.Trainer) -> None:
         """Before any work: a checkpoint IO plugin or a URL that sharded saves could not honour."""
         sharded = self._zero.options.sharded_checkpoint
-        if self._zero.model_mesh is not None and trainer.checkpoint_callbacks:
-            raise ValueError(
-                "tensor_parallel_size > 1 cannot save this package's checkpoints yet (they would not tell "
-                "the tensor-parallel slices apart): pass Trainer(enable_checkpointing=False)"
-            )
         check_sharded_io(self.checkpoint_io, sharded, "ZeroStrategy")
         if sharded:
             for callback in trainer.checkpoint_callbacks:

@@ -1,0 +1,161 @@
+"""Checkpoints of tensor-parallel models: one data-parallel checkpoint per tensor-parallel rank, in one
+directory, and the whole tensors they make together.
+
+An engine whose parameters are ``DTensor``s (:mod:`lightning_zero.engine.tensor_parallel`) shards
+each parameter's *local* slice over the data-parallel ranks. Its checkpoint holds, for each
+tensor-parallel rank ``t`` of ``T``, the data-parallel shard files of those slices, named
+``shard-RRRRR-of-NNNNN-tensor-TT-of-TT.pt`` (:func:`lightning_zero.checkpoint.format.shard_name`),
+in the usual per-bucket format over that rank's bucket plan. ``meta.pt`` records:
+
+  * ``meta["plan"]``: tensor-parallel rank 0's plan, with every parameter's *global* shape: what
+    readers of whole parameters (consolidation, ``load_full_state_dict``, the exports, ``verify``)
+    see, as in any checkpoint;
+  * ``meta["tensor"]``: ``{"size": T, "placements": {name: ("shard", dim) | ("replicate",)},
+    "plans": [the plan of tensor-parallel rank t, local shapes, for t < T]}``.
+
+Reading (:mod:`lightning_zero.checkpoint.reshard`):
+
+  * **the same tensor-parallel layout** (``T`` and every placement): tensor-parallel rank ``t``
+    reads tensor-parallel rank ``t``'s files (:func:`view`), on any data-parallel size, exactly as any
+    checkpoint is read;
+  * **another layout** (``T=2`` into ``T=1`` or the reverse, another placement): each parameter is
+    made whole from the saved slices (:func:`join`: a ``("shard", d)`` one concatenated along ``d``
+    in tensor-parallel rank order, a replicated one taken from rank 0), and this rank's slice under
+    its own placement is cut from it (:func:`cut`). Adam's moments and a weight average are
+    elementwise, so they reshard as the parameter does. A rank holds one whole parameter at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.engine.engine import ShardEngine
+from lightning_zero.engine.tensor_parallel import Placement, placement
+from lightning_zero.layout.local import is_dtensor
+
+TENSOR = "tensor"
+"""Key of the tensor-parallel layout in ``meta.pt`` (only in checkpoints of tensor-parallel models)."""
+VIEW = "tensor_rank"
+"""Key a :func:`view` adds to ``meta``: the tensor-parallel rank whose files it reads."""
+REPLICATE: Placement = ("replicate",)
+
+
+def engine_layout(engine: ShardEngine) -> tuple[int, int, list[Placement], list[tuple[int, ...]]]:
+    """``(T, t, placements, global shapes)`` of ``engine``'s parameters in plan order (``T=1`` and
+    every parameter replicated without tensor parallelism)."""
+    tensor = engine.tensor
+    if tensor is None:
+        return 1, 0, [REPLICATE] * len(engine.plan.params), [tuple(p.shape) for p in engine.plan.params]
+    return tensor.size, tensor.rank, list(tensor.placements), list(tensor.shapes)
+
+
+def saved_size(meta: dict[str, Any]) -> int:
+    """The tensor-parallel size that wrote a checkpoint (1 for a checkpoint without one)."""
+    return int(meta[TENSOR]["size"]) if TENSOR in meta else 1
+
+
+def saved_placement(meta: dict[str, Any], name: str) -> Placement:
+    """How parameter ``name`` was laid out over the saving tensor-parallel group."""
+    if TENSOR not in meta:
+        return REPLICATE
+    return tuple(meta[TENSOR]["placements"][name])  # type: ignore[return-value]
+
+
+def same_layout(engine: ShardEngine, meta: dict[str, Any]) -> bool:
+    """Whether this engine's ranks read the saved files of their own tensor-parallel rank as they are:
+    the same tensor-parallel size and, for every parameter both know, the same placement."""
+    size, _, placements, _ = engine_layout(engine)
+    if size != saved_size(meta):
+        return False
+    if TENSOR not in meta:
+        return True
+    saved = meta[TENSOR]["placements"]
+    return all(
+        tuple(saved[p.name]) == placements[i] for i, p in enumerate(engine.plan.params) if p.name in saved
+    )
+
+
+def record(engine: ShardEngine, plans: Sequence[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Add the tensor-parallel layout to ``meta`` (written by a tensor-parallel engine), given every
+    tensor-parallel rank's plan (``plan_meta``, in rank order): see the module docstring."""
+    size, _, placements, shapes = engine_layout(engine)
+    names = [p.name for p in engine.plan.params]
+    meta[TENSOR] = {
+        "size": size,
+        "placements": {n: list(placements[i]) for i, n in enumerate(names)},
+        "plans": list(plans),
+    }
+    whole = dict(zip(names, shapes, strict=True))
+    meta["plan"] = {
+        **plans[0],
+        "params": [{**p, "shape": list(whole[p["name"]])} for p in plans[0]["params"]],
+    }
+
+
+def view(meta: dict[str, Any], rank: int) -> dict[str, Any]:
+    """``meta`` as tensor-parallel rank ``rank``'s own checkpoint: its plan (local shapes) and files.
+    A checkpoint without tensor parallelism is its own view at rank 0."""
+    if TENSOR not in meta:
+        return meta
+    return {**meta, "plan": meta[TENSOR]["plans"][rank], VIEW: rank}
+
+
+def views(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every tensor-parallel rank's :func:`view`."""
+    return [view(meta, t) for t in range(saved_size(meta))]
+
+
+def bounds(length: int, size: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s slice of a dimension of ``length`` split in ``size`` parts as
+    ``torch.chunk`` (and ``DTensor``'s ``Shard``) split it: ``ceil(length / size)`` each, the last
+    ones shorter or empty."""
+    step = -(-length // size)
+    start = min(rank * step, length)
+    return start, min(start + step, length)
+
+
+def cut(whole: Tensor, where: Placement, rank: int, size: int) -> Tensor:
+    """Rank ``rank``'s slice of ``whole`` laid out as ``where`` over ``size`` ranks."""
+    if where[0] != "shard" or size == 1:
+        return whole
+    dim = where[1]  # type: ignore[misc]
+    start, end = bounds(whole.shape[dim], size, rank)
+    return whole.narrow(dim, start, end - start)
+
+
+def join(slices: Sequence[Tensor], where: Placement) -> Tensor:
+    """The whole tensor made of every tensor-parallel rank's slice (in rank order) laid out as
+    ``where``."""
+    if where[0] != "shard" or len(slices) == 1:
+        return slices[0]
+    return torch.cat(list(slices), dim=where[1])  # type: ignore[misc]
+
+
+@torch.no_grad()
+def copy_slices(module: torch.nn.Module, state: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
+    """Copy into each tensor-parallel (``DTensor``) parameter of ``module`` this rank's slice of its
+    whole tensor in ``state`` (what ``load_state_dict`` cannot do: it copies whole tensors). Returns
+    the other entries of ``state``, for ``load_state_dict``, and the names of the parameters filled.
+
+    Raises:
+        ValueError: a whole tensor whose shape is not the parameter's global shape (names both).
+    """
+    rest, filled = dict(state), []
+    for name, param in module.named_parameters():
+        if not is_dtensor(param) or name not in rest:
+            continue
+        whole = rest.pop(name)
+        if tuple(whole.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{name}: the checkpoint holds shape {list(whole.shape)}, the model's tensor-parallel "
+                f"parameter is {list(param.shape)} whole"
+            )
+        mesh = param.device_mesh  # type: ignore[attr-defined]
+        mine = cut(whole, placement(param), mesh.get_local_rank(), mesh.size())
+        param._local_tensor.copy_(mine)  # type: ignore[attr-defined]
+        filled.append(name)
+    return rest, filled
