@@ -28,8 +28,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
+import lightning_zero
 from recipes.config import ConfigError, Run, build_run, validate  # registers `pretrain_schema`, resolvers
 from recipes.training import EXIT_PEER_FAILURE, LossPlot, peer_failure
+from recipes.training.tensor_parallel import is_tensor_parallel, unsplit_copy
 
 EXIT_CONFIG_ERROR = 2
 
@@ -48,6 +50,9 @@ def sample_text(run: Run, cfg: DictConfig) -> str:
     tokenizer = run.datamodule.tokenizer
     assert tokenizer is not None, "the data module is set up by fit()"
     model = run.module.model
+    if is_tensor_parallel(model):  # decoding one position at a time cannot be split along the sequence
+        with lightning_zero.gathered(model):
+            model = unsplit_copy(model)
     prompt = torch.tensor([tokenizer.encode(cfg.sample.prompt)], dtype=torch.long, device=run.module.device)
     generator = torch.Generator(device=run.module.device).manual_seed(cfg.seed)
     ids = model.generate(
@@ -100,7 +105,8 @@ def main(cfg: DictConfig) -> None:
             flush=True,
         )
         sys.exit(EXIT_PEER_FAILURE)
-    # every rank samples: under zero3 the model stays sharded after fit, and its forward gathers
+    # every rank samples: under zero3 the model stays sharded after fit, and its forward gathers; under
+    # tensor parallelism every rank gathers the whole model (`sample_text`)
     sample = sample_text(run, cfg)
     if run.trainer.is_global_zero:
         report(run, cfg, sample)

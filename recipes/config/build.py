@@ -82,9 +82,11 @@ def build_module(trainer: pl.Trainer, configs: RecipeConfigs) -> PretrainModule:
     """The LightningModule; under `"zero3"` on the meta device (`trainer.init_module(empty_init=True)`),
     so that no rank ever holds the whole model: the strategy initializes it unit by unit at setup, to
     the values eager construction gives (`lightning_zero.engine.deferred_init`; the model follows its
-    rule), and a resume then overwrites the shards."""
+    rule), and a resume then overwrites the shards. Under tensor parallelism it is built with values
+    (the strategy refuses a meta-device model there for now) and split in `configure_model`."""
     strategy = trainer.strategy
-    if isinstance(strategy, ZeroStrategy) and strategy.zero_config.stage == 3:
+    stage3 = isinstance(strategy, ZeroStrategy) and strategy.zero_config.stage == 3
+    if stage3 and configs.tensor_parallel <= 1:
         with trainer.init_module(empty_init=True):
             return PretrainModule(configs.model, configs.optim)
     return PretrainModule(configs.model, configs.optim)

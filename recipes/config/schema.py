@@ -20,6 +20,7 @@ starts."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -109,6 +110,24 @@ class ClusterSchema:
     peer_failure_requeues: int = 3  # SLURM: requeues of a job after a rank died or hung (0: none)
 
 
+def _tensor_parallel_default() -> int:
+    """`ZeroStrategy`'s own default `tensor_parallel_size` (its one source)."""
+    from lightning_zero import ZeroStrategy
+
+    default: int = inspect.signature(ZeroStrategy).parameters["tensor_parallel_size"].default
+    return default
+
+
+@dataclass
+class ParallelismSchema:
+    """Model-parallel dimensions of the run, beside the data-parallel one (the rest of the ranks)."""
+
+    tensor: int = field(default_factory=_tensor_parallel_default)
+    """Tensor (+ sequence) parallel ranks splitting each layer: consecutive ranks of one node. The
+    lightning-zero strategy files pass it as `tensor_parallel_size`; the module applies
+    `recipes.training.tensor_parallel`'s plan over them (docs/recipes.md#tensor-parallelism)."""
+
+
 @dataclass
 class SampleSchema:
     prompt: str = "def "
@@ -133,6 +152,7 @@ class PretrainSchema:
     logger: dict[str, Any] = field(default_factory=dict)  # any Logger by _target_
     callbacks: dict[str, Any] = field(default_factory=dict)  # any Callback by _target_; null: left out
     cluster: ClusterSchema = MISSING
+    parallelism: ParallelismSchema = field(default_factory=ParallelismSchema)
     sample: SampleSchema = field(default_factory=SampleSchema)
 
 

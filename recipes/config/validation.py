@@ -14,7 +14,8 @@ designates (`recipes.data.sources`) for what it knows: a data path that matches 
 (or a .jsonl / .parquet without the text field), a prepared directory that is incomplete or too small, a
 window longer than the model's context, token ids the model's vocabulary cannot cover (from the prepared
 index's `max_token_id`; for a `.bin` by one pass over it), more devices than the machine has, a
-`ckpt_path` with nothing to resume, and the value checks of the recipe dataclasses. Each failure is a
+`ckpt_path` with nothing to resume, a `parallelism.tensor` the strategy, model, data or devices cannot
+split into (`recipes.config.parallelism`), and the value checks of the recipe dataclasses. Each failure is a
 `ConfigError` whose message names the setting and what would be valid; the entry point prints it and exits
 non-zero without touching earlier runs.
 
@@ -46,6 +47,7 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig, OmegaConf
 
+from recipes.config.parallelism import check_tensor_parallel
 from recipes.config.resolvers import slurm_nodes
 from recipes.config.schema import RUN_DIR_DEFAULT, TRAINER_ARGS_FROM_GROUPS
 from recipes.config.signatures import SIGNATURE_SCHEMA, ArgumentError, check_arguments
@@ -72,6 +74,8 @@ class RecipeConfigs:
     optim: OptimConfig
     source: DataSource
     """Where `data` reads its tokens, as checked (`recipes.data.sources`)."""
+    tensor_parallel: int
+    """`parallelism.tensor`, as checked (`recipes.config.parallelism`)."""
 
     @property
     def corpus(self) -> Corpus | None:
@@ -301,6 +305,10 @@ def check_keys(cfg: DictConfig) -> None:
             f"cluster.peer_failure_requeues={cfg.cluster.peer_failure_requeues}: expected a number of "
             "requeues >= 0 (0: a job whose rank died or hung is not requeued)"
         )
+    if cfg.parallelism.tensor < 1:
+        raise ConfigError(
+            f"parallelism.tensor={cfg.parallelism.tensor} must be >= 1 (ranks splitting each layer; 1: none)"
+        )
     check_strategy(cfg.strategy)
     check_shard_group(cfg)
     check_target_nodes(cfg)
@@ -400,7 +408,13 @@ def validate(cfg: DictConfig) -> RecipeConfigs:
             "model.compile_blocks=true with strategy.overlap_param_gather=true: the gather waits are "
             "hooks on layers inside the compiled block body; use one of the two"
         )
+    try:
+        check_tensor_parallel(cfg, model, data)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
     check_devices(str(cfg.trainer.accelerator), cfg.trainer.devices)
     check_slurm_launch()
     check_ckpt_path(cfg.ckpt_path, Path(cfg.run_dir), cfg.run_name)
-    return RecipeConfigs(model=model, data=data, optim=optim, source=source)
+    return RecipeConfigs(
+        model=model, data=data, optim=optim, source=source, tensor_parallel=cfg.parallelism.tensor
+    )

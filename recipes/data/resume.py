@@ -15,7 +15,8 @@
     `loader()` call checks it against this run (`recipes.data.sampling.check_resume`): another global
     batch `devices x num_nodes x accumulate_grad_batches x batch_size`, dataset size or seed is refused
     with a `DataResumeError` before the first batch; another world size with the same global batch
-    continues exactly.
+    continues exactly. Ranks count as the strategy deals data (`data_parallel`): the ranks of one
+    tensor-parallel group are one data-parallel rank.
 
 Limits: automatic optimization with one optimizer (`global_step` must count global batches);
 `accumulate_grad_batches` fixed for the whole run (no `GradientAccumulationScheduler`); a checkpoint
@@ -37,11 +38,21 @@ from typing_extensions import override
 from recipes.data.sampling import BatchLayout, DataPosition, DataResumeError, GlobalBatchSampler, check_resume
 
 
+def data_parallel(trainer: pl.Trainer) -> tuple[int, int]:
+    """(data-parallel ranks, this rank's index among them), as the strategy deals data
+    (`distributed_sampler_kwargs`): under tensor parallelism the `T` ranks of a tensor-parallel group
+    are one data-parallel rank and train the same samples; one rank without a parallel strategy."""
+    kwargs = trainer.distributed_sampler_kwargs
+    if kwargs is None:
+        return 1, 0
+    return int(kwargs["num_replicas"]), int(kwargs["rank"])
+
+
 def batch_layout(trainer: pl.Trainer | None, micro_batch_size: int) -> BatchLayout:
-    """The global batch of `trainer`: world size x accumulate_grad_batches x `micro_batch_size`
+    """The global batch of `trainer`: data-parallel ranks x accumulate_grad_batches x `micro_batch_size`
     (one rank, no accumulation without a trainer)."""
     return BatchLayout(
-        world_size=trainer.world_size if trainer is not None else 1,
+        world_size=data_parallel(trainer)[0] if trainer is not None else 1,
         accumulate=trainer.accumulate_grad_batches if trainer is not None else 1,
         micro_batch_size=micro_batch_size,
     )
@@ -135,7 +146,8 @@ class TrainDataResume:
                 )
             return trainer.global_step
 
-        self.sampler = GlobalBatchSampler(dataset, layout, trainer.global_rank, seed, consumed_steps)
+        rank = data_parallel(trainer)[1]
+        self.sampler = GlobalBatchSampler(dataset, layout, rank, seed, consumed_steps)
         return self._data_loader(dataset, micro_batch_size, num_workers)
 
     def _data_loader(self, dataset: Dataset[Any], micro_batch_size: int, num_workers: int) -> DataLoader[Any]:

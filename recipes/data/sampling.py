@@ -52,7 +52,8 @@ class BatchLayout:
     """How one global batch is split over ranks and micro-batches."""
 
     world_size: int
-    """Data-parallel ranks (devices x num_nodes)."""
+    """Data-parallel ranks (devices x num_nodes / parallelism.tensor: the ranks of one tensor-parallel
+    group train the same samples)."""
     accumulate: int
     """Micro-batches per rank and optimizer step (Lightning's accumulate_grad_batches)."""
     micro_batch_size: int

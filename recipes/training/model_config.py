@@ -68,6 +68,30 @@ class GPTConfig:
                 f"model.compile_backend={self.compile_backend!r} is not one of {', '.join(COMPILE_BACKENDS)}"
             )
 
+    def check_tensor_parallel(self, tensor: int) -> None:
+        """Refuse a tensor-parallel size that does not split this model into whole heads and equal
+        slices (`recipes.training.tensor_parallel`): `tensor` must divide the query heads, the key/value
+        heads (each rank keeps whole heads of both), the MLP width and the vocabulary (the embedding's
+        and the head's rows).
+
+        Raises:
+            ValueError: naming the first field `tensor` does not divide, with its value.
+        """
+        if tensor < 1:
+            raise ValueError(f"parallelism.tensor={tensor} must be >= 1")
+        sizes = {
+            "model.n_head": self.n_head,
+            "model.n_kv_head (key/value heads)": self.kv_heads,
+            "model.mlp_hidden (the MLP width)": self.hidden_dim,
+            "model.vocab_size": self.vocab_size,
+        }
+        for name, size in sizes.items():
+            if size % tensor != 0:
+                raise ValueError(
+                    f"parallelism.tensor={tensor} does not divide {name}={size}: each tensor-parallel rank "
+                    f"holds 1/{tensor} of it; choose a parallelism.tensor that divides {size}"
+                )
+
     @property
     def residual_std(self) -> float:
         """Std of the projections that write into the residual stream (GPT-2)."""

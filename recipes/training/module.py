@@ -125,6 +125,19 @@ class PretrainModule(pl.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
+    def configure_model(self) -> None:
+        """Under a strategy with a `tensor_parallel` mesh dimension of size > 1 (`parallelism.tensor=T`:
+        lightning-zero's `tensor_parallel_size`, Lightning's `ModelParallelStrategy`), split the model
+        over it (`recipes.training.tensor_parallel`); once, however often Lightning calls this."""
+        mesh = self.device_mesh
+        if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+            return
+        tensor_mesh = mesh["tensor_parallel"]
+        from recipes.training.tensor_parallel import apply_tensor_parallel, is_tensor_parallel
+
+        if tensor_mesh.size() > 1 and not is_tensor_parallel(self.model):
+            apply_tensor_parallel(self.model, tensor_mesh)
+
     def on_fit_start(self) -> None:
         """A fresh run with `model.init_from=DIR` starts from that Llama's weights, read straight into
         the shards (each rank reads only its own bytes under a ZeRO strategy)."""

@@ -19,10 +19,11 @@ or `trainer.callback_metrics`) under keys like `train/device/items_per_sec`, and
 `window_size` (100) batches. Here the device is synchronised once per logging interval - when the logger
 reads the step's metrics anyway - so the interval's wall time is exact; validation time is left out.
 
-Logged (all ranks alike, rank 0's reach the loggers): `tokens_per_s` (global: this rank's rate x world
-size; shown by `recipes.training.progress.RefreshProgressBar`) and `mfu` (model FLOPs/s per device /
-peak), averaged over the last `window` logging intervals; the first figure comes after `window` + 1 logging
-steps (the first interval holds start-up costs).
+Logged (all ranks alike, rank 0's reach the loggers): `tokens_per_s` (global: this rank's rate x the
+data-parallel ranks, as the strategy deals data; shown by `recipes.training.progress.RefreshProgressBar`)
+and `mfu` (model FLOPs/s per device / peak), averaged over the last `window` logging intervals; the first
+figure comes after `window` + 1 logging steps (the first interval holds start-up costs). The `T` ranks of
+a tensor-parallel group train the same tokens (counted once) and each does `1/T` of their FLOPs.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ class TokenThroughput(Callback):
         self._flops_by_shape: dict[tuple[int, ...], int] = {}
         self._throughput = Throughput(window_size=window + 1)
         self._counts = {"steps": 0, "windows": 0, "tokens": 0, "flops": 0}
+        self._data_parallel = self._tensor_parallel = 1
+        """Ranks that train different samples, and ranks that share each one (a tensor-parallel group)."""
         self._started = 0.0
         self._paused_s = 0.0
         self._pause_started: float | None = None
@@ -148,6 +151,9 @@ class TokenThroughput(Callback):
         self.peak = peak_flops(device, trainer.precision, self.peak_flops_per_device)
         if self.peak is None:
             rank_zero_warn(f"no MFU: set peak_flops_per_device to the FLOP/s of one {device} device")
+        kwargs = trainer.distributed_sampler_kwargs  # how the strategy deals data: its data-parallel ranks
+        self._data_parallel = trainer.world_size if kwargs is None else int(kwargs["num_replicas"])
+        self._tensor_parallel = trainer.world_size // self._data_parallel
         self._throughput = Throughput(
             available_flops=self.peak, world_size=trainer.world_size, window_size=self.window + 1
         )
@@ -178,8 +184,8 @@ class TokenThroughput(Callback):
         config = getattr(pl_module, "model_config", None)
         if not isinstance(config, GPTConfig) or len(shape) != 2:
             return None  # not a GPT of ours: tokens/s only
-        if shape not in self._flops_by_shape:
-            self._flops_by_shape[shape] = train_flops(config, (shape[0], shape[1]))
+        if shape not in self._flops_by_shape:  # a tensor-parallel group shares each micro-batch's FLOPs
+            self._flops_by_shape[shape] = train_flops(config, (shape[0], shape[1])) // self._tensor_parallel
         return self._flops_by_shape[shape]
 
     @override
@@ -204,11 +210,11 @@ class TokenThroughput(Callback):
             flops=self._counts["flops"] if flops is not None else None,
         )
         self._counts["flops"] = 0  # `Throughput` takes the FLOPs since its previous update
-        self._log(pl_module, self._throughput.compute(), trainer.world_size)
+        self._log(pl_module, self._throughput.compute())
 
-    def _log(self, pl_module: pl.LightningModule, metrics: dict[str, float], world_size: int) -> None:
+    def _log(self, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:
         if "device/items_per_sec" in metrics:
             # Not prog_bar: Lightning would read the logged tensor back to the host after every batch.
-            pl_module.log("tokens_per_s", metrics["device/items_per_sec"] * world_size)
+            pl_module.log("tokens_per_s", metrics["device/items_per_sec"] * self._data_parallel)
         if "device/mfu" in metrics:
             pl_module.log("mfu", metrics["device/mfu"])
