@@ -60,8 +60,10 @@ class ZeroOptions:
     ranks of a tensor-parallel group see the same batches. ``T`` must divide the world size and a node's
     ranks (checked at setup). Fabric: parallelize the model over ``strategy.device_mesh["tensor_parallel"]``
     after ``fabric.launch()``, before ``fabric.setup``. With ``shard_group_size`` the data-parallel ranks
-    of each tensor rank are sharded node-aware (``"auto"``: a node's data-parallel ranks). Not yet
-    with this package's checkpoints or a model built on the meta device, each refused by name."""
+    of each tensor rank are sharded node-aware (``"auto"``: a node's data-parallel ranks). Checkpoints
+    are sharded directories that record the tensor-parallel layout and resume on another ``T`` or
+    data-parallel size (``sharded_checkpoint=False`` is refused). Not yet with a model built on the
+    meta device, refused by name."""
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     """A model built on the meta device: ``param_init_fn(module)`` runs on each of its modules, children
     first, after every module's ``reset_parameters()``, as ``model.apply(param_init_fn)`` at the end of

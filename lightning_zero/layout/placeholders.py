@@ -45,6 +45,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_zero.layout.local import is_dtensor
+
 _NAMES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """Stage-3 parameters (and the ``.data`` tensors taken from freed ones) -> the parameter's name."""
 
@@ -127,7 +129,10 @@ def _refusing(
     if (data or op == "detach") and isinstance(result, Tensor) and freed:
         # param.data, param.detach() (a state_dict): a tensor that refuses as the parameter does
         name = _NAMES.get(freed[0], "<unnamed>")
-        result = result.as_subclass(_FreedData)
+        if is_dtensor(result):  # a tensor-parallel parameter's: its own class, refusing
+            refuse_writes(result)
+        else:
+            result = result.as_subclass(_FreedData)
         _NAMES[result] = name
     return result
 

@@ -144,7 +144,17 @@ def fabric_loop(case: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
     with lightning_zero.gathered(net) if case["stage"] == 3 else contextlib.nullcontext():
         params = full_parameters(net)
-    return {"params": params, "seen": torch.cat(seen)}
+    # fabric.save writes every tensor rank's slices; fabric.load of a zeroed model restores them
+    path = ROOT / f"fabric{case['stage']}"
+    fabric.save(path, {"model": model, "optimizer": opt})
+    with torch.no_grad(), lightning_zero.gathered(net) if case["stage"] == 3 else contextlib.nullcontext():
+        for p in net.parameters():
+            p.zero_()
+    fabric.load(path, {"model": model, "optimizer": opt})
+    with lightning_zero.gathered(net) if case["stage"] == 3 else contextlib.nullcontext():
+        loaded = full_parameters(net)
+    diff = max(float((loaded[n] - params[n]).abs().max()) for n in params)
+    return {"params": params, "seen": torch.cat(seen), "loaded_diff": diff}
 
 
 def fit(case: dict[str, Any]) -> dict[str, Any]:
