@@ -38,7 +38,6 @@ from lightning_zero.checkpoint.format import (
 )
 from lightning_zero.checkpoint.tensor_layout import (
     VIEW,
-    cut,
     engine_layout,
     join,
     same_layout,
@@ -48,6 +47,7 @@ from lightning_zero.checkpoint.tensor_layout import (
 )
 from lightning_zero.comm.trace import span
 from lightning_zero.engine.engine import ShardEngine
+from lightning_zero.engine.tensor_parallel import cut
 from lightning_zero.layout.partition import Segment
 
 _RELEASE_BYTES = 64 * 2**20

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.engine.engine import ShardEngine
-from lightning_zero.engine.tensor_parallel import Placement, placement
+from lightning_zero.engine.tensor_parallel import Placement, slice_of
 from lightning_zero.layout.local import is_dtensor
 
 TENSOR = "tensor"
@@ -109,24 +109,6 @@ def views(meta: dict[str, Any]) -> list[dict[str, Any]]:
     return [view(meta, t) for t in range(saved_size(meta))]
 
 
-def bounds(length: int, size: int, rank: int) -> tuple[int, int]:
-    """``[start, end)`` of rank ``rank``'s slice of a dimension of ``length`` split in ``size`` parts as
-    ``torch.chunk`` (and ``DTensor``'s ``Shard``) split it: ``ceil(length / size)`` each, the last
-    ones shorter or empty."""
-    step = -(-length // size)
-    start = min(rank * step, length)
-    return start, min(start + step, length)
-
-
-def cut(whole: Tensor, where: Placement, rank: int, size: int) -> Tensor:
-    """Rank ``rank``'s slice of ``whole`` laid out as ``where`` over ``size`` ranks."""
-    if where[0] != "shard" or size == 1:
-        return whole
-    dim = where[1]  # type: ignore[misc]
-    start, end = bounds(whole.shape[dim], size, rank)
-    return whole.narrow(dim, start, end - start)
-
-
 def join(slices: Sequence[Tensor], where: Placement) -> Tensor:
     """The whole tensor made of every tensor-parallel rank's slice (in rank order) laid out as
     ``where``."""
@@ -154,8 +136,6 @@ def copy_slices(module: torch.nn.Module, state: dict[str, Tensor]) -> tuple[dict
                 f"{name}: the checkpoint holds shape {list(whole.shape)}, the model's tensor-parallel "
                 f"parameter is {list(param.shape)} whole"
             )
-        mesh = param.device_mesh  # type: ignore[attr-defined]
-        mine = cut(whole, placement(param), mesh.get_local_rank(), mesh.size())
-        param._local_tensor.copy_(mine)  # type: ignore[attr-defined]
+        param._local_tensor.copy_(slice_of(param, whole))  # type: ignore[attr-defined]
         filled.append(name)
     return rest, filled

@@ -82,8 +82,10 @@ from lightning_zero.engine.init_order import (
     eager_calls,
     post_order,
 )
+from lightning_zero.engine.tensor_parallel import slice_of
 from lightning_zero.layout.buckets import Bucket
 from lightning_zero.layout.flat import FlatParams
+from lightning_zero.layout.local import is_dtensor, local
 from lightning_zero.layout.placeholders import FreedParameterError
 from lightning_zero.layout.units import UnitLayout
 
@@ -183,9 +185,18 @@ class _Materializer:
             if index is not None:
                 self._materialize_bucket(index)
             elif param.is_meta:
-                real = nn.Parameter(_nan_like(param, self.device), requires_grad=param.requires_grad)
+                if is_dtensor(param):  # tensor parallelism: this rank's slice gets memory
+                    real = nn.Parameter(torch.empty_like(param, device=self.device), param.requires_grad)
+                    _mark_unwritten(local(real))
+                else:
+                    real = nn.Parameter(_nan_like(param, self.device), requires_grad=param.requires_grad)
                 torch.utils.swap_tensors(param, real)  # the same object: optimizers keep their references
         for name, buffer in module._buffers.items():
+            if is_dtensor(buffer):
+                raise DeferredInitError(
+                    f"deferred initialization: buffer {self.names.get(id(buffer), name)!r} is a "
+                    "tensor-parallel DTensor; build the model with values, or keep its buffers plain tensors"
+                )
             if buffer is not None and buffer.is_meta:
                 filled = _nan_like(buffer, self.device)
                 module._buffers[name] = filled
@@ -240,6 +251,7 @@ class _Materializer:
         ``param_init_fn``, which runs after the tie)."""
         module = call.module
         scratch: dict[str, nn.Parameter] = {}
+        sliced: dict[str, nn.Parameter] = {}
         written = self.written.setdefault(call.kind, set())
         for pname, param in module._parameters.items():
             # param_init_fn runs as model.apply(fn) after the model tied its weights: the last write wins
@@ -249,6 +261,9 @@ class _Materializer:
                     torch.empty(param.shape, dtype=param.dtype, device=self.device),
                     requires_grad=param.requires_grad,
                 )
+            elif param is not None and is_dtensor(param):  # drawn whole as eagerly, then cut to the slice
+                sliced[pname] = param
+                module._parameters[pname] = nn.Parameter(_nan_like(param, self.device), param.requires_grad)
         try:
             with torch.no_grad():
                 call.run()
@@ -261,7 +276,13 @@ class _Materializer:
                 "or 2, which initialize the whole model at once)"
             ) from err
         finally:
+            for pname, param in sliced.items():
+                whole = module._parameters[pname]
+                assert whole is not None
+                with torch.no_grad():
+                    local(param).copy_(slice_of(param, whole))
             module._parameters.update(scratch)
+            module._parameters.update(sliced)
         written.update(id(p) for p in module._parameters.values() if p is not None)
 
     @torch.no_grad()
@@ -305,7 +326,7 @@ class _Materializer:
         checked = [t for t in tensors if t.dtype != torch.bool]
         if not checked:
             return
-        flags = torch.stack([_unwritten(t).any() for t in checked]).tolist()
+        flags = torch.stack([_unwritten(local(t)).any() for t in checked]).tolist()  # a slice: no collective
         missed = [self.names.get(id(t), "<unnamed>") for t, bad in zip(checked, flags, strict=True) if bad]
         if missed:
             raise DeferredInitError(
@@ -318,7 +339,11 @@ class _Materializer:
 
 def _nan_like(tensor: Tensor, device: torch.device) -> Tensor:
     """What an unwritten tensor holds until an initializer writes it: NaN, an integer's minimum."""
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    return _mark_unwritten(torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
+
+
+def _mark_unwritten(out: Tensor) -> Tensor:
+    """Fill ``out`` with what an unwritten tensor holds (see :func:`_nan_like`); returns it."""
     if out.is_floating_point() or out.is_complex():
         out.fill_(float("nan"))
     elif out.dtype != torch.bool:

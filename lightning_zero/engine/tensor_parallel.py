@@ -58,6 +58,31 @@ def placement(param: Tensor) -> Placement:
     return ("shard", int(where.dim)) if where.is_shard() else ("replicate",)
 
 
+def bounds(length: int, size: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s slice of a dimension of ``length`` split in ``size`` parts as
+    ``torch.chunk`` (and ``DTensor``'s ``Shard``) split it: ``ceil(length / size)`` each, the last
+    ones shorter or empty."""
+    step = -(-length // size)
+    start = min(rank * step, length)
+    return start, min(start + step, length)
+
+
+def cut(whole: Tensor, where: Placement, rank: int, size: int) -> Tensor:
+    """Rank ``rank``'s slice of ``whole`` laid out as ``where`` over ``size`` ranks."""
+    if where[0] != "shard" or size == 1:
+        return whole
+    dim = where[1]  # type: ignore[misc]
+    start, end = bounds(whole.shape[dim], size, rank)
+    return whole.narrow(dim, start, end - start)
+
+
+def slice_of(param: Tensor, whole: Tensor) -> Tensor:
+    """This rank's part of ``whole`` (a tensor of ``param``'s global shape) for the ``DTensor``
+    parameter ``param``: what its local tensor holds."""
+    mesh = param.device_mesh  # type: ignore[attr-defined]
+    return cut(whole, placement(param), mesh.get_local_rank(), mesh.size())
+
+
 class TensorParallel:
     """The tensor-parallel group of an engine's ``DTensor`` parameters (see the module docstring).
 

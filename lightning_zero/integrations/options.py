@@ -62,8 +62,9 @@ class ZeroOptions:
     after ``fabric.launch()``, before ``fabric.setup``. With ``shard_group_size`` the data-parallel ranks
     of each tensor rank are sharded node-aware (``"auto"``: a node's data-parallel ranks). Checkpoints
     are sharded directories that record the tensor-parallel layout and resume on another ``T`` or
-    data-parallel size (``sharded_checkpoint=False`` is refused). Not yet with a model built on the
-    meta device, refused by name."""
+    data-parallel size (``sharded_checkpoint=False`` is refused). A model built on the meta device
+    (``init_module(empty_init=True)``) is parallelized there and initialized as if built with values
+    (each rank draws every parameter whole and keeps its slice)."""
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     """A model built on the meta device: ``param_init_fn(module)`` runs on each of its modules, children
     first, after every module's ``reset_parameters()``, as ``model.apply(param_init_fn)`` at the end of

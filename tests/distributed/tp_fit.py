@@ -104,19 +104,6 @@ def resumed(case: dict[str, Any], root: Path) -> dict[str, Any]:
     return {"params": params, "seen": torch.cat(first.seen + second.seen), "loaded_diff": diff, "path": path}
 
 
-def refused(case: dict[str, Any]) -> dict[str, Any]:
-    """A fit tensor parallelism cannot run yet (a model built on the meta device): the error every rank
-    raises at setup."""
-    trainer = _trainer(lightning_zero.ZeroStrategy(stage=case["stage"], tensor_parallel_size=2), 1)
-    with trainer.init_module(empty_init=True):
-        module = TensorParallelModule()
-    try:
-        trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
-    except ValueError as err:
-        return {"error": str(err)}
-    return {"error": None}
-
-
 def fabric_loop(case: dict[str, Any]) -> dict[str, Any]:
     """The same training as a Fabric loop: the model parallelized over the strategy's mesh after
     launch, accumulation under ``no_backward_sync``, ``fabric.clip_gradients``."""
@@ -127,7 +114,10 @@ def fabric_loop(case: dict[str, Any]) -> dict[str, Any]:
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=4)
     fabric.launch()
     torch.manual_seed(0)
-    net = parallelize_module(SequenceBlock(), strategy.device_mesh["tensor_parallel"], tensor_parallel_plan())
+    with fabric.init_module(empty_init=True) if case.get("deferred") else contextlib.nullcontext():
+        block = SequenceBlock()
+    net = parallelize_module(block, strategy.device_mesh["tensor_parallel"], tensor_parallel_plan())
+    assert all(p.is_meta for p in net.parameters()) == bool(case.get("deferred"))
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
     model, opt = fabric.setup(net, opt)
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=False))
@@ -160,8 +150,6 @@ def fabric_loop(case: dict[str, Any]) -> dict[str, Any]:
 def fit(case: dict[str, Any]) -> dict[str, Any]:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    if "refuse" in case:
-        return refused(case)
     if case["strategy"] == "resume":
         return resumed(case, ROOT)
     if case["strategy"] == "fabric":
@@ -172,8 +160,10 @@ def fit(case: dict[str, Any]) -> dict[str, Any]:
     else:
         hybrid = {"shard_group_size": case["shard_group_size"]} if "shard_group_size" in case else {}
         strategy = lightning_zero.ZeroStrategy(stage=case["stage"], tensor_parallel_size=2, **hybrid)
-    module = TensorParallelModule(fsdp=peer)
     trainer = _trainer(strategy, STEPS)
+    torch.manual_seed(0)  # where a deferred build's initialization starts (init_module's entry)
+    with trainer.init_module(empty_init=True) if case.get("deferred") else contextlib.nullcontext():
+        module = TensorParallelModule(fsdp=peer)
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH, shuffle=False))
     stage3 = not peer and case["stage"] == 3
     with lightning_zero.gathered(module.net) if stage3 else contextlib.nullcontext():

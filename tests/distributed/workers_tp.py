@@ -37,6 +37,17 @@ def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
         return {name: _full(p) for name, p in module.named_parameters()}
 
 
+class Norm(nn.LayerNorm):
+    """A layer norm that is not the identity at initialization (so its gradients matter), drawn in
+    ``reset_parameters()`` (so a model built on the meta device is initialized to the same values)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        with torch.no_grad():
+            self.weight.normal_(1.0, 0.2)
+            self.bias.normal_(0.0, 0.2)
+
+
 class SequenceBlock(nn.Module):
     """Embedding, one residual MLP between two layer norms, an output layer: the layers a Megatron
     plan splits (column/row parallel) and the norms sequence parallelism runs on sequence shards."""
@@ -44,15 +55,11 @@ class SequenceBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.norm1 = nn.LayerNorm(DIM)
+        self.norm1 = Norm(DIM)
         self.up = nn.Linear(DIM, HIDDEN)
         self.down = nn.Linear(HIDDEN, DIM)
-        self.norm2 = nn.LayerNorm(DIM)
+        self.norm2 = Norm(DIM)
         self.head = nn.Linear(DIM, VOCAB)
-        with torch.no_grad():  # norms that are not the identity, so their gradients matter
-            for norm in (self.norm1, self.norm2):
-                norm.weight.normal_(1.0, 0.2)
-                norm.bias.normal_(0.0, 0.2)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)

@@ -145,12 +145,8 @@ class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
             module, self.root_device
         )  # built under init_module(empty_init=True)
         data = self._zero.data_comm()
-        if deferred is not None and self._zero.model_mesh is not None:
-            raise ValueError(
-                "tensor_parallel_size > 1 needs the model built with values for now: not under "
-                "fabric.init_module(empty_init=True)"
-            )
-        if deferred is not None and not stage3:
+        # tensor parallelism: every rank's slices whole (1/T of the model) before stage 3 shards them
+        if deferred is not None and (not stage3 or self._zero.model_mesh is not None):
             ZeroFrontEnd.initialize_whole(module, deferred)
             super().module_to_device(module)  # Fabric skipped moving the meta model
             deferred = None

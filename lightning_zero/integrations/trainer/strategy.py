@@ -166,14 +166,11 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
             self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True, as DDPStrategy does
         stage3 = self.zero_config.stage == 3
         deferred = self._zero.deferred_init(self.model, self.root_device)  # a model on the meta device
-        if deferred is not None and self._zero.model_mesh is not None:
-            raise ValueError(
-                "tensor_parallel_size > 1 needs the model built with values for now: not under "
-                "trainer.init_module(empty_init=True) (configure_model builds it on the device)"
-            )
         data = self._zero.data_comm()
         self.precision_plugin.convert_module(self.model)
-        if deferred is not None and not (fitting and stage3):
+        # tensor parallelism: every rank's slices whole (1/T of the model) before stage 3 shards them
+        whole = not (fitting and stage3) or self._zero.model_mesh is not None
+        if deferred is not None and whole:
             ZeroFrontEnd.initialize_whole(self.model, deferred)
             deferred = None
         if deferred is None:
