@@ -29,6 +29,8 @@ CASES = {
         **{"tensor": 2, "stage": 2, "accum": 3, "clip": 0.5, "sharded_accumulation": True, "ema": True}
     },
     "tp2xdp2-stage3-ema": {"tensor": 2, "stage": 3, "accum": 1, "clip": None, "ema": True},
+    # the trainable set changes after step 1: new buckets over the slices, state carried over
+    "tp2xdp2-stage2-freeze": {"tensor": 2, "stage": 2, "accum": 2, "clip": 0.5, "freeze_step": 1},
 }
 SEQUENCE_PARALLEL_NORMS = ["norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"]
 
@@ -62,8 +64,9 @@ def test_sequence_parallel_norms_get_partial_gradients_summed_over_the_tensor_gr
 ) -> None:
     """The norms' gradients arrive as ``Partial`` sums (the trap FSDP2 fixed in pytorch PR #136237);
     the engine sums them over the tensor group, and counts what it sends there."""
+    frozen = ["norm1.bias"] if "freeze_step" in CASES[case] else []  # out of the plan since
     for (result,) in ranks(runs, case):
-        assert result["partial"] == SEQUENCE_PARALLEL_NORMS
+        assert result["partial"] == [n for n in SEQUENCE_PARALLEL_NORMS if n not in frozen]
         assert result["tensor_elements"] > 0
 
 

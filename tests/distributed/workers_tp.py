@@ -93,7 +93,8 @@ def _loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torc
 
 
 def tp_parity(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each case: ``tensor`` ranks per group, ``stage``, ``accum``, ``clip``, ``steps``, and optionally
+    """Each case: ``tensor`` ranks per group, ``stage``, ``accum``, ``clip``, ``steps``, ``freeze_step``
+    (a column-parallel weight and a sequence-parallel norm's bias frozen from then on), and optionally
     ``nan_step`` (rank 1 alone gets a NaN gradient in one tensor-parallel slice at that step: every
     rank must skip it, as the unsplit run does) with ``skip`` (``skip_nonfinite_steps``) and
     ``unused`` (``find_unused_parameters``); returns the largest difference to the unsplit run after
@@ -116,6 +117,7 @@ def _tp_case(
     sharded_accumulation: bool | None = None,
     ema: bool = False,
     shard_group_size: int | None = None,
+    freeze_step: int | None = None,
 ) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -169,6 +171,11 @@ def _tp_case(
         max_diff, norms = [], []
         for step in range(steps):
             now["step"] = step
+            if step == freeze_step:  # a new trainable set: the engine re-plans (sharded and replicated)
+                for module in (model, reference):
+                    module.up.weight.requires_grad_(False)
+                    module.norm1.bias.requires_grad_(False)
+                opt.replan()
             for micro in range(accum):
                 tokens, targets = _batch(step, micro, data_rank)
                 if micro < accum - 1:
@@ -215,7 +222,7 @@ def _tp_case(
             "max_diff": max_diff,
             "norms": norms,
             "moved": max(float((ref[n].detach() - initial[n]).abs().max()) for n in names),
-            "partial": [names[i] for i, p in enumerate(engine.tensor.partial) if p],
+            "partial": [engine.tensor.names[i] for i, p in enumerate(engine.tensor.partial) if p],
             "tensor_elements": engine.tensor.comm.stats.elements_sent,
             "dtensors": sum(isinstance(p, DTensor) for p in model.parameters()),
             "skipped": opt.skipped_steps,
