@@ -54,6 +54,9 @@ def launch_env(**extra: str) -> dict[str, str]:
     return env
 
 
+Outcome = tuple[list[int], list[str], list[str]]  # each process's exit status, stdout and stderr
+
+
 def run_processes(
     commands: Sequence[Sequence[str]],
     envs: Sequence[Mapping[str, str]],
@@ -61,7 +64,7 @@ def run_processes(
     cwd: Path,
     timeout: float,
     stop_on_failure: bool = False,
-) -> tuple[list[int], list[str], list[str]]:
+) -> Outcome:
     """Start ``commands[r]`` with ``envs[r]`` as rank slot r, all at once; wait for all, killing all at
     ``timeout`` (and, with ``stop_on_failure``, as soon as one ends with a non-zero status). Returns
     each process's exit status (negative: the signal that ended it), stdout and stderr.
@@ -69,46 +72,76 @@ def run_processes(
     Raises:
         subprocess.TimeoutExpired: when a process is still running after ``timeout`` seconds.
     """
-    if any(recorder.ENV_DIR in env for env in envs):  # one name per launch for the collective-order logs
-        launch = f"launch-{os.getpid()}-{next(_LAUNCHES)}"
-        envs = [dict(env, **{recorder.ENV_LAUNCH: launch}) for env in envs]
-    if zygote.enabled():
-        zygote.start(len(envs), envs[0])  # every slot's zygote at once, before the deadline starts
+    return run_launches([(commands, envs)], cwd=cwd, timeout=timeout, stop_on_failure=stop_on_failure)[0]
+
+
+def run_launches(
+    launches: Sequence[tuple[Sequence[Sequence[str]], Sequence[Mapping[str, str]]]],
+    *,
+    cwd: Path,
+    timeout: float,
+    stop_on_failure: bool = False,
+) -> list[Outcome]:
+    """``run_processes`` for several independent launches (``(commands, envs)`` each, with ports and
+    directories of their own) at once: their start-ups and their waits (a timeout one of them tests)
+    overlap. The deadline starts once every zygote is ready, so it bounds the runs, not the imports.
+    With ``stop_on_failure`` a launch stops at its first non-zero status; the others go on.
+
+    Raises:
+        subprocess.TimeoutExpired: when a process is still running after ``timeout`` seconds.
+    """
+    prepared = []
+    for commands, envs in launches:
+        if any(recorder.ENV_DIR in env for env in envs):  # one name per launch for the collective-order logs
+            launch = f"launch-{os.getpid()}-{next(_LAUNCHES)}"
+            envs = [dict(env, **{recorder.ENV_LAUNCH: launch}) for env in envs]
+        prepared.append((commands, envs))
+    if zygote.enabled():  # every slot's zygote of every launch at once, before the deadline starts
+        zygote.start_many([(len(envs), envs[0]) for _, envs in prepared])
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
-        procs = []
+        started: list[list[tuple[subprocess.Popen[bytes] | zygote.Forked, Path, Path]]] = []
         try:
-            for rank, (command, rank_env) in enumerate(zip(commands, envs, strict=True)):
-                out = open(Path(logs, f"{rank}.out"), "w")  # noqa: SIM115 - closed below, after the wait
-                err = open(Path(logs, f"{rank}.err"), "w")  # noqa: SIM115
-                try:
-                    proc = zygote.popen(command, slot=rank, cwd=cwd, env=rank_env, stdout=out, stderr=err)
-                except BaseException:
-                    out.close()
-                    err.close()
-                    raise
-                procs.append((proc, out, err))
-            while True:
-                codes = [proc.poll() for proc, _, _ in procs]
-                if all(code is not None for code in codes):
-                    break
-                if stop_on_failure and any(code not in (None, 0) for code in codes):
-                    break
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(list(commands[0]), timeout)
+            for index, (commands, envs) in enumerate(prepared):
+                procs: list[tuple[subprocess.Popen[bytes] | zygote.Forked, Path, Path]] = []
+                started.append(procs)
+                for rank, (command, rank_env) in enumerate(zip(commands, envs, strict=True)):
+                    out, err = Path(logs, f"{index}-{rank}.out"), Path(logs, f"{index}-{rank}.err")
+                    with open(out, "w") as out_file, open(err, "w") as err_file:
+                        proc = zygote.popen(
+                            command, slot=rank, cwd=cwd, env=rank_env, stdout=out_file, stderr=err_file
+                        )
+                    procs.append((proc, out, err))
+            waiting = list(range(len(started)))
+            while waiting:
+                for index in list(waiting):
+                    codes = [proc.poll() for proc, _, _ in started[index]]
+                    failed = stop_on_failure and any(code not in (None, 0) for code in codes)
+                    if failed or all(code is not None for code in codes):
+                        waiting.remove(index)
+                        _kill([proc for proc, _, _ in started[index]])
+                if waiting and time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(list(prepared[waiting[0]][0][0]), timeout)
                 time.sleep(0.02)
         finally:
-            for proc, out, err in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                out.close()
-                err.close()
-        outs = [Path(logs, f"{rank}.out").read_text() for rank in range(len(envs))]
-        errs = [Path(logs, f"{rank}.err").read_text() for rank in range(len(envs))]
-    codes = [proc.returncode for proc, _, _ in procs]
-    assert all(code is not None for code in codes)
-    return codes, outs, errs  # type: ignore[return-value]
+            for procs in started:
+                _kill([proc for proc, _, _ in procs])
+        outcomes = []
+        for procs in started:
+            codes = [proc.returncode for proc, _, _ in procs]
+            assert all(code is not None for code in codes)
+            outs = [out.read_text() for _, out, _ in procs]
+            errs = [err.read_text() for _, _, err in procs]
+            outcomes.append((codes, outs, errs))
+    return outcomes  # type: ignore[return-value]
+
+
+def _kill(procs: Sequence[subprocess.Popen[bytes] | zygote.Forked]) -> None:
+    """End those still running and collect every exit status."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def run_ranks(

@@ -74,9 +74,21 @@ _STARTUP_PREFIXES = (
 )
 
 
+# Under those prefixes, but what a launcher gives each rank and torch reads only when it runs (torchrun's
+# ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``, ...), like ``RANK``: a launch with them is
+# served by the zygotes of the one without.
+_LAUNCH_PREFIXES = ("TORCHELASTIC_",)
+
+
 def startup_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """The part of ``env`` a process reads as it starts (what a zygote must have been started with)."""
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(_STARTUP_PREFIXES)))
+    return tuple(
+        sorted(
+            (k, v)
+            for k, v in env.items()
+            if k.startswith(_STARTUP_PREFIXES) and not k.startswith(_LAUNCH_PREFIXES)
+        )
+    )
 
 
 def enabled() -> bool:
@@ -306,11 +318,18 @@ _ZYGOTES: dict[tuple[int, tuple[tuple[str, str], ...]], _Zygote | None] = {}
 def start(slots: int, env: Mapping[str, str]) -> list[_Zygote | None]:
     """The zygotes of rank slots ``0..slots-1`` for ``env``'s startup settings, started now where new (all
     at once: their imports overlap); None for one that cannot serve (it is closed, and not tried again)."""
-    keys = [(slot, startup_env(env)) for slot in range(slots)]
-    for key in keys:
-        if key not in _ZYGOTES:
-            _ZYGOTES[key] = _Zygote(env)
-    for key in keys:
+    return start_many([(slots, env)])[0]
+
+
+def start_many(launches: Sequence[tuple[int, Mapping[str, str]]]) -> list[list[_Zygote | None]]:
+    """``start`` for several launches (``(slots, env)`` each): every new zygote of all of them is started
+    before any is waited for."""
+    wanted = [[(slot, startup_env(env)) for slot in range(slots)] for slots, env in launches]
+    for keys, (_, env) in zip(wanted, launches, strict=True):
+        for key in keys:
+            if key not in _ZYGOTES:
+                _ZYGOTES[key] = _Zygote(env)
+    for key in dict.fromkeys(key for keys in wanted for key in keys):
         zygote = _ZYGOTES[key]
         if zygote is None:
             continue
@@ -321,7 +340,7 @@ def start(slots: int, env: Mapping[str, str]) -> list[_Zygote | None]:
             pass
         zygote.close()
         _ZYGOTES[key] = None
-    return [_ZYGOTES[key] for key in keys]
+    return [[_ZYGOTES[key] for key in keys] for keys in wanted]
 
 
 def popen(

@@ -2,29 +2,31 @@
 torchrun's environment as 2 "nodes" of 2) passes and prints the table; each inconsistency, injected
 alone into one rank (its checkpoint directory, its layout, its main port) or into all (a shard group
 size that does not divide the world), makes every rank exit 1 with a line naming it. The launches run
-at once (each has its own port and directory)."""
+at once (each has its own port and directory): 27 processes, mostly waiting on each other."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.launch import free_port, launch_env, run_processes
+from tests.launch import free_port, launch_env, run_launches
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "lightning_zero.cli", "preflight", "--accelerator", "cpu", "--sizes-mb", "0.25"]
+
+
+Launch = tuple[list[list[str]], list[dict[str, str]]]  # a command and an environment per process
 
 
 def _torchrun_like(
     args: list[str],
     per_rank_args: dict[int, list[str]] | None = None,
     per_rank_env: dict[int, dict[str, str]] | None = None,
-) -> list[tuple[int, str]]:
+) -> Launch:
     """4 processes with the environment torchrun gives 2 nodes of 2 (ranks 0-1, 2-3), each rank's
-    arguments and environment changed by ``per_rank_*``; (exit status, output) of each."""
+    arguments and environment changed by ``per_rank_*``."""
     port, commands, envs = free_port(), [], []
     for rank in range(4):
         env = launch_env(
@@ -40,24 +42,20 @@ def _torchrun_like(
         env.update((per_rank_env or {}).get(rank, {}))
         envs.append(env)
         commands.append([*CLI, *args, *(per_rank_args or {}).get(rank, [])])
-    codes, outs, errs = run_processes(commands, envs, cwd=ROOT, timeout=120)
-    return [(code, out + err) for code, out, err in zip(codes, outs, errs, strict=True)]
+    return commands, envs
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[int, str]]]:
+    """Every launch at once; (exit status, output) of each process of each. The one through Lightning's
+    launcher is one process (it starts ranks 1-3 itself)."""
     tmp = tmp_path_factory.mktemp("preflight")
     shared, private = tmp / "shared", tmp / "node_local"
-    launcher = subprocess.run(
-        [*CLI, "--devices", "4", "--shard-group-size", "2", "--checkpoint-dir", str(shared / "a")],
-        cwd=ROOT,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    return {
-        "launcher": [(launcher.returncode, launcher.stdout + launcher.stderr)],
+    launches: dict[str, Launch] = {
+        "launcher": (
+            [[*CLI, "--devices", "4", "--shard-group-size", "2", "--checkpoint-dir", str(shared / "a")]],
+            [launch_env()],
+        ),
         "torchrun": _torchrun_like(["--shard-group-size", "auto", "--checkpoint-dir", str(shared / "b")]),
         "node_local_dir": _torchrun_like(
             ["--shard-group-size", "auto"],
@@ -77,6 +75,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[int, 
         "port_differs": _torchrun_like(
             ["--timeout", "15"], per_rank_env={1: {"MASTER_PORT": str(free_port())}}
         ),
+    }
+    outcomes = run_launches(list(launches.values()), cwd=ROOT, timeout=240)
+    return {
+        name: [(code, out + err) for code, out, err in zip(*outcome, strict=True)]
+        for name, outcome in zip(launches, outcomes, strict=True)
     }
 
 
