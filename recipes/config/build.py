@@ -83,7 +83,7 @@ def build_module(trainer: pl.Trainer, configs: RecipeConfigs) -> PretrainModule:
     so that no rank ever holds the whole model: the strategy initializes it unit by unit at setup, to
     the values eager construction gives (`lightning_zero.engine.deferred_init`; the model follows its
     rule), and a resume then overwrites the shards. Under tensor parallelism it is built with values
-    (the strategy refuses a meta-device model there for now) and split in `configure_model`."""
+    and split in `configure_model` (a meta-device build with the plan is not tested in the recipe)."""
     strategy = trainer.strategy
     stage3 = isinstance(strategy, ZeroStrategy) and strategy.zero_config.stage == 3
     if stage3 and configs.tensor_parallel <= 1:

@@ -13,9 +13,9 @@ setting and the value it needs:
   * `T` not dividing `data.seq_len` (sequence parallelism gives each rank `seq_len / T` positions
     of the norms' activations) or `trainer.devices` (a tensor-parallel group is `T` consecutive
     ranks of one node);
-  * checkpoints (the callback, Lightning's default one, a `ckpt_path`): lightning-zero's format does
-    not tell tensor-parallel slices apart yet, and the strategy would refuse them at setup, after
-    the launch;
+  * checkpoints (the callback, Lightning's default one, a `ckpt_path`): the strategy writes and
+    reshards tensor-parallel checkpoints, but the recipe's save, resume (its data position) and
+    requeue with them are not tested yet;
   * `model.compile_blocks`: a compiled block body over `DTensor` activations is not tested here.
 """
 
@@ -73,7 +73,7 @@ def check_tensor_parallel(cfg: DictConfig, model: GPTConfig, data: DataConfig) -
 
 
 def check_no_checkpoints(cfg: DictConfig, tensor: int) -> None:
-    """Under `T > 1` nothing may save or load a checkpoint yet (the strategy refuses it at setup)."""
+    """Under `T > 1` the recipe neither saves nor loads a checkpoint yet (see the module docstring)."""
     wanted = []
     if cfg.callbacks.get("model_checkpoint") is not None:
         wanted.append("callbacks.model_checkpoint=null")
@@ -83,6 +83,6 @@ def check_no_checkpoints(cfg: DictConfig, tensor: int) -> None:
         wanted.append("ckpt_path=null")
     if wanted:
         raise ValueError(
-            f"parallelism.tensor={tensor} cannot save or resume checkpoints yet (lightning-zero's "
-            f"checkpoints do not tell the tensor-parallel slices apart): add {' '.join(wanted)}"
+            f"parallelism.tensor={tensor} does not save or resume the recipe's checkpoints yet (not "
+            f"tested with tensor parallelism): add {' '.join(wanted)}"
         )

@@ -77,7 +77,7 @@ def test_tensor_parallel_trains_as_data_parallel_on_the_same_global_batch(tmp_pa
         ),
         (
             ["parallelism.tensor=2"],
-            "cannot save or resume checkpoints yet (...): add callbacks.model_checkpoint=null "
+            "does not save or resume the recipe's checkpoints yet (...): add callbacks.model_checkpoint=null "
             "trainer.enable_checkpointing=false",
         ),
         (
