@@ -30,7 +30,9 @@ first violation with the ranks, the position and both entries:
   1. **per group**: every member of a process group issued the same sequence of collectives on it;
   2. **interleaved**: every rank issued the same sequence of ``(role, op, numel, dtype)`` over its
      ordered groups (what NCCL with one hardware queue needs, and what a timing-dependent launch
-     breaks first).
+     breaks first). Under pipeline parallelism (a group of role ``pipeline``) the stages run
+     different programs (their parameters, so their buckets, differ): the rule holds among the
+     ranks of one stage (the same position in their pipeline groups), and rule 1 across stages.
 
 A launch that is meant to fail (a fault test: ``LZ_COLLECTIVE_FAULTS`` set in its environment, or
 the whole test marked) is compared up to where its shortest rank stopped.
@@ -220,11 +222,24 @@ def compare_ranks(
         size = "an object" if numel < 0 else f"{numel} x {dtype}"
         return f"{op} of {size} on its {role} group"
 
-    if len(interleaved) > 1:
-        found = _first_difference(interleaved, say_role, prefix_only)
-        if found:
-            problems.append(f"launch {launch}, order across groups: {found}")
+    by_stage: dict[int | None, dict[int, list[tuple[str, str, int, str]]]] = {}
+    for rank, sequence in interleaved.items():
+        by_stage.setdefault(_stage(rank, ranks[rank]), {})[rank] = sequence
+    for stage, alike in sorted(by_stage.items(), key=lambda s: -1 if s[0] is None else s[0]):
+        if len(alike) > 1:
+            found = _first_difference(alike, say_role, prefix_only)
+            if found:
+                among = "" if stage is None else f" (pipeline stage {stage})"
+                problems.append(f"launch {launch}, order across groups{among}: {found}")
     return problems
+
+
+def _stage(rank: int, entries: list[Entry]) -> int | None:
+    """The pipeline stage of ``rank``: its position in its ``pipeline`` group (``None``: no pipeline)."""
+    for entry in entries:
+        if entry.role == "pipeline":
+            return entry.group.index(rank)
+    return None
 
 
 def compare_logs(directory: str | Path, prefix_only: bool = False) -> list[str]:

@@ -93,6 +93,7 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         param_names: dict[torch.nn.Parameter, str] | None = None,
         module: torch.nn.Module | None = None,
         deferred_init: DeferredInit | None = None,
+        pipeline: Comm | None = None,
     ) -> None:
         if config.stage == 3 and module is None:
             raise ValueError(
@@ -107,6 +108,10 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         """The shard group's communicator: the buckets are split over its ranks."""
         self.world = self.groups.world
         """All data-parallel ranks (``comm`` itself under flat sharding)."""
+        self.pipeline = pipeline
+        """Pipeline parallelism: this rank's peers holding the other stages of the model (one rank per
+        stage). The gradient norm for clipping, a loss-scale overflow and the non-finite guard's flags
+        are agreed across them: every stage clips by the whole model's norm and skips together."""
         self.rule = rule
         self._param_order = None if param_order is None else list(param_order)
         self._names = param_names or {}
@@ -147,6 +152,7 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         ]
         config = self.config
         self.guard.also = None if self.tensor is None else self.tensor.comm
+        self.guard.pipeline = self.pipeline
         layout = None
         if config.stage == 3:
             assert self.module is not None  # checked in __init__
@@ -288,15 +294,20 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         self.finish_grad_sync()
         shards = self.reducer.grad_shards
         if self.tensor is None:
-            return grad_math.clip_by_norm(self.comm, shards, max_norm, norm_type)
+            return grad_math.clip_by_norm(self.comm, shards, max_norm, norm_type, self._across())
         counted = self.tensor.counted(self.plan, self.comm.rank, shards)
-        return grad_math.clip_by_norm(self.comm, shards, max_norm, norm_type, self.tensor.comm, counted)
+        return grad_math.clip_by_norm(self.comm, shards, max_norm, norm_type, self._across(), counted)
+
+    def _across(self) -> list[Comm]:
+        """The groups beyond the data-parallel ranks that hold the rest of the model's gradients: the
+        tensor-parallel group, then the pipeline's (reduced over in that order)."""
+        tensor = None if self.tensor is None else self.tensor.comm
+        return [c for c in (tensor, self.pipeline) if c is not None]
 
     def unscale_(self, scale: float | Tensor) -> bool:
         """Divide the shard gradients by a loss scale; True on every rank if any rank has inf/NaN."""
         self.finish_grad_sync()
-        tensor = None if self.tensor is None else self.tensor.comm
-        found_inf = grad_math.unscale(self.comm, self.reducer.grad_shards, scale, tensor)
+        found_inf = grad_math.unscale(self.comm, self.reducer.grad_shards, scale, self._across())
         if found_inf:  # the loss scaler skips this step: error feedback's residuals of it go too
             self.reducer.forget_sent()
         else:

@@ -9,6 +9,7 @@ Python bool is returned (:func:`unscale`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -22,12 +23,13 @@ def global_norm(
     comm: Comm,
     grads: list[Tensor],
     norm_type: float,
-    also: Comm | None = None,
+    also: Sequence[Comm] = (),
     device: torch.device | None = None,
 ) -> Tensor:
     """The ``norm_type``-norm of the whole gradient, on ``device`` (default ``grads[0]``'s; float64).
-    ``also``: a second group the pieces are spread over (tensor parallelism: ``grads`` are then this
-    rank's pieces that count, possibly none)."""
+    ``also``: more groups the pieces are spread over, reduced over in turn (tensor parallelism:
+    ``grads`` are then this rank's pieces that count, possibly none; pipeline parallelism: the other
+    stages' parameters)."""
     device = device if device is not None else grads[0].device
     infinite = math.isinf(norm_type)
     if not grads:
@@ -37,9 +39,8 @@ def global_norm(
     else:
         local = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads])
         local = local.pow(norm_type).sum().to(comm.device)
-    for group in (comm, also):
-        if group is not None:
-            group.wait(group.all_reduce(local, op="max" if infinite else "sum", control=True))
+    for group in (comm, *also):
+        group.wait(group.all_reduce(local, op="max" if infinite else "sum", control=True))
     total = local if infinite else local.pow(1.0 / norm_type)
     return total.to(device)
 
@@ -50,7 +51,7 @@ def clip_by_norm(
     grads: list[Tensor],
     max_norm: float,
     norm_type: float,
-    also: Comm | None = None,
+    also: Sequence[Comm] = (),
     counted: list[Tensor] | None = None,
 ) -> Tensor:
     """Scale ``grads`` so the global norm is at most ``max_norm`` (never up); returns the norm before.
@@ -65,16 +66,15 @@ def clip_by_norm(
 
 
 @torch.no_grad()
-def unscale(comm: Comm, grads: list[Tensor], scale: float | Tensor, also: Comm | None = None) -> bool:
-    """Divide ``grads`` by a loss scale; True on every rank (of ``comm``, and of ``also``) if any
-    rank's gradients hold inf/NaN."""
+def unscale(comm: Comm, grads: list[Tensor], scale: float | Tensor, also: Sequence[Comm] = ()) -> bool:
+    """Divide ``grads`` by a loss scale; True on every rank (of ``comm``, and of the groups ``also``)
+    if any rank's gradients hold inf/NaN."""
     inv_scale = 1.0 / float(scale)
     for g in grads:
         g.mul_(inv_scale)
     local = torch.stack([~torch.isfinite(g).all() for g in grads]).any().to(comm.device, torch.float32)
-    for group in (comm, also):
-        if group is not None:
-            group.wait(group.all_reduce(local.reshape(1), op="max", control=True))
+    for group in (comm, *also):
+        group.wait(group.all_reduce(local.reshape(1), op="max", control=True))
     return bool(local.item())
 
 

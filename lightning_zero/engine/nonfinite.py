@@ -67,6 +67,9 @@ class NonFiniteGuard:
         self.also: Comm | None = None
         """Tensor parallelism's group: the flags are agreed over it too (its ranks hold other slices
         of the same gradients, and must skip or step together)."""
+        self.pipeline: Comm | None = None
+        """Pipeline parallelism's group: the flags are agreed over it last (its ranks hold the other
+        stages, whose parameters differ: only the flags, never a used-parameter mask)."""
         self.skipped_steps = 0
         """Steps skipped since the engine was built."""
         self.consecutive = 0
@@ -119,6 +122,12 @@ class NonFiniteGuard:
         if self.also is not None:
             self.also.wait(self.also.all_reduce(flags, op="max", control=True))
 
+    def agree_across_stages(self, flags: Tensor) -> None:
+        """Max-reduce ``flags`` (this guard's :meth:`local_flags`, already agreed over the data- and
+        tensor-parallel ranks) over :attr:`pipeline`: a stage's non-finite gradient skips every stage."""
+        if self.pipeline is not None:
+            self.pipeline.wait(self.pipeline.all_reduce(flags, op="max", control=True))
+
     def agreed(self, flags: Sequence[int]) -> None:
         """Take the all-reduced flags (e.g. from the used-parameter mask's all-reduce)."""
         world_size = self.comm.world_size
@@ -142,6 +151,7 @@ class NonFiniteGuard:
             if self.comm.world_size > 1:
                 self.comm.wait(self.comm.all_reduce(flags, op="max", control=True))
             self.agree_also(flags)
+            self.agree_across_stages(flags)
             self.agreed(flags.tolist())  # the step's one host synchronisation
         assert self._agreed is not None
         return self._agreed

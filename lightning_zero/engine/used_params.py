@@ -79,6 +79,7 @@ class UsedParams:
         self.world.wait(handle)
         if self.guard is not None:
             self.guard.agree_also(used)  # tensor parallelism: the flags (and the mask) over its group too
+            self.guard.agree_across_stages(used[len(self.local) :])  # the flags only: other parameters
         values = used.tolist()  # the step's one host synchronisation
         if self.skip_unused:
             self.agreed = [bool(u) for u in values[: len(self.local)]]

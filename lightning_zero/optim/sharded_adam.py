@@ -81,6 +81,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         groups: instead of ``process_group`` or ``device_mesh``: the groups themselves
             (:class:`~lightning_zero.comm.CommGroups`), e.g. ``CommGroups.simulated(r, N)``, which
             runs this optimizer as rank ``r`` of ``N`` in one process (:mod:`lightning_zero.comm.simulated`).
+        pipeline_group: pipeline parallelism, where this optimizer holds one stage's parameters: the
+            group (a ``ProcessGroup``, or a 1-D ``DeviceMesh`` such as ``mesh["pipeline"]``) of this
+            rank and its peers holding the other stages. Clipping uses the whole model's gradient
+            norm, and a loss-scale overflow or a non-finite step (``skip_nonfinite_steps``) on one
+            stage skips every stage (:mod:`lightning_zero.comm.pipeline` runs the schedule).
 
     Raises:
         ValueError: on an unsupported option, value or parameter; on a plan mismatch between ranks.
@@ -107,6 +112,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         module: torch.nn.Module | None = None,
         deferred_init: DeferredInit | None = None,
         groups: CommGroups | None = None,
+        pipeline_group: ProcessGroup | DeviceMesh | None = None,
     ) -> None:
         _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults = dict(
@@ -146,6 +152,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             param_names,
             module,
             deferred_init,
+            pipeline=None if pipeline_group is None else _pipeline_comm(pipeline_group),
         )
         """The buffers, hooks, collectives and shard state (:class:`~lightning_zero.engine.ShardEngine`)."""
 
@@ -391,3 +398,11 @@ def _check_group(group: dict[str, Any]) -> None:
             raise ValueError(f"only floating point parameters can be sharded, got {p.dtype}")
     if "step" in group and isinstance(group["step"], Tensor):
         raise ValueError("tensor-valued group steps are not supported")
+
+
+def _pipeline_comm(group: Any) -> Any:
+    """:func:`lightning_zero.comm.pipeline.pipeline_comm`, imported when pipeline parallelism is used
+    (``torch.distributed.pipelining`` is not imported otherwise)."""
+    from lightning_zero.comm.pipeline import pipeline_comm
+
+    return pipeline_comm(group)

@@ -1,0 +1,149 @@
+"""Pipeline parallelism: torch's schedules (``torch.distributed.pipelining``) driving stages whose
+parameters ZeRO shards over each stage's data-parallel ranks.
+
+The model is split by layers into ``P`` stages on different ranks; a schedule streams ``M``
+micro-batches through them, sending activations forward and their gradients back between
+neighbouring stages (point-to-point, on the pipeline group). What a ZeRO stage needs from it:
+
+  * **One gradient reduction per step, not per micro-batch.** :class:`ShardedStage` runs every
+    micro-batch's backward but the last under the optimizer's ``no_sync()`` (as torch's own stage
+    does for DDP and FSDP2), so the gradients of the ``M`` micro-batches accumulate locally and the
+    bucketed reduction runs once, in the last backward, overlapped with it as in any step.
+  * **Gradients of the mean over micro-batches.** torch's schedules divide ``p.grad`` by ``M``
+    after the last backward (``scale_grads``); at stages 2 and 3 the reduced gradients live in the
+    optimizer's shards by then, not in ``p.grad``. :func:`schedule` turns that off and divides each
+    micro-batch's loss by ``M`` instead: the same gradients, scaled before the reduction. The
+    ``losses`` a schedule returns on the last stage are each micro-batch's loss divided by ``M``:
+    their sum is the step's mean loss.
+  * **The whole model's norm**: the optimizer of each stage takes the pipeline group
+    (``ShardedAdamW(..., pipeline_group=...)``), over which clipping's norm, a loss-scale overflow
+    and the non-finite guard's flags are reduced (:class:`~lightning_zero.engine.ShardEngine`).
+
+The schedules by name (:data:`SCHEDULES`): ``"gpipe"`` (all forwards, then all backwards: ``M``
+micro-batches' activations held), ``"1f1b"`` (at most ``P`` in flight), ``"interleaved_1f1b"``
+(several smaller stages per rank, a smaller bubble; pass each rank's stages as a list).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from lightning_zero.comm.communicator import Comm
+
+SCHEDULES: dict[str, Any] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+"""The pipeline schedules by name: torch's classes."""
+
+
+def pipeline_comm(group: Any) -> Comm:
+    """The communicator of a pipeline group: a ``ProcessGroup`` or a 1-D ``DeviceMesh``. All its
+    ranks (one barrier).
+
+    Raises:
+        ValueError: a mesh of more than one dimension.
+    """
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"the pipeline group must be a 1-D mesh (e.g. mesh['pipeline']), got a {group.ndim}-D mesh "
+                f"{tuple(group.mesh_dim_names or ())}"
+            )
+        group = group.get_group()
+    comm = Comm(group, role="pipeline")
+    comm.barrier("pipeline group")  # every stage meets here first (and the recorder learns the stages)
+    return comm
+
+
+class ShardedStage(PipelineStage):
+    """A pipeline stage whose parameters a ZeRO optimizer shards: every micro-batch's backward but the
+    last runs under ``no_sync`` (the optimizer's), so its gradients are reduced once per step.
+
+    Args:
+        module: this stage's part of the model.
+        stage_index: its index among all stages (``0`` holds the input, ``num_stages - 1`` the loss).
+        num_stages: how many stages the model is split into.
+        device: where the stage runs.
+        group: the pipeline group (``ProcessGroup``, or a 1-D ``DeviceMesh``): one rank per stage.
+        no_sync: the optimizer's ``no_sync`` (``ShardedAdamW.no_sync``).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        group: Any,
+        no_sync: Callable[[], AbstractContextManager[Any]],
+    ) -> None:
+        if isinstance(group, DeviceMesh):
+            group = group.get_group()
+        super().__init__(module, stage_index, num_stages, device, group=group)
+        self._no_sync = no_sync
+        self.siblings: list[ShardedStage] = [self]
+        """This rank's stages under one optimizer (the interleaved schedule's; set by :func:`schedule`):
+        the gradients are reduced in the last backward of the last of them to finish its step."""
+        self._finished = False
+
+    def backward_maybe_with_nosync(
+        self, backward_type: Any, bwd_kwargs: dict[str, Any], last_backward: bool = False
+    ) -> Any:
+        if last_backward:
+            self._finished = True
+        if all(s._finished for s in self.siblings):  # the step's reduction, bucket by bucket in this backward
+            for stage in self.siblings:
+                stage._finished = False
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        with self._no_sync():
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+def schedule(
+    kind: str,
+    stages: ShardedStage | Sequence[ShardedStage],
+    microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Any:
+    """A torch schedule of ``kind`` over this rank's stage (a list of its stages for
+    ``"interleaved_1f1b"``), ``microbatches`` per step, the loss of each divided by ``microbatches``
+    (see the module docstring). Call ``.step(inputs)`` on the first stage's ranks,
+    ``.step(target=..., losses=[])`` on the last one's and ``.step()`` elsewhere, then the optimizer's
+    ``step()`` on every rank.
+
+    Raises:
+        ValueError: an unknown ``kind``, fewer than one micro-batch, or a single stage given to the
+            interleaved schedule (a list to another).
+    """
+    if kind not in SCHEDULES:
+        raise ValueError(f"pipeline schedule {kind!r} is not one of {sorted(SCHEDULES)}")
+    if not (isinstance(microbatches, int) and not isinstance(microbatches, bool) and microbatches >= 1):
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    several = not isinstance(stages, ShardedStage)
+    if several != (kind == "interleaved_1f1b"):
+        raise ValueError(
+            f"schedule {kind!r} takes "
+            + ("a list of this rank's stages" if kind == "interleaved_1f1b" else "one stage per rank")
+        )
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, target) / microbatches
+
+    chosen = list(stages) if several else stages  # type: ignore[arg-type]
+    if several:
+        for stage in chosen:  # type: ignore[union-attr]
+            stage.siblings = list(chosen)  # type: ignore[arg-type]
+    return SCHEDULES[kind](chosen, n_microbatches=microbatches, loss_fn=loss, scale_grads=False)
