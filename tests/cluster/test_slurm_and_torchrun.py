@@ -1,6 +1,12 @@
 """The recipe on a real single-node SLURM (started by scripts/slurm_cluster.sh) and under torchrun
 with two "nodes" on localhost. Polls with deadlines; the cluster is stopped afterwards if this
-module started it."""
+module started it.
+
+What runs on this machine (the recipe's sbatch generation, the reference runs, torchrun's agents) is
+forked from the suite's warm interpreters (``tests.launch``): only the ranks that SLURM, torchrun or
+Lightning's launcher start themselves pay Lightning's import. The torchrun and submitit runs train on
+64-token windows with 2 validation batches: what they compare (ranks, nodes, shards) does not depend on
+the batch's shape."""
 
 from __future__ import annotations
 
@@ -23,10 +29,16 @@ from lightning_zero.checkpoint.consolidate import load_module_checkpoint
 from recipes.data.sampling import global_batch
 from recipes.sbatch import ROOT, compose_config, sbatch_script
 from recipes.training.lineage import is_complete
-from tests.launch import free_port
+from tests.launch import free_port, launch_env, run_launches, run_script
 
 SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
-TINY = ["trainer.max_steps=6", "trainer.val_check_interval=3", "sample.max_new_tokens=5"]
+TINY = [
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "sample.max_new_tokens=5",
+    "data.seq_len=64",
+    "trainer.limit_val_batches=2",
+]
 
 
 def _slurm_running() -> bool:
@@ -91,13 +103,7 @@ def submit_generated(overrides: list[str], tmp_path: Path) -> str:
     """Write the recipe's sbatch script for ``overrides`` with ``python -m recipes.sbatch``, submit it,
     return the job id."""
     script = tmp_path / "job.sbatch"
-    made = subprocess.run(
-        [sys.executable, "-m", "recipes.sbatch", "--output", str(script), *overrides],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    made = _run([sys.executable, "-m", "recipes.sbatch", "--output", str(script), *overrides], timeout=60)
     assert made.returncode == 0, made.stderr
     job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30)
     assert job.returncode == 0, job.stderr
@@ -138,12 +144,8 @@ def test_generated_script_matches_the_config() -> None:
 
 def test_bad_override_fails_before_writing(tmp_path: Path) -> None:
     out = tmp_path / "job.sbatch"
-    result = subprocess.run(
-        [sys.executable, "-m", "recipes.sbatch", "--output", str(out), "cluster.nodez=2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    result = _run(
+        [sys.executable, "-m", "recipes.sbatch", "--output", str(out), "cluster.nodez=2"], timeout=60
     )
     assert result.returncode != 0 and "nodez" in result.stderr and not out.exists()
 
@@ -157,57 +159,49 @@ def assert_same_shards(ours: Path, reference: Path) -> None:
             assert all(torch.equal(x, y) for x, y in zip(mine[key], tensors, strict=True)), (rank, key)
 
 
-def _torchrun_nodes(per_node: int, overrides: list[str]) -> list[subprocess.Popen[str]]:
-    """Two torchrun "nodes" of ``per_node`` processes each running the recipe, started at once."""
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``command`` (``python -m ...``) run here as one process, forked from a warm interpreter; the
+    ``timeout`` bounds the run, not Python's start-up."""
+    return run_script(command, 1, cwd=ROOT, env=launch_env(), timeout=timeout)
+
+
+def _torchrun_nodes(per_node: int, overrides: list[str]) -> list[list[str]]:
+    """The commands of two torchrun "nodes" of ``per_node`` processes each running the recipe."""
     port = free_port()
     return [
-        _start(
-            [
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--nproc-per-node={per_node}",
-                "--rdzv-backend=c10d",  # as on clusters without SLURM; ranks are assigned at rendezvous
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                f"--rdzv-id=lzero-{port}",
-                "-m",
-                "recipes.pretrain",
-                f"trainer.devices={per_node}",
-                "cluster.nodes=2",
-                *overrides,
-            ]
-        )
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--nproc-per-node={per_node}",
+            "--rdzv-backend=c10d",  # as on clusters without SLURM; ranks are assigned at rendezvous
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=lzero-{port}",
+            "-m",
+            "recipes.pretrain",
+            f"trainer.devices={per_node}",
+            "cluster.nodes=2",
+            *overrides,
+        ]
         for _node in (0, 1)
     ]
 
 
-def _start(args: list[str]) -> subprocess.Popen[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def _finish(processes: list[subprocess.Popen[str]]) -> None:
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in processes]
-    finally:
-        for p in processes:
-            p.kill()
-    for p, output in zip(processes, outputs, strict=True):
-        assert p.returncode == 0, output[-4000:]
+def _run_at_once(*jobs: list[list[str]]) -> None:
+    """Start every job (the commands of one world, each forked from a warm interpreter) at once and wait
+    for all of them to succeed."""
+    launches = [(commands, [launch_env()] * len(commands)) for commands in jobs]
+    for codes, outs, errs in run_launches(launches, cwd=ROOT, timeout=300):
+        for code, out, err in zip(codes, outs, errs, strict=True):
+            assert code == 0, (out + err)[-4000:]
 
 
 def test_torchrun_two_nodes_matches_one_node(tmp_path: Path) -> None:
     common = [f"output_root={tmp_path}", *TINY]
     # the reference runs meanwhile: its ranks start one after the other
-    one = _start(["-m", "recipes.pretrain", "run_name=one_node", "trainer.devices=2", *common])
-    _finish([one, *_torchrun_nodes(1, ["run_name=two_nodes", *common])])
+    one = [sys.executable, "-m", "recipes.pretrain", "run_name=one_node", "trainer.devices=2", *common]
+    _run_at_once([one], _torchrun_nodes(1, ["run_name=two_nodes", *common]))
     a, b = (tmp_path / name / "checkpoints" / "last.ckpt" for name in ("one_node", "two_nodes"))
     assert read_meta(b)["world_size"] == 2
     assert_same_shards(b, a)
@@ -220,7 +214,7 @@ def test_torchrun_two_nodes_of_two_shard_within_a_node_and_match_flat_sharding(t
     rounding)."""
     common = [f"output_root={tmp_path}", *TINY]
     flat = _torchrun_nodes(2, ["run_name=flat", *common])  # the same launch, flat over the 4 ranks
-    _finish([*flat, *_torchrun_nodes(2, ["run_name=hybrid", "strategy.shard_group_size=auto", *common])])
+    _run_at_once(flat, _torchrun_nodes(2, ["run_name=hybrid", "strategy.shard_group_size=auto", *common]))
     a, b = (tmp_path / name / "checkpoints" / "last.ckpt" for name in ("flat", "hybrid"))
     assert read_meta(a)["world_size"] == 4 and read_meta(b)["world_size"] == 2
     ref, got = (load_module_checkpoint(path)["state_dict"] for path in (a, b))
@@ -273,14 +267,7 @@ def test_requeue_resumes_from_its_checkpoint_and_finishes(slurm: None, tmp_path:
     while "Reason=BeginTime" not in (info := _job_info(job_id)) and "JobState=COMPLETED" not in info:
         assert time.monotonic() < deadline, info
         time.sleep(1)
-    reference = subprocess.run(
-        [sys.executable, "-m", "recipes.pretrain", *common, "run_name=reference"],
-        cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    reference = _run([sys.executable, "-m", "recipes.pretrain", *common, "run_name=reference"], timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
     state = wait_for_job(job_id, deadline_s=300)
@@ -378,13 +365,7 @@ def test_submitit_launcher_submits_the_recipe(slurm: None, tmp_path: Path) -> No
         "run_name=submitit_e2e",
         *TINY,
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "recipes.pretrain", *overrides],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    result = _run([sys.executable, "-m", "recipes.pretrain", *overrides], timeout=400)
     run_dir = tmp_path / "submitit_e2e"
     logs = "\n".join(p.read_text() for p in run_dir.glob(".submitit/*/*.out"))
     assert result.returncode == 0, result.stderr[-3000:] + logs[-3000:]
@@ -422,19 +403,10 @@ def test_fabric_loop_under_srun_matches_lightning_launcher(slurm: None, tmp_path
     """Fabric(strategy="zero") under SLURM (SLURMEnvironment, one task per rank) gives the result of
     Lightning's own launcher bit for bit."""
     cases = json.dumps([{"strategy": "zero", "steps": 4, "accum": 2, "clip": 0.05}])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    module = f"-m tests.distributed.fabric_loop --devices 2 --cases {shlex.quote(cases)}"
-    launched = subprocess.run(
-        f"{sys.executable} {module} --out {tmp_path}/launcher.pt",
-        shell=True,
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    module = ["-m", "tests.distributed.fabric_loop", "--devices", "2", "--cases", cases]
+    launched = _run([sys.executable, *module, "--out", f"{tmp_path}/launcher.pt"], timeout=240)
     assert launched.returncode == 0, launched.stderr[-3000:]
-    state, log = _srun_job(tmp_path, "fabric", f"{module} --out {tmp_path}/srun.pt")
+    state, log = _srun_job(tmp_path, "fabric", f"{shlex.join(module)} --out {tmp_path}/srun.pt")
     assert state == "COMPLETED", log[-3000:]
     launcher = torch.load(tmp_path / "launcher.pt", weights_only=False)[0]
     under_srun = torch.load(tmp_path / "srun.pt", weights_only=False)[0]
