@@ -13,9 +13,6 @@ setting and the value it needs:
   * `T` not dividing `data.seq_len` (sequence parallelism gives each rank `seq_len / T` positions
     of the norms' activations) or `trainer.devices` (a tensor-parallel group is `T` consecutive
     ranks of one node);
-  * checkpoints (the callback, Lightning's default one, a `ckpt_path`): the strategy writes and
-    reshards tensor-parallel checkpoints, but the recipe's save, resume (its data position) and
-    requeue with them are not tested yet;
   * `model.compile_blocks`: a compiled block body over `DTensor` activations is not tested here.
 """
 
@@ -64,25 +61,8 @@ def check_tensor_parallel(cfg: DictConfig, model: GPTConfig, data: DataConfig) -
             f"parallelism.tensor={tensor} does not divide data.seq_len={data.seq_len}: sequence "
             f"parallelism gives each rank data.seq_len / {tensor} positions; use a multiple of {tensor}"
         )
-    check_no_checkpoints(cfg, tensor)
     if model.compile_blocks:
         raise ValueError(
             f"model.compile_blocks=true with parallelism.tensor={tensor}: compiled blocks over "
             "tensor-parallel (DTensor) activations are not tested yet; use model.compile_blocks=false"
-        )
-
-
-def check_no_checkpoints(cfg: DictConfig, tensor: int) -> None:
-    """Under `T > 1` the recipe neither saves nor loads a checkpoint yet (see the module docstring)."""
-    wanted = []
-    if cfg.callbacks.get("model_checkpoint") is not None:
-        wanted.append("callbacks.model_checkpoint=null")
-    if cfg.trainer.get("enable_checkpointing") is not False:  # Lightning's own ModelCheckpoint
-        wanted.append("trainer.enable_checkpointing=false")
-    if cfg.ckpt_path is not None:
-        wanted.append("ckpt_path=null")
-    if wanted:
-        raise ValueError(
-            f"parallelism.tensor={tensor} does not save or resume the recipe's checkpoints yet (not "
-            f"tested with tensor parallelism): add {' '.join(wanted)}"
         )

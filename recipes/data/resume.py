@@ -22,7 +22,8 @@ Limits: automatic optimization with one optimizer (`global_step` must count glob
 `accumulate_grad_batches` fixed for the whole run (no `GradientAccumulationScheduler`); a checkpoint
 written between the micro-batches of one optimizer step resumes at the start of that global batch,
 but Lightning then steps after the remaining micro-batches only, so it is refused (the recipe saves
-at step boundaries). `TrainedSamples` is a callback that records which samples each rank trained.
+at step boundaries). `TrainedSamples` is a callback that records which samples each data-parallel
+rank trained.
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ def data_parallel(trainer: pl.Trainer) -> tuple[int, int]:
     if kwargs is None:
         return 1, 0
     return int(kwargs["num_replicas"]), int(kwargs["rank"])
+
+
+def tensor_parallel_rank(module: pl.LightningModule) -> int:
+    """This rank's index in its tensor-parallel group (the module's `tensor_parallel` mesh dimension,
+    set by a strategy with tensor parallelism); 0 without one."""
+    mesh = module.device_mesh
+    if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+        return 0
+    return mesh["tensor_parallel"].get_local_rank()
 
 
 def batch_layout(trainer: pl.Trainer | None, micro_batch_size: int) -> BatchLayout:
@@ -172,11 +182,14 @@ class TrainDataResume:
 
 
 class TrainedSamples(Callback):
-    """Appends the sample indices of every trained micro-batch to `<dirpath>/rank<R>.txt`.
+    """Appends the sample indices of every trained micro-batch to `<dirpath>/rank<R>.txt`, `R` the
+    data-parallel rank (the sampler's).
 
     One line per micro-batch: `step index index ...`, `step` being the 0-based optimizer step the
-    micro-batch is part of. Files are appended to, so a resumed run continues them. Needs a training
-    loader built by `TrainDataResume`.
+    micro-batch is part of. Files are appended to, so a resumed run continues them. Under tensor
+    parallelism the `T` ranks of a group train the same samples: only the group's first rank (tensor
+    rank 0) writes its data-parallel rank's file, so there is one file per data-parallel rank, each
+    line once. Needs a training loader built by `TrainDataResume`.
     """
 
     def __init__(self, dirpath: str) -> None:
@@ -203,7 +216,9 @@ class TrainedSamples(Callback):
             raise TypeError(
                 "TrainedSamples needs a training DataLoader whose sampler is a GlobalBatchSampler"
             )
-        indices = sampler.take_trained()
+        indices = sampler.take_trained()  # on every rank: each sampler hands out its own queue
+        if tensor_parallel_rank(pl_module) != 0:
+            return  # tensor rank 0 of the group writes the samples the group trained
         self.dirpath.mkdir(parents=True, exist_ok=True)
-        with (self.dirpath / f"rank{trainer.global_rank}.txt").open("a") as handle:
+        with (self.dirpath / f"rank{sampler.rank}.txt").open("a") as handle:
             handle.write(f"{self._step} {' '.join(map(str, indices))}\n")

@@ -112,7 +112,8 @@ def is_tensor_parallel(model: torch.nn.Module) -> bool:
 
 
 def unsplit_copy(model: GPT) -> GPT:
-    """A plain `GPT` on `model`'s device holding the whole of `model`'s current weights.
+    """A plain `GPT` on `model`'s device and in its dtype (`trainer.precision=64-true` trains in
+    float64) holding the whole of `model`'s current weights.
 
     A collective over the tensor-parallel group (each `DTensor` is all-gathered): call it on every rank.
     The copy holds the whole model on every rank, which suits sampling from the recipe's models, not
@@ -125,5 +126,6 @@ def unsplit_copy(model: GPT) -> GPT:
     device = model.rope_cos.device
     with torch.device(device):
         copy = GPT(model.config)
+    copy.to(dtype=model.embed.weight.dtype)  # a float32 copy would round the weights it is asked for
     copy.load_state_dict(state)
     return copy.train(model.training)
