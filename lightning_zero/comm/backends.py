@@ -155,6 +155,14 @@ class SingleProcess(Backend):
 
     recorded = False
 
+    def global_rank(self) -> int:
+        """This rank's rank in the default process group: a group of one inside a larger world (a
+        data-parallel dimension of size 1 of a mesh) is that rank, not rank 0."""
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else self.rank
+
+    def global_ranks(self) -> list[int]:
+        return [self.global_rank()]
+
     def reduce_scatter(self, output: Tensor, input_: Tensor) -> Any:
         output.copy_(input_)
         return Done()

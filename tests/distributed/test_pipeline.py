@@ -33,6 +33,9 @@ CASES = {
         "stage": 2,
         "microbatches": 1,
     },
+    # tensor parallelism inside each stage (column- then row-parallel pairs): PP 2 x TP 2
+    "pp2xtp2-1f1b-stage2": {**BASE, "schedule": "1f1b", "stage": 2, "tensor": 2},
+    "pp2xtp2-gpipe-stage3": {**BASE, "schedule": "gpipe", "stage": 3, "tensor": 2},
     # one rank's NaN gradient on the last stage: every stage skips that step
     "pp2xdp2-1f1b-stage2-nan": {**BASE, "schedule": "1f1b", "stage": 2, "nan_step": 1, "skip": 2},
 }
@@ -54,6 +57,7 @@ def test_every_stage_of_the_pipeline_equals_the_unsplit_model_in_float64(case: s
         for norm, unsplit in result["norms"]:  # clipping by the whole model's norm, on every stage
             assert norm == pytest.approx(unsplit, rel=1e-12, abs=0), (rank, result["norms"])
         assert len(result["norms"]) == 3 - ("nan_step" in settings)
+        assert result["dtensors"] == (8 if "tensor" in settings else 0)  # every weight and bias split
 
 
 @pytest.mark.parametrize("case", [f"pp2xdp2-{s}-stage2" for s in ("gpipe", "1f1b", "interleaved")])

@@ -14,6 +14,7 @@ from torch import nn
 
 import lightning_zero
 from lightning_zero import ShardedAdamW, ZeroConfig
+from lightning_zero.layout.local import is_dtensor
 
 WIDTH, LAYERS, ROWS = 8, 8, 8  # ROWS samples per data-parallel rank and step
 
@@ -66,20 +67,31 @@ def _pp_case(
     nan_step: int | None = None,
     skip: int = 0,
     virtual: int = 1,
+    tensor: int = 1,
 ) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from lightning_zero.comm.pipeline import ShardedStage
     from lightning_zero.comm.pipeline import schedule as make_schedule
+    from tests.distributed.workers_tp import full_parameters
 
     torch.set_default_dtype(torch.float64)
     try:
-        data = world_size // pipeline
-        mesh = init_device_mesh("cpu", (pipeline, data), mesh_dim_names=("pipeline", "data"))
+        data = world_size // (pipeline * tensor)
+        dims = (pipeline, data, tensor)
+        mesh = init_device_mesh("cpu", dims, mesh_dim_names=("pipeline", "data", "tensor"))
         index, data_rank = mesh["pipeline"].get_local_rank(), mesh["data"].get_local_rank()
         reference = unsplit()
         parts = chunks(unsplit(), pipeline * virtual)
         mine = [parts[index + v * pipeline] for v in range(virtual)]  # interleaved: every P-th chunk
+        if tensor > 1:  # Megatron's pairs inside each stage: column- then row-parallel, whole outputs
+            for chunk in mine:
+                linear = [name for name, m in chunk.named_children() if isinstance(m, nn.Linear)]
+                plan = {
+                    n: ColwiseParallel() if k % 2 == 0 else RowwiseParallel() for k, n in enumerate(linear)
+                }
+                parallelize_module(chunk, mesh["tensor"], plan)
         module = mine[0] if virtual == 1 else nn.ModuleList(mine)
         now = {"step": 0}
         last = index == pipeline - 1
@@ -150,7 +162,7 @@ def _pp_case(
                 ref_opt.step()
             ref_opt.zero_grad()
             with torch.no_grad(), lightning_zero.gathered(module) if stage == 3 else contextlib.nullcontext():
-                mine_now = [p.detach().clone() for chunk in mine for p in chunk.parameters()]
+                mine_now = [p for chunk in mine for p in full_parameters(chunk).values()]
             theirs = [p.detach() for chunk in ref_mine for p in chunk.parameters()]
             max_diff.append(max(float((a - b).abs().max()) for a, b in zip(mine_now, theirs, strict=True)))
         moved = max(
@@ -163,6 +175,7 @@ def _pp_case(
             "moved": moved,
             "skipped": opt.skipped_steps,
             "numel": sum(p.numel() for chunk in mine for p in chunk.parameters()),
+            "dtensors": sum(is_dtensor(p) for p in module.parameters()),
             "sent_per_step": opt.engine.comm.stats.elements_sent / steps,
             "padded": sum(b.padded_numel for b in opt.engine.plan.buckets),
         }
