@@ -28,6 +28,8 @@ from lightning_zero.layout.memory import (
     PRECISION_BYTES,
     activation_bytes,
     estimate_rows,
+    microbatches_in_flight,
+    pipeline_bubble,
 )
 
 
@@ -109,22 +111,31 @@ def estimate(
     unit_params: float = 0.0,
     prefetch_units: int = ZeroConfig.prefetch_units,
     activations: tuple[int, int, int, int] | None = None,
+    pipeline: tuple[int, int, str, int] = (1, 1, "1f1b", 1),
 ) -> None:
     """Print :func:`estimate_rows` (``stage``: that one only, beside ``ddp``) for the ranks of ``dims``:
     under node-aware sharding the state is split over one shard group's ranks, not all; under tensor
     parallelism each rank holds ``1/T`` of every layer, sharded over the data-parallel ranks.
-    ``activations``: ``(seq_len, micro_batch, d_model, layers)``, printed per rank too."""
+    ``activations``: ``(seq_len, micro_batch, d_model, layers)``, printed per rank too.
+    ``pipeline``: ``(P, M, schedule, V)``: ``P`` stages of equal shares of the parameters and layers
+    (``dims`` the ranks of one stage), ``M`` micro-batches per step; the bubble and the micro-batches
+    whose activations the first stage holds."""
     tensor = dims.tensor
+    stages, microbatches, schedule, virtual = pipeline
+    share = tensor * stages
     rows = estimate_rows(
-        params / tensor, dims.shard, precision, bucket_cap_mb, unit_params / tensor, prefetch_units
+        params / share, dims.shard, precision, bucket_cap_mb, unit_params / tensor, prefetch_units
     )
     if stage is not None:
         rows = {name: value for name, value in rows.items() if name in ("ddp", f"zero{stage}")}
     layout = f" sharded in groups of {dims.shard} (replicated {dims.replicate}x)" if dims.hybrid else ""
-    if tensor > 1:
-        layout = f" (tensor {tensor} x data {dims.world_size}; ddp: data parallel over the {dims.world_size})"
+    if tensor > 1 or stages > 1:
+        parts = [f"pipeline {stages}"] * (stages > 1) + [f"tensor {tensor}"] * (tensor > 1)
+        layout = (
+            f" ({' x '.join(parts)} x data {dims.world_size}; ddp: data parallel over the {dims.world_size})"
+        )
     print(
-        f"{params / 1e9:.3g}B parameters, {dims.world_size * tensor} ranks{layout}, {precision}: model state "
+        f"{params / 1e9:.3g}B parameters, {dims.world_size * share} ranks{layout}, {precision}: model state "
         "per rank (parameters, gradients, optimizer; no activations)"
     )
     for name, nbytes in rows.items():
@@ -132,14 +143,27 @@ def estimate(
     print(f"  (zero rows include up to {POOL_SLOTS} x {bucket_cap_mb:g} MiB of gradient buckets in flight)")
     if "zero1" in rows:
         print("  (stage 1 sends 1.5x stage 2's bytes for the same memory)")
+    if stages > 1:
+        bubble = pipeline_bubble(stages, microbatches, virtual)
+        per = f", {virtual} stages per rank" if schedule == "interleaved_1f1b" else ""
+        print(
+            f"  pipeline {schedule}{per}: bubble (P-1)/(M+P-1){' / V' if virtual > 1 else ''} = "
+            f"{bubble:.1%} of a step ({stages} stages, {microbatches} micro-batches; equal shares of the "
+            "layers, embedding and output layer on top of the first and last stage)"
+        )
     if activations is not None:
         seq, batch, width, layers = activations
-        nbytes = activation_bytes(seq, batch, width, layers, tensor)
+        held = microbatches_in_flight(schedule, stages, microbatches, virtual) if stages > 1 else 1.0
+        nbytes = activation_bytes(seq, batch, width, layers, tensor) / stages * held
         split = f", sequence parallel over {tensor}" if tensor > 1 else ""
+        staged = (
+            f"; {layers / stages:g} layers per stage, {held:g} micro-batches in flight" if stages > 1 else ""
+        )
+        unit = "at the first stage's peak" if stages > 1 else "per micro-batch"
         print(
-            f"  activations {nbytes / 2**30:5.2f} GiB per micro-batch of {batch} x {seq} tokens "
-            f"({layers} layers x 34 bytes per token and width {width}{split}; 16-bit, flash attention, "
-            "no recomputation; embedding and logits on top)"
+            f"  activations {nbytes / 2**30:5.2f} GiB {unit} of {batch} x {seq} tokens "
+            f"({layers} layers x 34 bytes per token and width {width}{split}{staged}; 16-bit, flash "
+            "attention, no recomputation; embedding and logits on top)"
         )
     if "zero3" in rows:
         units = (
@@ -195,6 +219,18 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         metavar="T",
         help="as the strategy's tensor_parallel_size: ranks per tensor-parallel group (inside a node)",
+    )
+    p_est.add_argument(
+        "--pipeline-parallel",
+        type=int,
+        default=1,
+        metavar="P",
+        help="pipeline stages (outermost: --world-size / P ranks per stage); with --microbatches",
+    )
+    p_est.add_argument("--microbatches", type=int, metavar="M", help="micro-batches per pipeline step")
+    p_est.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), default="1f1b")
+    p_est.add_argument(
+        "--virtual-stages", type=int, default=1, metavar="V", help="interleaved_1f1b: stages per rank"
     )
     for flag, what in (
         ("--seq-len", "tokens per sequence"),
@@ -253,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         return verify(args.src)
     if args.world_size < 1 or args.params <= 0:
         parser.error(f"--world-size must be >= 1 and --params > 0, got {args.world_size} and {args.params}")
+    pipeline = _pipeline(parser, args)
+    args.world_size //= pipeline[0]  # the ranks of one stage
     dims = _layout(parser, args)
     if args.unit_params < 0 or args.prefetch_units < 0:
         parser.error(
@@ -274,8 +312,36 @@ def main(argv: list[str] | None = None) -> int:
         args.unit_params,
         args.prefetch_units,
         shape if all(given) else None,  # type: ignore[arg-type]
+        pipeline,
     )
     return 0
+
+
+def _pipeline(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, int, str, int]:
+    """``(P, M, schedule, V)`` from the pipeline arguments, checked against ``--world-size``."""
+    stages, microbatches, schedule, virtual = (
+        args.pipeline_parallel,
+        args.microbatches,
+        args.schedule,
+        args.virtual_stages,
+    )
+    if stages < 1 or args.world_size % stages:
+        divisors = [p for p in range(1, args.world_size + 1) if args.world_size % p == 0]
+        parser.error(
+            f"--pipeline-parallel {stages} must divide --world-size {args.world_size}: one of {divisors}"
+        )
+    if stages == 1:
+        if microbatches is not None or virtual != 1:
+            parser.error("--microbatches and --virtual-stages need --pipeline-parallel P > 1")
+        return 1, 1, schedule, 1
+    if microbatches is None or microbatches < 1:
+        parser.error(f"--pipeline-parallel {stages} needs --microbatches M >= 1 (micro-batches per step)")
+    if (virtual > 1) != (schedule == "interleaved_1f1b") or virtual < 1:
+        parser.error(
+            f"--virtual-stages {virtual}: interleaved_1f1b takes V >= 2 stages per rank, "
+            "the other schedules 1"
+        )
+    return stages, microbatches, schedule, virtual
 
 
 if __name__ == "__main__":

@@ -131,6 +131,27 @@ def activation_bytes(seq_len: int, micro_batch: int, d_model: int, layers: int, 
     return layers * seq_len * micro_batch * d_model * ACTIVATION_BYTES_PER_TOKEN_AND_WIDTH / tensor
 
 
+def pipeline_bubble(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle fraction of a stage's step under a pipeline of ``stages`` and ``microbatches``:
+    ``(P - 1) / (M + P - 1)`` for GPipe and 1F1B, divided by ``virtual`` stages per rank for
+    interleaved 1F1B (each of its stages is ``1/V`` of the rank's layers, so the fill and drain are
+    ``V`` times shorter)."""
+    return (stages - 1) / (microbatches + stages - 1) / virtual
+
+
+def microbatches_in_flight(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
+    """Micro-batches whose activations the first stage holds at its peak, in units of a whole
+    stage's layers: GPipe all ``M`` (every forward before any backward); 1F1B ``min(M, P)``;
+    interleaved 1F1B, torch's warm-up of ``(V - 1) P + 2 (P - 1)`` forwards of ``1/V`` of the layers
+    each, plus the one in its first forward-backward pair (at most ``M V`` of them)."""
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule == "1f1b":
+        return float(min(microbatches, stages))
+    chunks = min(microbatches * virtual, (virtual - 1) * stages + 2 * (stages - 1) + 1)
+    return chunks / virtual
+
+
 def estimate_rows(
     params: float,
     n: int,

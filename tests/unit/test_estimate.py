@@ -19,6 +19,8 @@ from lightning_zero.layout.memory import (
     activation_bytes,
     estimate_rows,
     full_precision,
+    microbatches_in_flight,
+    pipeline_bubble,
 )
 from tests.docs.scripts import ROOT
 
@@ -126,6 +128,63 @@ def test_tensor_parallel_sizes_and_activation_arguments_are_checked(
         (["--tensor-parallel", "8", "--devices", "4"], "tensor_parallel_size=8 must divide a node's 4 ranks"),
         (["--tensor-parallel", "2", "--shard-group-size", "8"], "drop --shard-group-size"),
         (["--seq-len", "4096"], "activations need all four of --seq-len"),
+    ):
+        with pytest.raises(SystemExit):
+            main([*ESTIMATE, *extra])
+        assert message in capsys.readouterr().err, extra
+
+
+def test_pipeline_parallel_divides_the_state_and_reports_the_bubble_and_the_activations_held(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """70B on 128 ranks, pipeline 2 x tensor 8 x data 8: each stage holds half the parameters; the
+    bubble is (P-1)/(M+P-1) (over V for interleaved); the first stage holds M micro-batches of its
+    half of the layers under GPipe, min(M, P) under 1F1B."""
+    shape = ["--seq-len", "4096", "--micro-batch", "1", "--d-model", "8192", "--layers", "80"]
+    base = ["estimate", "--params", "69e9", "--devices", "8", "--tensor-parallel", "8", *shape]
+    assert main([*base, "--world-size", "64"]) == 0
+    flat = capsys.readouterr().out
+    outs = {}
+    for schedule in (
+        ["--schedule", "gpipe"],
+        ["--schedule", "1f1b"],
+        ["--schedule", "interleaved_1f1b", "--virtual-stages", "2"],
+    ):
+        assert (
+            main([*base, "--world-size", "128", "--pipeline-parallel", "2", "--microbatches", "8", *schedule])
+            == 0
+        )
+        outs[schedule[1]] = capsys.readouterr().out
+    assert "128 ranks (pipeline 2 x tensor 8 x data 8;" in outs["1f1b"]
+    zero3 = [
+        float(line.split()[1])
+        for out in (flat, outs["1f1b"])
+        for line in out.splitlines()
+        if line.startswith("  zero3")
+    ]
+    assert zero3[1] == pytest.approx(zero3[0] / 2, rel=1e-2)  # all but the buckets in flight halve
+    assert pipeline_bubble(2, 8) == pytest.approx(1 / 9) and "bubble (P-1)/(M+P-1) = 11.1%" in outs["1f1b"]
+    assert "= 5.6% of a step" in outs["interleaved_1f1b"]
+    per_microbatch = activation_bytes(4096, 1, 8192, 80, 8) / 2 / 2**30  # half the layers, 10.62 / 2 GiB
+    assert f"activations {per_microbatch * 8:5.2f} GiB" in outs["gpipe"]  # all 8 in flight
+    assert f"activations {per_microbatch * 2:5.2f} GiB" in outs["1f1b"]  # min(M, P)
+    assert (
+        microbatches_in_flight("interleaved_1f1b", 2, 8, 2) == 2.5
+    )  # torch's warm-up: (V-1)P + 2(P-1) + 1 chunks
+
+
+def test_pipeline_arguments_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    for extra, message in (
+        (
+            ["--pipeline-parallel", "3"],
+            "--pipeline-parallel 3 must divide --world-size 32: one of [1, 2, 4, 8, 16, 32]",
+        ),
+        (["--pipeline-parallel", "2"], "needs --microbatches M >= 1"),
+        (["--microbatches", "4"], "need --pipeline-parallel P > 1"),
+        (
+            ["--pipeline-parallel", "2", "--microbatches", "4", "--virtual-stages", "2"],
+            "interleaved_1f1b takes V >= 2",
+        ),
     ):
         with pytest.raises(SystemExit):
             main([*ESTIMATE, *extra])
