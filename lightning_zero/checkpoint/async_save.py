@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from lightning_zero.checkpoint.format import CheckpointError, StagedSave, checkpoint_comm, stage_save
+from lightning_zero.checkpoint.format import CheckpointError, StagedSave, stage_save
+from lightning_zero.checkpoint.tensor_layout import checkpoint_comm
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.engine.engine import ShardEngine
 

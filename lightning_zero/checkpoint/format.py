@@ -43,6 +43,7 @@ import torch
 
 from lightning_zero.checkpoint import tensor_layout
 from lightning_zero.checkpoint.commit import IN_PLACE, commit_directory, save_outcome, unseen_files
+from lightning_zero.checkpoint.tensor_layout import checkpoint_comm
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.handles import CommError
 from lightning_zero.comm.trace import span
@@ -111,28 +112,6 @@ def all_shard_names(meta: dict[str, Any]) -> list[str]:
     """Every shard file a complete checkpoint holds (every data-parallel and tensor-parallel rank)."""
     views = tensor_layout.views(meta)
     return [saved_shard_name(v, r) for v in views for r in range(int(v["plan"]["world_size"]))]
-
-
-def checkpoint_comm(engine: ShardEngine) -> Comm:
-    """The ranks that save and load a checkpoint together: the data-parallel ones, and with tensor
-    parallelism every rank (the default process group, which must be exactly data x tensor ranks).
-
-    Raises:
-        NotImplementedError: tensor-parallel and data-parallel ranks that are not the whole world.
-    """
-    tensor = engine.tensor
-    if tensor is None:
-        return engine.world
-    if tensor.everyone is None:
-        everyone = Comm()
-        if everyone.world_size != tensor.size * engine.world.world_size:
-            raise NotImplementedError(
-                f"a checkpoint of a tensor-parallel model is written by every rank of the default process "
-                f"group ({everyone.world_size}), which must be the {engine.world.world_size} data-parallel "
-                f"x {tensor.size} tensor-parallel ranks of the model: build the mesh over the whole world"
-            )
-        tensor.everyone = everyone
-    return tensor.everyone
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -221,8 +200,9 @@ class StagedSave:
     """Tensor parallelism: ``(t, T)``, this rank's tensor-parallel rank and size (its files' names)."""
 
     def write(self, comm: Comm) -> None:
-        """Write, agree with the other ranks over ``comm`` (all ranks of :func:`checkpoint_comm`, or a
-        group of its own over them), commit on its rank 0. On all ranks.
+        """Write, agree with the other ranks over ``comm`` (all ranks of
+        :func:`~lightning_zero.checkpoint.tensor_layout.checkpoint_comm`, or a group of its own over
+        them), commit on its rank 0. On all ranks.
 
         Before committing, rank 0 checks that it sees every rank's files at their sizes: on storage
         that is not shared by all nodes (a node-local disk) the other nodes' shards would be missing
@@ -329,7 +309,7 @@ def stage_save(
 
     With tensor-parallel parameters, every tensor-parallel rank writes its slices' shards, and ``meta.pt``
     records the layout (:mod:`lightning_zero.checkpoint.tensor_layout`); its ``write`` then takes every
-    rank (:func:`checkpoint_comm`).
+    rank (:func:`~lightning_zero.checkpoint.tensor_layout.checkpoint_comm`).
 
     Raises:
         NotImplementedError: a tensor-parallel (``DTensor``) tensor outside the buckets (a frozen

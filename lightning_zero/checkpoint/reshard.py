@@ -32,12 +32,12 @@ from torch import Tensor
 from lightning_zero.checkpoint.format import (
     AVERAGE,
     CheckpointError,
-    checkpoint_comm,
     saved_shard_name,
     verify_files,
 )
 from lightning_zero.checkpoint.tensor_layout import (
     VIEW,
+    checkpoint_comm,
     engine_layout,
     join,
     same_layout,

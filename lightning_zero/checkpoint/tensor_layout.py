@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_zero.comm.communicator import Comm
 from lightning_zero.engine.engine import ShardEngine
 from lightning_zero.engine.tensor_parallel import Placement, slice_of
 from lightning_zero.layout.local import is_dtensor
@@ -42,6 +43,28 @@ TENSOR = "tensor"
 VIEW = "tensor_rank"
 """Key a :func:`view` adds to ``meta``: the tensor-parallel rank whose files it reads."""
 REPLICATE: Placement = ("replicate",)
+
+
+def checkpoint_comm(engine: ShardEngine) -> Comm:
+    """The ranks that save and load a checkpoint together: the data-parallel ones, and with tensor
+    parallelism every rank (the default process group, which must be exactly data x tensor ranks).
+
+    Raises:
+        NotImplementedError: tensor-parallel and data-parallel ranks that are not the whole world.
+    """
+    tensor = engine.tensor
+    if tensor is None:
+        return engine.world
+    if tensor.everyone is None:
+        everyone = Comm()
+        if everyone.world_size != tensor.size * engine.world.world_size:
+            raise NotImplementedError(
+                f"a checkpoint of a tensor-parallel model is written by every rank of the default process "
+                f"group ({everyone.world_size}), which must be the {engine.world.world_size} data-parallel "
+                f"x {tensor.size} tensor-parallel ranks of the model: build the mesh over the whole world"
+            )
+        tensor.everyone = everyone
+    return tensor.everyone
 
 
 def engine_layout(engine: ShardEngine) -> tuple[int, int, list[Placement], list[tuple[int, ...]]]:

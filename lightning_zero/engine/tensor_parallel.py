@@ -139,7 +139,7 @@ class TensorParallel:
         """Per parameter: its gradients arrive as partial sums over the group (seen so far)."""
         self.everyone: Comm | None = None
         """Every rank (data x tensor parallel), which saves and loads checkpoints together; set by
-        :func:`lightning_zero.checkpoint.format.checkpoint_comm` at the first checkpoint."""
+        :func:`lightning_zero.checkpoint.tensor_layout.checkpoint_comm` at the first checkpoint."""
 
     @classmethod
     def of(
