@@ -253,23 +253,44 @@ def tensor_groups(
     return groups, mesh
 
 
-def _grid_mesh(
-    grid: list[list[int]], names: tuple[str, str], device_type: str, timeout: timedelta | None
+def pipeline_mesh(
+    pipeline: int, tensor: int, device_type: str, timeout: timedelta | None = None
 ) -> DeviceMesh:
-    """A 2-D mesh of the global ranks in ``grid``: dim 1 along its rows, dim 0 along its columns; every
-    group created here, by every rank in one order (``dist.new_group`` is a collective of the world)."""
+    """The ``(P, D, T)`` mesh :data:`PIPELINE_MESH_DIMS` over the default process group
+    (:func:`~lightning_zero.layout.dims.pipeline_grid`: the pipeline dimension outermost, ``T``
+    consecutive ranks per tensor-parallel group), its groups created with ``timeout``. Call on all ranks.
+
+    Raises:
+        ValueError: ``pipeline * tensor`` does not divide the world (named).
+    """
+    from lightning_zero.layout.dims import pipeline_grid
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return _grid_mesh(pipeline_grid(world, pipeline, tensor), PIPELINE_MESH_DIMS, device_type, timeout)
+
+
+PIPELINE_MESH_DIMS = ("pipeline_parallel", *TENSOR_MESH_DIMS)
+"""The dims of :func:`pipeline_mesh`: the pipeline dimension before Lightning's two."""
+
+
+def _grid_mesh(
+    grid: list[Any], names: tuple[str, ...], device_type: str, timeout: timedelta | None
+) -> DeviceMesh:
+    """A mesh of the global ranks in ``grid`` (nested lists, one level per dim): dim ``k``'s groups
+    are the lines of ranks along axis ``k``; every group created here, by every rank in one order
+    (``dist.new_group`` is a collective of the world), innermost dim first."""
     from torch.distributed.device_mesh import DeviceMesh
 
     rank = dist.get_rank()
-    columns = [list(col) for col in zip(*grid, strict=True)]
+    ranks = torch.tensor(grid)
     mine: dict[int, ProcessGroup] = {}
-    for dim, members in ((1, grid), (0, columns)):
-        for ranks in members:
-            group = dist.new_group(ranks=ranks, timeout=timeout)
-            if rank in ranks:
+    for dim in reversed(range(ranks.ndim)):
+        for line in ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist():
+            group = dist.new_group(ranks=line, timeout=timeout)
+            if rank in line:
                 mine[dim] = group
     return DeviceMesh.from_group(
-        [mine[0], mine[1]], device_type, mesh=torch.tensor(grid), mesh_dim_names=names
+        [mine[d] for d in range(ranks.ndim)], device_type, mesh=ranks, mesh_dim_names=names
     )
 
 

@@ -96,6 +96,10 @@ class ZeroArguments(TypedDict, total=False):
     shard_group_size: int | str | None
     device_mesh: Any
     tensor_parallel_size: int
+    pipeline_parallel_size: int
+    pipeline_schedule: str
+    pipeline_microbatches: int | None
+    pipeline_virtual_stages: int
     param_init_fn: Callable[[torch.nn.Module], None] | None
     accelerator: Any  # Lightning's own classes, the Trainer's or Fabric's
     parallel_devices: list[torch.device] | None

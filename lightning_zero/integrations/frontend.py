@@ -33,7 +33,14 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_zero.checkpoint.format import CheckpointError
 from lightning_zero.checkpoint.reshard import load_sharded, preflight
 from lightning_zero.comm import Comm, hybrid_mesh
-from lightning_zero.comm.groups import TENSOR_MESH_DIMS, CommGroups, tensor_groups, tensor_mesh
+from lightning_zero.comm.groups import (
+    PIPELINE_MESH_DIMS,
+    TENSOR_MESH_DIMS,
+    CommGroups,
+    pipeline_mesh,
+    tensor_groups,
+    tensor_mesh,
+)
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import ShardEngine
 from lightning_zero.engine.deferred_init import (
@@ -108,7 +115,9 @@ class ZeroFrontEnd:
     def build_model_mesh(self, ranks_per_node: int, device_type: str, timeout: timedelta | None) -> Any:
         """With ``tensor_parallel_size > 1``: the ``(data_parallel, tensor_parallel)`` mesh (dims
         :data:`~lightning_zero.comm.groups.TENSOR_MESH_DIMS`, Lightning ``ModelParallelStrategy``'s),
-        built at the first call and kept; ``None`` otherwise. Call on all ranks, after the process
+        with ``pipeline_parallel_size > 1`` the ``(pipeline_parallel, data_parallel, tensor_parallel)``
+        one (:func:`~lightning_zero.comm.groups.pipeline_mesh`), built at the first call and kept;
+        ``None`` otherwise. Call on all ranks, after the process
         group exists.
 
         With ``shard_group_size`` too, the engine's shard groups and replicas of this rank's tensor index
@@ -119,7 +128,10 @@ class ZeroFrontEnd:
                 ``shard_group_size`` the data-parallel ranks (named).
         """
         tensor, size = self.options.tensor_parallel_size, self.options.shard_group_size
-        if tensor > 1 and self.model_mesh is None and size is None:
+        pipeline = self.options.pipeline_parallel_size
+        if pipeline > 1 and self.model_mesh is None:  # options refuse shard_group_size beside it
+            self.model_mesh = pipeline_mesh(pipeline, tensor, device_type, timeout)
+        elif tensor > 1 and self.model_mesh is None and size is None:
             self.model_mesh = tensor_mesh(tensor, device_type, timeout, ranks_per_node)
         elif tensor > 1 and self.model_mesh is None:
             dims = ParallelDims.with_tensor(Comm().world_size, tensor, ranks_per_node, size)
@@ -133,6 +145,13 @@ class ZeroFrontEnd:
             return None
         data = self.model_mesh[TENSOR_MESH_DIMS[0]]
         return data.size(), data.get_local_rank()
+
+    def pipeline_group(self) -> Any:
+        """The 1-D mesh of this rank's pipeline stages (one rank per stage), or ``None``."""
+        mesh = self.model_mesh
+        if mesh is None or PIPELINE_MESH_DIMS[0] not in (mesh.mesh_dim_names or ()):
+            return None
+        return mesh[PIPELINE_MESH_DIMS[0]]
 
     def data_comm(self) -> Comm:
         """The communicator of the data-parallel ranks (the world without tensor parallelism)."""
@@ -184,6 +203,7 @@ class ZeroFrontEnd:
             module if stage3 else None,
             device_mesh,
             deferred_init if stage3 else None,
+            self.pipeline_group(),
         )
         for scheduler in schedulers:
             repoint_scheduler(scheduler, sharded)

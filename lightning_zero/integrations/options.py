@@ -65,6 +65,21 @@ class ZeroOptions:
     data-parallel size (``sharded_checkpoint=False`` is refused). A model built on the meta device
     (``init_module(empty_init=True)``) is parallelized there and initialized as if built with values
     (each rank draws every parameter whole and keeps its slice)."""
+    pipeline_parallel_size: int = 1
+    """Pipeline parallelism (Trainer only): the model's layers (the LightningModule's
+    ``pipeline_layers()``) split into ``P`` stages of consecutive layers, outermost on the layout (each
+    stage ``N / P`` consecutive ranks, data- and tensor-parallel inside it); the strategy runs the
+    schedule inside each training, validation, test and predict step (``docs/pipeline.md`` states the
+    LightningModule's part). No rank holds another stage's parameters."""
+    pipeline_schedule: str = "1f1b"
+    """``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (at most ``P`` micro-batches'
+    activations held) or ``"interleaved_1f1b"`` (``pipeline_virtual_stages`` smaller stages per rank:
+    a smaller bubble)."""
+    pipeline_microbatches: int | None = None
+    """``M``: the micro-batches each batch is cut into along its first dimension (which ``M`` must
+    divide); ``None``: ``P``. The idle share of a stage is about ``(P - 1) / (M + P - 1)``."""
+    pipeline_virtual_stages: int = 1
+    """``V``: stages per rank, at least 2 with ``"interleaved_1f1b"``, 1 with the others."""
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     """A model built on the meta device: ``param_init_fn(module)`` runs on each of its modules, children
     first, after every module's ``reset_parameters()``, as ``model.apply(param_init_fn)`` at the end of
@@ -102,6 +117,7 @@ class ZeroOptions:
                 f"tensor_parallel_size={tensor} builds its own mesh: leave device_mesh unset (node-aware "
                 "sharding beside it: shard_group_size)"
             )
+        self._check_pipeline()
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise ValueError(
                 "param_init_fn must be None or a function of one module (run on each module of a model "
@@ -121,6 +137,40 @@ class ZeroOptions:
             )
         if self.async_checkpoint and not self.sharded_checkpoint:
             raise ValueError("async_checkpoint=True needs sharded_checkpoint=True (directories of shards)")
+
+    def _check_pipeline(self) -> None:
+        from lightning_zero.comm.pipeline import SCHEDULES
+
+        pipeline, virtual, micro = (
+            self.pipeline_parallel_size,
+            self.pipeline_virtual_stages,
+            self.pipeline_microbatches,
+        )
+        for name, value in (("pipeline_parallel_size", pipeline), ("pipeline_virtual_stages", virtual)):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if micro is not None and not (isinstance(micro, int) and not isinstance(micro, bool) and micro >= 1):
+            raise ValueError(
+                f"pipeline_microbatches must be None (one per stage) or a positive int, got {micro!r}"
+            )
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ValueError(
+                f"pipeline_schedule must be one of {sorted(SCHEDULES)}, got {self.pipeline_schedule!r}"
+            )
+        interleaved = self.pipeline_schedule == "interleaved_1f1b"
+        if interleaved != (virtual > 1):
+            raise ValueError(
+                f"pipeline_virtual_stages={virtual} with pipeline_schedule={self.pipeline_schedule!r}: the "
+                "interleaved schedule needs 2 or more stages per rank, the others one"
+            )
+        if pipeline == 1:
+            return
+        if self.device_mesh is not None or self.shard_group_size is not None:
+            raise ValueError(
+                f"pipeline_parallel_size={pipeline} shards each stage flat over its data-parallel ranks: "
+                "node-aware sharding (shard_group_size, device_mesh) inside a stage is not supported yet; "
+                "leave them unset"
+            )
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> ZeroOptions:

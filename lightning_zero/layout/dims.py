@@ -14,6 +14,10 @@ With tensor parallelism (``tensor = T > 1``) a third dimension sits innermost: e
 rank ``d`` above is a group of ``T`` consecutive ranks, ``rank = d * T + t`` (a node's ranks, over
 NVLink), whose data-parallel peers are the ranks of the same ``t``.
 
+With pipeline parallelism (``P`` stages) the pipeline dimension sits outermost
+(:func:`pipeline_grid`): ``rank = p * D * T + d * T + t``, so a stage's ``D * T`` ranks are
+consecutive (whole nodes) and only activations cross between them.
+
 Pure arithmetic: no process group, no torch (``lightning-zero estimate`` reads it). The process
 groups and the ``DeviceMesh`` of a layout are built from :meth:`ParallelDims.mesh` by
 :func:`lightning_zero.comm.groups.hybrid_mesh`.
@@ -151,3 +155,25 @@ class ParallelDims:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank!r} is not one of the {self.world_size} ranks")
         return rank
+
+
+def pipeline_grid(world_size: int, pipeline: int, tensor: int = 1) -> list[list[list[int]]]:
+    """The ``(P, D, T)`` grid of global ranks with the pipeline dimension outermost and the tensor
+    dimension innermost: ``grid[p][d][t] = p * D * T + d * T + t`` (``D = world_size / (P * T)``).
+
+    Raises:
+        ValueError: ``pipeline`` (times ``tensor``) does not divide ``world_size``, named with the
+            pipeline sizes that would.
+    """
+    if not _is_count(pipeline):
+        raise ValueError(f"pipeline_parallel_size must be a positive number of stages, got {pipeline!r}")
+    if not _is_count(tensor) or world_size % (pipeline * tensor):
+        sizes = [p for p in range(1, world_size + 1) if world_size % (p * tensor) == 0]
+        raise ValueError(
+            f"pipeline_parallel_size={pipeline} x tensor_parallel_size={tensor} must divide the {world_size} "
+            f"ranks (each stage gets the same number of ranks): pipeline sizes {sizes}"
+        )
+    data = world_size // (pipeline * tensor)
+    return [
+        [[(p * data + d) * tensor + t for t in range(tensor)] for d in range(data)] for p in range(pipeline)
+    ]

@@ -36,11 +36,13 @@ def make_twin(
     module: torch.nn.Module | None = None,
     device_mesh: Any = None,
     deferred_init: Any = None,
+    pipeline_group: Any = None,
 ) -> ShardedAdamW:
     """The sharded twin of ``optimizer`` for a module with ``named_parameters`` (registration order);
     ``module``: the model, needed at stage 3; ``device_mesh``: hybrid sharding (a ``DeviceMesh``, or
     the :class:`~lightning_zero.comm.CommGroups` built for tensor parallelism); ``deferred_init``: a
-    stage-3 model on the meta device, initialized unit by unit (see ShardedAdamW).
+    stage-3 model on the meta device, initialized unit by unit (see ShardedAdamW); ``pipeline_group``:
+    the ranks of the other pipeline stages (``ShardedAdamW``'s).
 
     Must be called on all ranks (the bucket plans are compared).
 
@@ -59,6 +61,7 @@ def make_twin(
         device_mesh=None if groups is not None else device_mesh,
         groups=groups,
         deferred_init=deferred_init,
+        pipeline_group=pipeline_group,
     )
 
 

@@ -37,6 +37,10 @@ BAD = {
     "shard_group_size": 0,
     "device_mesh": "2x2",
     "tensor_parallel_size": 0,
+    "pipeline_parallel_size": 0,
+    "pipeline_schedule": "zero_bubble",
+    "pipeline_microbatches": 0,
+    "pipeline_virtual_stages": 0,
     "param_init_fn": "normal",
     # Lightning's DDPStrategy
     "accelerator": "cpu",

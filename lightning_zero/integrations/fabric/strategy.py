@@ -77,7 +77,8 @@ class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
 
     Raises:
         TypeError: an argument it does not take (named, with the closest valid ones).
-        ValueError: an invalid setting (named), or ``log_comm_stats``/``async_checkpoint`` set.
+        ValueError: an invalid setting (named), ``log_comm_stats``/``async_checkpoint`` set, or
+            ``pipeline_parallel_size > 1`` (the Trainer's; Fabric drives :mod:`lightning_zero.comm.pipeline`).
     """
 
     strategy_name = "zero"
@@ -90,6 +91,13 @@ class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
             "the Trainer strategy only: a Fabric loop has no end-of-fit hook to report a background "
             "save's failure, nor a logger of the strategy's own",
         )
+        if options.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"pipeline_parallel_size={options.pipeline_parallel_size} is the Trainer strategy's (it runs "
+                "the schedule inside Lightning's step); a Fabric loop drives the stages itself with "
+                "lightning_zero.comm.pipeline (ShardedStage, schedule) and ShardedAdamW(pipeline_group=...): "
+                "docs/pipeline.md"
+            )
         check_sharded_io(lightning["checkpoint_io"], options.sharded_checkpoint, "ZeroFabricStrategy")
         self._zero = ZeroFrontEnd(options)
         super().__init__(**lightning)

@@ -141,7 +141,10 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
         let_errors_reach_python()  # before Lightning creates the process group (comm/watchdog.py)
         super().setup_environment()
         module = self.lightning_module
-        if self._zero.options.tensor_parallel_size > 1:  # configure_model reads self.device_mesh, as
+        options = self._zero.options
+        if (
+            options.tensor_parallel_size > 1 or options.pipeline_parallel_size > 1
+        ):  # configure_model reads self.device_mesh, as
             mesh = self._zero.build_model_mesh(self.num_processes, self.root_device.type, self._timeout)
             if module is not None:  # under ModelParallelStrategy
                 module._device_mesh = mesh
@@ -165,6 +168,8 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True, as DDPStrategy does
         stage3 = self.zero_config.stage == 3
+        if self._zero.options.pipeline_parallel_size > 1:  # before anything is materialized or sharded
+            self._split_pipeline(trainer, fitting)
         deferred = self._zero.deferred_init(self.model, self.root_device)  # a model on the meta device
         data = self._zero.data_comm()
         self.precision_plugin.convert_module(self.model)
@@ -192,11 +197,71 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
             engine = self._zero.engine
             assert engine is not None and self.lightning_module is not None
             engine.refresh_master()
+            if self._pipeline is not None:  # the schedule built now: a bad micro-batch count fails here
+                self._pipeline.train(engine.no_sync, trainer.accumulate_grad_batches)
             self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
             install_callbacks(trainer, engine, self._zero.options.log_comm_stats)
         else:
             ZeroFrontEnd.sync_module_states(self.model, comm=data)
         self.setup_precision_plugin()
+
+    def _split_pipeline(self, trainer: pl.Trainer, fitting: bool) -> None:
+        """This rank's pipeline stages of the LightningModule (once; the other stages' layers are
+        dropped from it), after refusing what the pipeline cannot run (:mod:`.pipeline`)."""
+        from lightning_zero.integrations.trainer.pipeline import TrainerPipeline
+
+        module, options = self.lightning_module, self._zero.options
+        assert module is not None
+        size = options.pipeline_parallel_size
+        if fitting and not module.automatic_optimization:
+            raise ValueError(
+                f"pipeline_parallel_size={size} runs forward and backward inside the schedule: manual "
+                "optimization (automatic_optimization=False) is not supported with it"
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"pipeline_parallel_size={size} does not support precision='16-mixed' (its loss scaler "
+                "would have to scale every micro-batch's loss inside the schedule): use 'bf16-mixed' or "
+                "'bf16-true'"
+            )
+        if trainer.checkpoint_callbacks:
+            raise ValueError(
+                f"checkpoints of pipeline_parallel_size={size} are not supported yet: pass "
+                "Trainer(enable_checkpointing=False) and no ModelCheckpoint"
+            )
+        if self._pipeline is None:
+            mesh = self._zero.pipeline_group()
+            self._pipeline = TrainerPipeline(
+                module,
+                mesh,
+                self.root_device,
+                options.pipeline_schedule,
+                options.pipeline_microbatches,
+                options.pipeline_virtual_stages,
+            )
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Under pipeline parallelism the gradients are zeroed before the training step, not between it
+        and the backward as Lightning's closure does: the schedule has run the backward by then."""
+        if self._pipeline is not None:
+            closure = self._pipeline.zero_grad_first(closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Under pipeline parallelism the schedule ran every micro-batch's backward inside the training
+        step: the hooks around a backward run (``on_before_backward``, ``on_after_backward``), the
+        backward itself does not."""
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     def _check_checkpoint_targets(self, trainer: pl.Trainer) -> None:
         """Before any work: a checkpoint IO plugin or a URL that sharded saves could not honour."""

@@ -1,0 +1,266 @@
+"""Pipeline parallelism under the Trainer: this rank's stages of the LightningModule and the schedules
+that run them inside Lightning's training, validation, test and predict steps.
+
+The LightningModule's part (``docs/pipeline.md`` argues it):
+
+  * ``pipeline_layers()`` (required): the model's layers in the order its forward runs them, each a
+    submodule; every parameter belongs to exactly one
+    (:func:`~lightning_zero.layout.stages.check_stage_split`).
+  * ``pipeline_forward(index, x)`` (optional): run layer ``index`` on ``x``; by default
+    ``pipeline_layers()[index](x)`` (override it when a layer takes more, e.g. rotary tables).
+  * ``pipeline_loss(output, target)`` (required to train, validate or test): the loss of one
+    micro-batch, a mean over its samples.
+  * a batch is ``(inputs, target)``, cut into micro-batches along dim 0 (or ``pipeline_batch(batch)``
+    returns that pair).
+
+The strategy owns the step: ``training_step``, ``validation_step`` and ``test_step`` of the module are
+not called; the step's mean loss (the last stage's, sent to every rank of the pipeline) is what the
+step returns, so ``on_train_batch_end(outputs, ...)`` (``outputs["loss"]``) and
+``on_validation_batch_end(outputs, ...)`` (``outputs``) receive it on every rank, to log there.
+``predict_step`` returns the last stage's outputs on its ranks and ``None`` on the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_zero.comm.pipeline import ShardedStage, pipeline_comm, schedule
+from lightning_zero.layout.stages import (
+    check_stage_split,
+    keep_stages,
+    layer_names,
+    rank_stages,
+    stage_layers,
+)
+
+
+class StageForward(nn.Module):
+    """The forward of one stage: its layers in order, through the LightningModule's
+    ``pipeline_forward`` when it defines one. It registers no module: the layers stay the model's."""
+
+    _owner: nn.Module
+    _layers: list[nn.Module]
+
+    def __init__(self, owner: nn.Module, layers: list[nn.Module], indices: range) -> None:
+        super().__init__()
+        object.__setattr__(self, "_owner", owner)  # not a child: its parameters stay the model's
+        object.__setattr__(self, "_layers", layers)
+        self.indices = indices
+
+    def forward(self, x: Any) -> Any:
+        hook = getattr(self._owner, "pipeline_forward", None)
+        for i in self.indices:
+            x = hook(i, x) if hook is not None else self._layers[i](x)
+        return x
+
+
+def _required(module: nn.Module, name: str, why: str) -> Callable[..., Any]:
+    hook = getattr(module, name, None)
+    if not callable(hook):
+        raise ValueError(
+            f"pipeline_parallel_size > 1 needs the LightningModule ({type(module).__name__}) to define "
+            f"{name}(): {why} (docs/pipeline.md)"
+        )
+    return hook  # type: ignore[no-any-return]
+
+
+class TrainerPipeline:
+    """This rank's stages of ``module`` over the pipeline dimension of ``mesh`` (cut down in place:
+    :func:`~lightning_zero.layout.stages.keep_stages`), and the schedules of its steps.
+
+    Raises:
+        ValueError: a LightningModule without ``pipeline_layers()``, fewer layers than stages, a
+            parameter outside the layers or shared across stages (named).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: Any,
+        device: torch.device,
+        kind: str,
+        microbatches: int | None,
+        virtual: int,
+    ) -> None:
+        self.group = mesh
+        self.ranks = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.kind = kind
+        self.virtual = virtual
+        self.microbatches = self.ranks if microbatches is None else microbatches
+        self.device = device
+        self.module = module
+        stages = self.ranks * virtual
+        layers = list(
+            _required(module, "pipeline_layers", "the model's layers in the order of its forward")()
+        )
+        layer_names(module, layers)  # each a submodule, none twice: before any change
+        self.bounds = stage_layers(len(layers), stages)
+        check_stage_split(module, layers, self.bounds)
+        self.mine = rank_stages(self.rank, self.ranks, virtual)
+        keep_stages(module, layers, self.bounds, self.mine)
+        layers = list(module.pipeline_layers())  # type: ignore[operator]  # this rank's, and placeholders
+        self.forwards = [StageForward(module, layers, self.bounds[s]) for s in self.mine]
+        self.first, self.last = 0 in self.mine, stages - 1 in self.mine
+        self.comm = pipeline_comm(mesh)
+        self._runs: dict[tuple[Any, ...], Any] = {}
+        self._no_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        self._accumulate = 1
+
+    @property
+    def stage_numel(self) -> int:
+        """Elements of this rank's parameters (its stages' layers only)."""
+        return sum(p.numel() for p in self.module.parameters())
+
+    def train(self, no_sync: Callable[[], contextlib.AbstractContextManager[Any]], accumulate: int) -> None:
+        """Training from now on: ``no_sync`` the optimizer's, the loss divided by ``accumulate`` (the
+        batches per optimizer step). Builds the training schedule once, so that a bad micro-batch
+        count is refused before the first step."""
+        self._no_sync, self._accumulate = no_sync, accumulate
+        self._runs = {key: run for key, run in self._runs.items() if key[0] != "train"}
+        self._schedule("train", None)
+
+    @staticmethod
+    def zero_grad_first(closure: Any) -> Callable[[], Any]:
+        """Lightning's training closure (training step, zero_grad at the first batch of an accumulation
+        window, backward) with the zero_grad moved before the training step, which runs the backward
+        under pipeline parallelism (the ``on_before_zero_grad`` hooks run there too).
+
+        Raises:
+            RuntimeError: a Lightning whose closure keeps its zero_grad elsewhere (``_zero_grad_fn``).
+        """
+        if not hasattr(closure, "_zero_grad_fn"):
+            raise RuntimeError(
+                "pipeline parallelism moves Lightning's zero_grad before the training step and found no "
+                f"`_zero_grad_fn` on {type(closure).__name__}: this Lightning version is not supported with "
+                "pipeline_parallel_size > 1"
+            )
+        zero_grad, closure._zero_grad_fn = closure._zero_grad_fn, None  # this batch's closure only
+
+        def run() -> Any:
+            if zero_grad is not None:
+                zero_grad()
+            return closure()
+
+        return run
+
+    def _loss(self) -> Callable[[Any, Any], torch.Tensor]:
+        loss = _required(self.module, "pipeline_loss", "the loss of a micro-batch's output and target")
+        accumulate = self._accumulate
+
+        def fn(output: Any, target: Any) -> torch.Tensor:
+            return loss(output, target) / accumulate
+
+        return fn
+
+    def _schedule(self, mode: str, shapes: Any) -> Any:
+        key = (mode, shapes)
+        if key not in self._runs:
+            no_sync = self._no_sync if mode == "train" else contextlib.nullcontext
+            stages = [
+                ShardedStage(f, s, self.ranks * self.virtual, self.device, self.group, no_sync)
+                for f, s in zip(self.forwards, self.mine, strict=True)
+            ]
+            loss = self._loss() if mode != "predict" else None
+            if loss is None:
+                self._runs[key] = _predict_schedule(self.kind, stages, self.microbatches)
+            else:
+                self._runs[key] = schedule(
+                    self.kind, stages if self.virtual > 1 else stages[0], self.microbatches, loss
+                )
+        return self._runs[key]
+
+    def split(self, batch: Any) -> tuple[Any, Any]:
+        """``(inputs, target)`` of a batch (``pipeline_batch(batch)`` when the module defines it).
+
+        Raises:
+            ValueError: a batch that is no pair, or a first dimension ``pipeline_microbatches`` does not
+                divide.
+        """
+        hook = getattr(self.module, "pipeline_batch", None)
+        pair = hook(batch) if hook is not None else batch
+        if not (isinstance(pair, list | tuple) and len(pair) == 2):
+            raise ValueError(
+                "under pipeline_parallel_size > 1 a batch must be (inputs, target), got "
+                f"{type(pair).__name__}"
+                f"{'' if not isinstance(pair, list | tuple) else f' of {len(pair)}'}; or define "
+                "pipeline_batch(batch) returning that pair"
+            )
+        inputs, target = pair
+        rows = inputs.shape[0]
+        if rows % self.microbatches:
+            raise ValueError(
+                f"a batch of {rows} samples cannot be cut into pipeline_microbatches={self.microbatches} "
+                "equal micro-batches: use a batch size it divides (and drop_last=True for a last short batch)"
+            )
+        return inputs, target
+
+    def _shapes(self, *tensors: Any) -> tuple[Any, ...]:
+        return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in tensors)
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        """Forward and backward of every micro-batch; the batch's mean loss on every rank."""
+        inputs, target = self.split(batch)
+        run = self._schedule("train", self._shapes(inputs, target))
+        losses: list[torch.Tensor] = []
+        if self.first:
+            run.step(inputs)
+        elif self.last:
+            run.step(target=target, losses=losses)
+        else:
+            run.step()
+        return self._share(losses) * self._accumulate
+
+    def evaluation_step(self, batch: Any) -> torch.Tensor:
+        """Forward of every micro-batch (no gradients); the batch's mean loss on every rank."""
+        inputs, target = self.split(batch)
+        run = self._schedule("eval", self._shapes(inputs, target))
+        losses: list[torch.Tensor] = []
+        if self.first:
+            run.eval(inputs)
+        elif self.last:
+            run.eval(target=target, losses=losses)
+        else:
+            run.eval()
+        return self._share(losses) * self._accumulate
+
+    def predict_step(self, batch: Any) -> Any:
+        """Forward of every micro-batch of the batch's inputs; the last stage's outputs there, ``None``
+        on the other stages' ranks."""
+        hook = getattr(self.module, "pipeline_batch", None)
+        inputs = (
+            hook(batch)[0] if hook is not None else (batch[0] if isinstance(batch, list | tuple) else batch)
+        )
+        if inputs.shape[0] % self.microbatches:
+            raise ValueError(
+                f"a batch of {inputs.shape[0]} samples cannot be cut into pipeline_microbatches="
+                f"{self.microbatches} equal micro-batches"
+            )
+        run = self._schedule("predict", self._shapes(inputs))
+        if self.first:
+            run.step(inputs)
+            return None
+        output = run.step()
+        return output if self.last else None
+
+    def _share(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of the last stage's micro-batch losses (each already divided by ``M``), sent to
+        every rank of the pipeline."""
+        if self.last:
+            total = torch.stack([loss.detach().float() for loss in losses]).sum()
+        else:
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.comm.broadcast_tensors([total], src=self.ranks - 1)
+        return total
+
+
+def _predict_schedule(kind: str, stages: list[ShardedStage], microbatches: int) -> Any:
+    from lightning_zero.comm.pipeline import SCHEDULES
+
+    chosen: Any = stages if kind == "interleaved_1f1b" else stages[0]
+    return SCHEDULES[kind](chosen, n_microbatches=microbatches, loss_fn=None, scale_grads=False)

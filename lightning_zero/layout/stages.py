@@ -1,0 +1,146 @@
+"""Pipeline stages: which of a model's layers each rank runs, and the model cut down to them.
+
+A model under pipeline parallelism is an ordered list of ``L`` layers (the LightningModule's
+``pipeline_layers()``), each taking the previous one's output. ``S = P * V`` stages (``P`` pipeline
+ranks, ``V`` virtual stages per rank under the interleaved schedule) each take consecutive layers,
+in equal numbers (the first ``L mod S`` stages one more, :func:`stage_layers`); rank ``p`` runs stages
+``p, p + P, ..., p + (V - 1) P`` (:func:`rank_stages`), as Megatron-LM and torch's interleaved schedule
+lay them out.
+
+:func:`keep_stages` cuts a model down to one rank's layers: every other layer is replaced, in its
+parent, by an :class:`OnOtherStage` placeholder without parameters, so the parameters and buffers of
+another stage never exist on this rank (a model on the meta device is never materialized there) and
+every kept tensor keeps its name in the whole model (``blocks.5.attn.q.weight`` on the stage that
+runs block 5): checkpoints of the stages join by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+
+def stage_layers(layers: int, stages: int) -> list[range]:
+    """The layers of each of ``stages`` stages: consecutive, equal numbers, the first ``layers mod
+    stages`` stages one more.
+
+    Raises:
+        ValueError: fewer layers than stages (a stage would be empty), named with both counts.
+    """
+    if not (isinstance(stages, int) and stages >= 1):
+        raise ValueError(f"the number of pipeline stages must be a positive int, got {stages!r}")
+    if layers < stages:
+        raise ValueError(
+            f"the model has {layers} pipeline layers, fewer than the {stages} stages it is split into "
+            "(pipeline_parallel_size x virtual stages): every stage needs at least one layer"
+        )
+    base, extra = divmod(layers, stages)
+    bounds, start = [], 0
+    for s in range(stages):
+        stop = start + base + (1 if s < extra else 0)
+        bounds.append(range(start, stop))
+        start = stop
+    return bounds
+
+
+def rank_stages(rank: int, ranks: int, virtual: int = 1) -> list[int]:
+    """The stage indices pipeline rank ``rank`` of ``ranks`` runs: ``rank + v * ranks`` for each of its
+    ``virtual`` stages (one without interleaving)."""
+    if not 0 <= rank < ranks:
+        raise ValueError(f"pipeline rank {rank!r} is not one of the {ranks} pipeline ranks")
+    return [rank + v * ranks for v in range(virtual)]
+
+
+class OnOtherStage(nn.Module):
+    """A layer another pipeline stage runs: no parameters, no buffers; calling it raises."""
+
+    def __init__(self, name: str, stage: int) -> None:
+        super().__init__()
+        self.layer_name = name
+        self.stage = stage
+
+    def forward(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            f"layer {self.layer_name!r} runs on pipeline stage {self.stage}, not on this rank: under "
+            "pipeline_parallel_size > 1 the strategy runs the stages' forwards (the LightningModule's "
+            "pipeline_layers()), never the whole model's"
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name!r}, stage={self.stage}"
+
+
+def layer_names(model: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
+    """The name of each of ``layers`` in ``model`` (its first, if it has several).
+
+    Raises:
+        ValueError: a layer that is no module of ``model``, one listed twice, or ``model`` itself
+            (named by its position in the list).
+    """
+    names: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), name)
+    found: list[str] = []
+    for i, layer in enumerate(layers):
+        name = names.get(id(layer)) if isinstance(layer, nn.Module) else None
+        if not name:  # None: not in the model; "": the model itself
+            raise ValueError(
+                f"pipeline_layers()[{i}] ({type(layer).__name__}) is not a submodule of the model: list the "
+                "model's own layers, in the order its forward runs them"
+            )
+        if name in found:
+            raise ValueError(
+                f"pipeline_layers() lists {name!r} twice (positions {found.index(name)} and {i})"
+            )
+        found.append(name)
+    return found
+
+
+def check_stage_split(model: nn.Module, layers: Sequence[nn.Module], bounds: Sequence[range]) -> None:
+    """Every trainable tensor of ``model`` lives in exactly one stage's layers.
+
+    Raises:
+        ValueError: a parameter outside every layer (it would be trained on no stage, or on all), or one
+            shared by layers of two stages (tied embeddings across the first and the last stage), named.
+    """
+    stage_of: dict[int, int] = {}
+    for s, bound in enumerate(bounds):
+        for i in bound:
+            for p in layers[i].parameters():
+                if stage_of.setdefault(id(p), s) != s:
+                    name = _param_name(model, p)
+                    raise ValueError(
+                        f"parameter {name!r} is used by layers of pipeline stages {stage_of[id(p)]} and {s} "
+                        "(tied weights across stages are not supported: untie them, e.g. "
+                        "tie_embeddings=False)"
+                    )
+    outside = [n for n, p in model.named_parameters() if id(p) not in stage_of]
+    if outside:
+        raise ValueError(
+            f"parameters outside every pipeline layer: {outside[:5]}{' ...' if len(outside) > 5 else ''}; "
+            "every parameter must belong to one of pipeline_layers() (a parameter of no layer would exist "
+            "on every stage)"
+        )
+
+
+def keep_stages(
+    model: nn.Module, layers: Sequence[nn.Module], bounds: Sequence[range], mine: Sequence[int]
+) -> None:
+    """Replace every layer of a stage not in ``mine`` by an :class:`OnOtherStage` in its parent, in
+    place (see the module docstring). ``bounds``: :func:`stage_layers`'."""
+    names = layer_names(model, layers)
+    for s, bound in enumerate(bounds):
+        if s in mine:
+            continue
+        for i in bound:
+            parent_name, _, child = names[i].rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, child, OnOtherStage(names[i], s))
+
+
+def _param_name(model: nn.Module, param: nn.Parameter) -> str:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p is param:
+            return name
+    return "<unnamed>"
