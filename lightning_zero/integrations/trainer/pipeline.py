@@ -107,7 +107,7 @@ class TrainerPipeline:
         layers = list(module.pipeline_layers())  # type: ignore[operator]  # this rank's, and placeholders
         self.forwards = [StageForward(module, layers, self.bounds[s]) for s in self.mine]
         self.first, self.last = 0 in self.mine, stages - 1 in self.mine
-        self.comm = pipeline_comm(mesh)
+        self.stage_peers = pipeline_comm(mesh)
         self._runs: dict[tuple[Any, ...], Any] = {}
         self._no_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self._accumulate = 1
@@ -255,7 +255,7 @@ class TrainerPipeline:
             total = torch.stack([loss.detach().float() for loss in losses]).sum()
         else:
             total = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.comm.broadcast_tensors([total], src=self.ranks - 1)
+        self.stage_peers.broadcast_tensors([total], src=self.ranks - 1)
         return total
 
 

@@ -16,15 +16,13 @@ plus these overrides; ``ZeroStrategy`` derives from it and owns the front end th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from typing_extensions import override
 
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.trainer.checkpointing import ShardedCheckpointing
-
-if TYPE_CHECKING:
-    from lightning_zero.integrations.trainer.pipeline import TrainerPipeline
+from lightning_zero.integrations.trainer.pipeline import TrainerPipeline
 
 
 class StepFunctions(ShardedCheckpointing):
