@@ -239,8 +239,18 @@ class ShardedAdamW(torch.optim.Optimizer):
         return self.engine.is_bound()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop this step's gradients (on every rank: it may wait for collectives in flight)."""
+        """Drop this step's gradients (on every rank: it may wait for collectives in flight); nothing
+        once after :meth:`keep_next_zero_grad`."""
+        if self.__dict__.pop("_keep_next_zero_grad", False):
+            return
         self.engine.zero_grad()
+
+    def keep_next_zero_grad(self, keep: bool = True) -> None:
+        """The next :meth:`zero_grad` keeps the gradients (``keep=False``: it zeroes them again). For a
+        loop that calls ``zero_grad()`` after a backward has already run: Lightning's training closure
+        zeroes the gradients between the training step and its backward, and under pipeline
+        parallelism the training step runs the schedule's backwards."""
+        self.__dict__["_keep_next_zero_grad"] = keep
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Backward passes inside accumulate locally and send nothing (gradient accumulation)."""

@@ -110,6 +110,7 @@ class TrainerPipeline:
         self.stage_peers = pipeline_comm(mesh)
         self._runs: dict[tuple[Any, ...], Any] = {}
         self._no_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        self._optimizer: Any = None
         self._accumulate = 1
 
     @property
@@ -117,37 +118,13 @@ class TrainerPipeline:
         """Elements of this rank's parameters (its stages' layers only)."""
         return sum(p.numel() for p in self.module.parameters())
 
-    def train(self, no_sync: Callable[[], contextlib.AbstractContextManager[Any]], accumulate: int) -> None:
-        """Training from now on: ``no_sync`` the optimizer's, the loss divided by ``accumulate`` (the
-        batches per optimizer step). Builds the training schedule once, so that a bad micro-batch
-        count is refused before the first step."""
-        self._no_sync, self._accumulate = no_sync, accumulate
+    def train(self, optimizer: Any, accumulate: int) -> None:
+        """Training from now on with ``optimizer`` (a ``ShardedAdamW``), the loss divided by
+        ``accumulate`` (the batches per optimizer step). Builds the training schedule once, so that a
+        bad micro-batch count is refused before the first step."""
+        self._optimizer, self._no_sync, self._accumulate = optimizer, optimizer.no_sync, accumulate
         self._runs = {key: run for key, run in self._runs.items() if key[0] != "train"}
         self._schedule("train", None)
-
-    @staticmethod
-    def zero_grad_first(closure: Any) -> Callable[[], Any]:
-        """Lightning's training closure (training step, zero_grad at the first batch of an accumulation
-        window, backward) with the zero_grad moved before the training step, which runs the backward
-        under pipeline parallelism (the ``on_before_zero_grad`` hooks run there too).
-
-        Raises:
-            RuntimeError: a Lightning whose closure keeps its zero_grad elsewhere (``_zero_grad_fn``).
-        """
-        if not hasattr(closure, "_zero_grad_fn"):
-            raise RuntimeError(
-                "pipeline parallelism moves Lightning's zero_grad before the training step and found no "
-                f"`_zero_grad_fn` on {type(closure).__name__}: this Lightning version is not supported with "
-                "pipeline_parallel_size > 1"
-            )
-        zero_grad, closure._zero_grad_fn = closure._zero_grad_fn, None  # this batch's closure only
-
-        def run() -> Any:
-            if zero_grad is not None:
-                zero_grad()
-            return closure()
-
-        return run
 
     def _loss(self) -> Callable[[Any, Any], torch.Tensor]:
         loss = _required(self.module, "pipeline_loss", "the loss of a micro-batch's output and target")
@@ -203,10 +180,17 @@ class TrainerPipeline:
     def _shapes(self, *tensors: Any) -> tuple[Any, ...]:
         return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in tensors)
 
-    def training_step(self, batch: Any) -> torch.Tensor:
-        """Forward and backward of every micro-batch; the batch's mean loss on every rank."""
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Forward and backward of every micro-batch; the batch's mean loss on every rank.
+
+        Lightning zeroes the gradients at the first batch of an accumulation window between the training
+        step and its backward: here the backward runs inside the step, so the gradients are zeroed
+        before it and Lightning's ``zero_grad`` that follows keeps them (its hooks still run)."""
         inputs, target = self.split(batch)
         run = self._schedule("train", self._shapes(inputs, target))
+        first_of_window = batch_idx % self._accumulate == 0  # Lightning's own rule for its zero_grad
+        if first_of_window:
+            self._optimizer.zero_grad()
         losses: list[torch.Tensor] = []
         if self.first:
             run.step(inputs)
@@ -214,7 +198,15 @@ class TrainerPipeline:
             run.step(target=target, losses=losses)
         else:
             run.step()
+        if first_of_window:
+            self._optimizer.keep_next_zero_grad()
         return self._share(losses) * self._accumulate
+
+    def after_zero_grad(self) -> None:
+        """Lightning's backward of the step (after its ``zero_grad``): a ``zero_grad`` it skipped keeps
+        nothing armed for the next window."""
+        if self._optimizer is not None:
+            self._optimizer.keep_next_zero_grad(False)
 
     def evaluation_step(self, batch: Any) -> torch.Tensor:
         """Forward of every micro-batch (no gradients); the batch's mean loss on every rank."""
@@ -252,9 +244,9 @@ class TrainerPipeline:
         """The sum of the last stage's micro-batch losses (each already divided by ``M``), sent to
         every rank of the pipeline."""
         if self.last:
-            total = torch.stack([loss.detach().float() for loss in losses]).sum()
-        else:
-            total = torch.zeros((), dtype=torch.float32, device=self.device)
+            total = torch.stack([loss.detach().double() for loss in losses]).sum()
+        else:  # float64 on every rank (one element): the loss of a float64 model stays exact
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
         self.stage_peers.broadcast_tensors([total], src=self.ranks - 1)
         return total
 

@@ -40,7 +40,7 @@ class StepFunctions(ShardedCheckpointing):
         context = {"training": "train", "validation": "val"}.get(kind, kind)
         with getattr(self.precision_plugin, f"{context}_step_context")():
             if kind == "training":
-                return pipeline.training_step(batch)
+                return pipeline.training_step(batch, args[1] if len(args) > 1 else kwargs["batch_idx"])
             if kind == "predict":
                 return pipeline.predict_step(batch)
             return pipeline.evaluation_step(batch)

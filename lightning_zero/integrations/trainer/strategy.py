@@ -198,7 +198,7 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
             assert engine is not None and self.lightning_module is not None
             engine.refresh_master()
             if self._pipeline is not None:  # the schedule built now: a bad micro-batch count fails here
-                self._pipeline.train(engine.no_sync, trainer.accumulate_grad_batches)
+                self._pipeline.train(self._zero.optimizer, trainer.accumulate_grad_batches)
             self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
             install_callbacks(trainer, engine, self._zero.options.log_comm_stats)
         else:
@@ -241,14 +241,6 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
             )
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Under pipeline parallelism the gradients are zeroed before the training step, not between it
-        and the backward as Lightning's closure does: the schedule has run the backward by then."""
-        if self._pipeline is not None:
-            closure = self._pipeline.zero_grad_first(closure)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Under pipeline parallelism the schedule ran every micro-batch's backward inside the training
         step: the hooks around a backward run (``on_before_backward``, ``on_after_backward``), the
@@ -257,6 +249,7 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         module = self.lightning_module
         assert module is not None
+        self._pipeline.after_zero_grad()
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)

@@ -1,0 +1,154 @@
+"""``Trainer(strategy=ZeroStrategy(pipeline_parallel_size=P))`` on 4 CPU ranks: a LightningModule that
+gives its layers (``pipeline_layers()``) and its loss (``pipeline_loss``) trains, validates and predicts
+through torch's schedules, and equals one unsplit model under torch AdamW on the same global batches
+(float64, accumulation 2, clipping 0.5) at every ZeRO stage and schedule; each rank holds only its
+stage's parameters; the settings a pipeline cannot run are refused by name. One launch
+(``tests/distributed/pp_fit.py``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.distributed.pp_fit import ACCUM, BATCH, CLIP, LAYERS, LR, WIDTH, PipelineModule, dataset
+from tests.launch import launch_env, run_script
+
+ROOT = Path(__file__).resolve().parents[2]
+WORLD = 4
+FITS = [
+    {"name": "stage1-1f1b", "stage": 1},
+    {"name": "stage2-1f1b", "stage": 2, "evaluate": True},
+    {"name": "stage3-1f1b", "stage": 3, "evaluate": True},
+    {"name": "stage2-gpipe", "stage": 2, "schedule": "gpipe"},
+    {"name": "stage3-gpipe", "stage": 3, "schedule": "gpipe"},
+    # two stages per rank: blocks 0 and 2 on the first pipeline rank, 1 and 3 on the second
+    {"name": "stage2-interleaved", "stage": 2, "schedule": "interleaved_1f1b", "virtual": 2},
+    # four stages, one data-parallel rank each; 5 blocks: the first stage takes two
+    {"name": "pp4-stage2-1f1b", "stage": 2, "pipeline": 4, "layers": 5, "evaluate": True},
+]
+REFUSALS = {
+    "manual": "manual optimization",
+    "stray": "parameters outside every pipeline layer: ['scale']",
+    "tied": "'blocks.0.0.weight' is used by layers of pipeline stages 0 and 1",
+    "batch": "a batch of 4 samples cannot be cut into pipeline_microbatches=3",
+}
+CASES = FITS + [{"name": f"refuse-{n}", "refuse": n} for n in REFUSALS]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("pp_fit") / "result.pt"
+    command = [
+        sys.executable,
+        "-m",
+        "tests.distributed.pp_fit",
+        "--out",
+        str(out),
+        "--cases",
+        json.dumps(CASES),
+    ]
+    proc = run_script(command, WORLD, cwd=ROOT, env=launch_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return torch.load(out, weights_only=False)
+
+
+def _layout(case: dict[str, Any]) -> tuple[int, int]:
+    pipeline = case.get("pipeline", 2)
+    return pipeline, WORLD // pipeline
+
+
+def unsplit(case: dict[str, Any], seen: list[torch.Tensor]) -> tuple[PipelineModule, list[list[float]]]:
+    """One process, the whole model, torch AdamW; batch ``i`` of data-parallel rank ``d`` is
+    ``seen[d][i]`` (the samples that rank trained on). The losses of each data-parallel rank's batches."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = PipelineModule(layers=case.get("layers", LAYERS))
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        inputs, targets, _ = dataset().tensors
+        losses: list[list[float]] = [[] for _ in seen]
+        for window in range(len(seen[0]) // ACCUM):
+            for micro in range(ACCUM):
+                for d, samples in enumerate(seen):
+                    rows = samples[window * ACCUM + micro]
+                    loss = F.mse_loss(model(inputs[rows]), targets[rows])
+                    losses[d].append(float(loss))
+                    (loss / (ACCUM * len(seen))).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+        return model, losses
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("case", FITS, ids=[c["name"] for c in FITS])
+def test_the_pipelined_fit_equals_the_unsplit_model(case: dict[str, Any], launched: list[dict]) -> None:
+    pipeline, data = _layout(case)
+    results = [everyone[case["name"]] for everyone in launched]
+    seen = [results[d]["seen"] for d in range(data)]  # ranks 0..D-1: the first stage, each data rank
+    for rank, result in enumerate(results):  # every stage of a data rank trained on the same samples
+        assert torch.equal(result["seen"], seen[rank % data])
+    model, losses = unsplit(case, seen)
+    whole = dict(model.named_parameters())
+    moved = max(
+        float((p - PipelineModule(case.get("layers", LAYERS)).state_dict()[n]).abs().max())
+        for n, p in whole.items()
+    )
+    assert moved > 1e-2, "parameters barely moved: the comparison would be vacuous"
+    held: dict[str, int] = {}
+    for rank, result in enumerate(results):
+        for name, param in result["params"].items():
+            assert float((param - whole[name].detach()).abs().max()) <= 1e-10, (rank, name)
+            held[name] = held.get(name, 0) + 1
+        # the strategy's loss: the last stage's, on every rank of the pipeline, per data-parallel rank;
+        # Lightning hands on_train_batch_end the loss divided by accumulate_grad_batches, as under "ddp"
+        expected = [loss / ACCUM for loss in losses[rank % data]]
+        assert result["losses"] == pytest.approx(expected, rel=1e-10, abs=0)
+    assert held == {name: data for name in whole}, (
+        "every parameter on exactly one stage's data-parallel ranks"
+    )
+
+
+def test_each_rank_holds_only_its_stages_parameters(launched: list[dict]) -> None:
+    """No rank holds another stage's parameters: the module's own and the engine's bucket plan, 2 of
+    the 4 blocks on each rank of a 2-stage pipeline, 2-1-1-1 of 5 blocks over 4 stages."""
+    block = WIDTH * WIDTH + WIDTH
+    for name, counts in (("stage2-1f1b", [2, 2, 2, 2]), ("pp4-stage2-1f1b", [2, 1, 1, 1])):
+        results = [everyone[name] for everyone in launched]
+        assert [sum(p.numel() for p in r["params"].values()) for r in results] == [c * block for c in counts]
+        assert [r["engine_numel"] for r in results] == [c * block for c in counts]
+
+
+@pytest.mark.parametrize("name", ["stage2-1f1b", "stage3-1f1b", "pp4-stage2-1f1b"])
+def test_validation_and_predict_run_through_the_pipeline(name: str, launched: list[dict]) -> None:
+    case = next(c for c in FITS if c["name"] == name)
+    pipeline, data = _layout(case)
+    results = [everyone[name] for everyone in launched]
+    model, _ = unsplit(case, [results[d]["seen"] for d in range(data)])
+    held = dataset(seed=8)
+    inputs, targets, _ = held.tensors
+    with torch.no_grad():
+        outputs = model(inputs)
+    for rank, result in enumerate(results):
+        d = rank % data
+        mine = torch.arange(len(inputs))[d::data]  # Lightning's sampler for validation: no shuffle
+        rows = list(mine.split(BATCH))
+        expected = [float(F.mse_loss(outputs[r], targets[r])) for r in rows]
+        assert result["val_losses"] == pytest.approx(expected, rel=1e-10, abs=0), rank
+        last = rank // data == pipeline - 1
+        if last:  # the last stage's outputs; None on the other stages
+            assert torch.allclose(result["predictions"], outputs[torch.cat(rows)], rtol=0, atol=1e-12)
+        else:
+            assert result["predictions"] is None
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_what_a_pipeline_cannot_run_is_refused_by_name(name: str, launched: list[dict]) -> None:
+    for everyone in launched:
+        assert REFUSALS[name] in everyone[f"refuse-{name}"]
