@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
+from tests.distributed.workers_tp import full_parameters
 
 WIDTH, LAYERS, SAMPLES, BATCH, STEPS, ACCUM, CLIP, LR = 8, 4, 64, 4, 3, 2, 0.5, 0.05
 
@@ -73,6 +74,28 @@ class PipelineModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
 
 
+class TensorParallelBlocks(PipelineModule):
+    """Each block a column- then row-parallel pair over ``self.device_mesh["tensor_parallel"]`` (what a
+    ``ModelParallelStrategy`` user's ``configure_model`` does)."""
+
+    def __init__(self, layers: int = LAYERS) -> None:
+        super().__init__(layers)
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(wide_block() for _ in range(layers))
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for block in self.blocks:
+            if isinstance(block, nn.Sequential):  # this rank's stages' blocks (the others are gone)
+                plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+                parallelize_module(block, self.device_mesh["tensor_parallel"], plan)
+
+
+def wide_block() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH))
+
+
 class ManualModule(PipelineModule):
     def __init__(self) -> None:
         super().__init__()
@@ -114,6 +137,7 @@ def _strategy(case: dict[str, Any]) -> lightning_zero.ZeroStrategy:
         pipeline_schedule=case.get("schedule", "1f1b"),
         pipeline_microbatches=case.get("microbatches", BATCH),
         pipeline_virtual_stages=case.get("virtual", 1),
+        tensor_parallel_size=case.get("tensor", 1),
         bucket_cap_mb=0.0002,
     )
 
@@ -122,11 +146,12 @@ def fit(case: dict[str, Any]) -> dict[str, Any]:
     """One fit, then (``evaluate``) a validation and a prediction through the pipeline."""
     strategy = _strategy(case)
     trainer = _trainer(strategy)
-    module = PipelineModule(layers=case.get("layers", LAYERS))
+    kind = TensorParallelBlocks if case.get("tensor", 1) > 1 else PipelineModule
+    module = kind(layers=case.get("layers", LAYERS))
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
     stage3 = case.get("stage", 2) == 3
     with lightning_zero.gathered(module) if stage3 else contextlib.nullcontext():
-        params = {n: p.detach().clone() for n, p in module.named_parameters()}
+        params = full_parameters(module)
     out: dict[str, Any] = {
         "params": params,
         "seen": torch.stack(module.seen),

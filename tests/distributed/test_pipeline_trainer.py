@@ -16,7 +16,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.pp_fit import ACCUM, BATCH, CLIP, LAYERS, LR, WIDTH, PipelineModule, dataset
+from tests.distributed.pp_fit import (
+    ACCUM,
+    BATCH,
+    CLIP,
+    LAYERS,
+    LR,
+    WIDTH,
+    PipelineModule,
+    TensorParallelBlocks,
+    dataset,
+)
 from tests.launch import launch_env, run_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +39,8 @@ FITS = [
     {"name": "stage3-gpipe", "stage": 3, "schedule": "gpipe"},
     # two stages per rank: blocks 0 and 2 on the first pipeline rank, 1 and 3 on the second
     {"name": "stage2-interleaved", "stage": 2, "schedule": "interleaved_1f1b", "virtual": 2},
+    # tensor parallelism inside each stage (configure_model on the "tensor_parallel" mesh dimension)
+    {"name": "pp2xtp2-stage3-1f1b", "stage": 3, "tensor": 2},
     # four stages, one data-parallel rank each; 5 blocks: the first stage takes two
     {"name": "pp4-stage2-1f1b", "stage": 2, "pipeline": 4, "layers": 5, "evaluate": True},
 ]
@@ -59,8 +71,18 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def _layout(case: dict[str, Any]) -> tuple[int, int]:
+    """Pipeline and data-parallel ranks (rank ``(p * D + d) * T + t``)."""
     pipeline = case.get("pipeline", 2)
-    return pipeline, WORLD // pipeline
+    return pipeline, WORLD // (pipeline * case.get("tensor", 1))
+
+
+def _data_rank(rank: int, case: dict[str, Any]) -> int:
+    return (rank // case.get("tensor", 1)) % _layout(case)[1]
+
+
+def _model(case: dict[str, Any]) -> PipelineModule:
+    kind = TensorParallelBlocks if case.get("tensor", 1) > 1 else PipelineModule
+    return kind(layers=case.get("layers", LAYERS))
 
 
 def unsplit(case: dict[str, Any], seen: list[torch.Tensor]) -> tuple[PipelineModule, list[list[float]]]:
@@ -68,7 +90,7 @@ def unsplit(case: dict[str, Any], seen: list[torch.Tensor]) -> tuple[PipelineMod
     ``seen[d][i]`` (the samples that rank trained on). The losses of each data-parallel rank's batches."""
     torch.set_default_dtype(torch.float64)
     try:
-        model = PipelineModule(layers=case.get("layers", LAYERS))
+        model = _model(case)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
         inputs, targets, _ = dataset().tensors
         losses: list[list[float]] = [[] for _ in seen]
@@ -91,15 +113,14 @@ def unsplit(case: dict[str, Any], seen: list[torch.Tensor]) -> tuple[PipelineMod
 def test_the_pipelined_fit_equals_the_unsplit_model(case: dict[str, Any], launched: list[dict]) -> None:
     pipeline, data = _layout(case)
     results = [everyone[case["name"]] for everyone in launched]
-    seen = [results[d]["seen"] for d in range(data)]  # ranks 0..D-1: the first stage, each data rank
-    for rank, result in enumerate(results):  # every stage of a data rank trained on the same samples
-        assert torch.equal(result["seen"], seen[rank % data])
+    tensor = case.get("tensor", 1)
+    seen = [results[d * tensor]["seen"] for d in range(data)]  # the first stage's data-parallel ranks
+    for rank, result in enumerate(results):  # every stage and tensor rank of a data rank: the same samples
+        assert torch.equal(result["seen"], seen[_data_rank(rank, case)])
     model, losses = unsplit(case, seen)
     whole = dict(model.named_parameters())
-    moved = max(
-        float((p - PipelineModule(case.get("layers", LAYERS)).state_dict()[n]).abs().max())
-        for n, p in whole.items()
-    )
+    initial = _model(case).state_dict()
+    moved = max(float((p - initial[n]).abs().max()) for n, p in whole.items())
     assert moved > 1e-2, "parameters barely moved: the comparison would be vacuous"
     held: dict[str, int] = {}
     for rank, result in enumerate(results):
@@ -108,10 +129,10 @@ def test_the_pipelined_fit_equals_the_unsplit_model(case: dict[str, Any], launch
             held[name] = held.get(name, 0) + 1
         # the strategy's loss: the last stage's, on every rank of the pipeline, per data-parallel rank;
         # Lightning hands on_train_batch_end the loss divided by accumulate_grad_batches, as under "ddp"
-        expected = [loss / ACCUM for loss in losses[rank % data]]
+        expected = [loss / ACCUM for loss in losses[_data_rank(rank, case)]]
         assert result["losses"] == pytest.approx(expected, rel=1e-10, abs=0)
-    assert held == {name: data for name in whole}, (
-        "every parameter on exactly one stage's data-parallel ranks"
+    assert held == {name: data * tensor for name in whole}, (
+        "every parameter on exactly one stage's data-parallel (and tensor-parallel) ranks"
     )
 
 
