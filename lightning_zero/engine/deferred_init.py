@@ -69,7 +69,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -98,6 +98,7 @@ __all__ = [
     "is_deferred",
     "materialize",
     "stand_ins",
+    "with_eager_states",
 ]
 
 
@@ -109,6 +110,10 @@ class DeferredInit:
     rng: RngState
     init_fn: Callable[[nn.Module], None] | None = None
     """Run on every module after the rest, children first (the strategies' ``param_init_fn``)."""
+    states: dict[tuple[int, str], RngState] | None = field(default=None, compare=False)
+    """Where the generators stood before each call (module id, kind) of the whole model's eager
+    build (:func:`with_eager_states`): a model cut down since (pipeline stages) replays its calls
+    from there, drawing what the whole model's build draws."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,7 @@ class _Materializer:
     ) -> None:
         self.root, self.device, self.flat, self.layout = root, device, flat, layout
         self.init_fn = init_fn
+        self.states: dict[tuple[int, str], RngState] | None = None
         self.planned: dict[int, int] = {} if flat is None else {id(p): i for i, p in enumerate(flat.params)}
         self.bucket_of: dict[int, Bucket] = (
             {} if flat is None else {s.param_index: b for b in flat.plan.buckets for s in b.slots}
@@ -220,13 +226,19 @@ class _Materializer:
 
     def run(self) -> None:
         calls = eager_calls(self.root, self.init_fn)
+        states: list[RngState] | None = None
+        if self.states is not None:  # a model cut down: each call from where the whole build drew it
+            states = [self.states[(id(call.module), call.kind)] for call in calls]
         if self.flat is None:  # the whole model at once: the calls in the eager build's order
             for _, module in post_order(self.root):
                 self._own(module)
-            for call in calls:
+            for i, call in enumerate(calls):
+                if states is not None:
+                    _set_rng(states[i], self.device)
                 self._call(call)
         else:  # one unit at a time: each module's calls when it is visited, children first
-            states = None if _in_post_order(calls) else self._dry_run(calls)
+            if states is None and not _in_post_order(calls):
+                states = self._dry_run(calls)
             by_module: dict[int, list[int]] = {}
             for i, call in enumerate(calls):
                 by_module.setdefault(id(call.module), []).append(i)
@@ -440,6 +452,18 @@ def materialize(
             already sharded.
     """
     materializer = _Materializer(root, init.device, flat, layout, init.init_fn)
+    materializer.states = init.states
     with _rng_set_to(init.rng, init.device):
         materializer.run()
     return materializer.peak_elements
+
+
+def with_eager_states(root: nn.Module, init: DeferredInit) -> DeferredInit:
+    """``init`` with the generators' state before each initializer call of ``root``'s eager build,
+    found by running every call once on scratch tensors of its module's own (one module at a time,
+    nothing kept). For a meta model about to be cut down (a rank's pipeline stages): the calls of what
+    remains, replayed from these states, draw the values the whole model's build gives them."""
+    calls = eager_calls(root, init.init_fn)
+    with _rng_set_to(init.rng, init.device):
+        states = _Materializer(root, init.device, None, None, init.init_fn)._dry_run(calls)
+    return replace(init, states={(id(c.module), c.kind): s for c, s in zip(calls, states, strict=True)})

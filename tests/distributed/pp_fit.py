@@ -147,7 +147,9 @@ def fit(case: dict[str, Any]) -> dict[str, Any]:
     strategy = _strategy(case)
     trainer = _trainer(strategy)
     kind = TensorParallelBlocks if case.get("tensor", 1) > 1 else PipelineModule
-    module = kind(layers=case.get("layers", LAYERS))
+    torch.manual_seed(0)  # where a deferred build's initialization starts (init_module's entry)
+    with trainer.init_module(empty_init=True) if case.get("deferred") else contextlib.nullcontext():
+        module = kind(layers=case.get("layers", LAYERS))
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
     stage3 = case.get("stage", 2) == 3
     with lightning_zero.gathered(module) if stage3 else contextlib.nullcontext():

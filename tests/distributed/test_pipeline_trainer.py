@@ -41,6 +41,10 @@ FITS = [
     {"name": "stage2-interleaved", "stage": 2, "schedule": "interleaved_1f1b", "virtual": 2},
     # tensor parallelism inside each stage (configure_model on the "tensor_parallel" mesh dimension)
     {"name": "pp2xtp2-stage3-1f1b", "stage": 3, "tensor": 2},
+    # built on the meta device (init_module(empty_init=True)): each rank initializes only its stage's
+    # blocks, to the values of the whole model's eager build
+    {"name": "deferred-stage2-1f1b", "stage": 2, "deferred": True},
+    {"name": "deferred-stage3-gpipe", "stage": 3, "schedule": "gpipe", "deferred": True},
     # four stages, one data-parallel rank each; 5 blocks: the first stage takes two
     {"name": "pp4-stage2-1f1b", "stage": 2, "pipeline": 4, "layers": 5, "evaluate": True},
 ]

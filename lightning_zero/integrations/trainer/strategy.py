@@ -55,7 +55,7 @@ from typing_extensions import Unpack, override
 from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_zero.comm import collective_failures
 from lightning_zero.comm.watchdog import let_errors_reach_python
-from lightning_zero.engine.deferred_init import DeferredInit, is_deferred
+from lightning_zero.engine.deferred_init import DeferredInit, is_deferred, with_eager_states
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import (
     TrainerArguments,
@@ -168,9 +168,11 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True, as DDPStrategy does
         stage3 = self.zero_config.stage == 3
-        if self._zero.options.pipeline_parallel_size > 1:  # before anything is materialized or sharded
-            self._split_pipeline(trainer, fitting)
         deferred = self._zero.deferred_init(self.model, self.root_device)  # a model on the meta device
+        if self._zero.options.pipeline_parallel_size > 1:  # before anything is materialized or sharded
+            if deferred is not None:  # the other stages' draws, so that this stage's equal a whole build
+                deferred = with_eager_states(self.model, deferred)
+            self._split_pipeline(trainer, fitting)
         data = self._zero.data_comm()
         self.precision_plugin.convert_module(self.model)
         # tensor parallelism: every rank's slices whole (1/T of the model) before stage 3 shards them
