@@ -37,6 +37,8 @@ def verify(src: Path) -> int:
     """Print a report of ``src``; 0 if complete and intact, 1 otherwise."""
     from lightning_zero.checkpoint import META, CheckpointError, read_meta, verify_files
     from lightning_zero.checkpoint.format import all_shard_names
+    from lightning_zero.checkpoint.pipeline_layout import saved_size as pipeline_size
+    from lightning_zero.checkpoint.pipeline_layout import stage_view
     from lightning_zero.checkpoint.tensor_layout import saved_size
 
     try:
@@ -61,7 +63,8 @@ def verify(src: Path) -> int:
     print(
         f"format       lightning-zero v{meta['format_version']}, stage {meta['stage']}, "
         f"world size {world_size}"
-        + (f" x tensor parallel {saved_size(meta)}" if saved_size(meta) > 1 else "")
+        + (f" x tensor parallel {tensor}" if (tensor := saved_size(stage_view(meta, 0))) > 1 else "")
+        + (f" x pipeline {pipeline_size(meta)}" if pipeline_size(meta) > 1 else "")
     )
     print(
         f"parameters   {len(params)} trainable tensors, {numel:,} elements, "

@@ -6,6 +6,7 @@ Layout of a checkpoint directory ``CKPT/`` (format version :data:`FORMAT_VERSION
     CKPT/shard-00001-of-00002.pt   fp32 master weights for 16-bit parameters, and a weight average
                                    if one is kept) — written by that rank
     CKPT/model_extra.pt            model tensors outside the buckets (buffers, frozen parameters)
+    (tensor and pipeline parallelism: every rank's files, ``tensor_layout.py``, ``pipeline_layout.py``)
     CKPT/meta.pt                   format, world size, stage, bucket plan, per-parameter step counts,
                                    the names of the optimizer moments in the shard files,
                                    param-group hyper-parameters, Lightning's loop/callback/scheduler
@@ -41,7 +42,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero.checkpoint import tensor_layout
+from lightning_zero.checkpoint import pipeline_layout, tensor_layout
 from lightning_zero.checkpoint.commit import IN_PLACE, commit_directory, save_outcome, unseen_files
 from lightning_zero.checkpoint.tensor_layout import checkpoint_comm
 from lightning_zero.comm.communicator import Comm
@@ -92,25 +93,31 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, from the future, or does not fit the model."""
 
 
-def shard_name(rank: int, world_size: int, tensor: tuple[int, int] | None = None) -> str:
+def shard_name(
+    rank: int, world_size: int, tensor: tuple[int, int] | None = None, pipeline: tuple[int, int] | None = None
+) -> str:
     """The shard file of data-parallel rank ``rank`` of ``world_size``; ``tensor``: ``(t, T)``, that of
-    tensor-parallel rank ``t`` of ``T`` (:mod:`lightning_zero.checkpoint.tensor_layout`)."""
-    suffix = "" if tensor is None else f"-tensor-{tensor[0]:02d}-of-{tensor[1]:02d}"
+    tensor-parallel rank ``t`` of ``T`` (:mod:`lightning_zero.checkpoint.tensor_layout`); ``pipeline``:
+    ``(p, P)``, of pipeline rank ``p`` of ``P`` (:mod:`lightning_zero.checkpoint.pipeline_layout`)."""
+    suffix = "" if pipeline is None else f"-pipeline-{pipeline[0]:02d}-of-{pipeline[1]:02d}"
+    suffix += "" if tensor is None else f"-tensor-{tensor[0]:02d}-of-{tensor[1]:02d}"
     return f"shard-{rank:05d}-of-{world_size:05d}{suffix}.pt"
 
 
 def saved_shard_name(meta: dict[str, Any], rank: int) -> str:
     """The file of saved data-parallel rank ``rank`` for ``meta``, a checkpoint's ``meta.pt`` or a
-    tensor-parallel rank's :func:`~lightning_zero.checkpoint.tensor_layout.view` of it."""
+    pipeline rank's or tensor-parallel rank's view of it (``stage_view``, ``view``)."""
     world = int(meta["plan"]["world_size"])
-    if tensor_layout.VIEW not in meta:
-        return shard_name(rank, world)
-    return shard_name(rank, world, (meta[tensor_layout.VIEW], tensor_layout.saved_size(meta)))
+    view, stage = tensor_layout.VIEW, pipeline_layout.STAGE
+    tensor = (meta[view], tensor_layout.saved_size(meta)) if view in meta else None
+    pipeline = (meta[stage], pipeline_layout.saved_size(meta)) if stage in meta else None
+    return shard_name(rank, world, tensor, pipeline)
 
 
 def all_shard_names(meta: dict[str, Any]) -> list[str]:
-    """Every shard file a complete checkpoint holds (every data-parallel and tensor-parallel rank)."""
-    views = tensor_layout.views(meta)
+    """Every shard file a complete checkpoint holds (every data-parallel, tensor-parallel and pipeline
+    rank)."""
+    views = [v for stage in pipeline_layout.stage_views(meta) for v in tensor_layout.views(stage)]
     return [saved_shard_name(v, r) for v in views for r in range(int(v["plan"]["world_size"]))]
 
 
@@ -198,6 +205,8 @@ class StagedSave:
     """Hybrid sharding: only the first replica group writes its shards (the others hold the same)."""
     tensor: tuple[int, int] | None = None
     """Tensor parallelism: ``(t, T)``, this rank's tensor-parallel rank and size (its files' names)."""
+    pipeline: tuple[int, int] | None = None
+    """Pipeline parallelism: ``(p, P)``, this rank's pipeline rank and size (its files' names)."""
 
     def write(self, comm: Comm) -> None:
         """Write, agree with the other ranks over ``comm`` (all ranks of
@@ -221,11 +230,8 @@ class StagedSave:
                 if self.before_write is not None:
                     self.before_write()
                 self.tmp.mkdir(parents=True, exist_ok=True)
-                status = (
-                    [_write(self.payload, self.tmp / shard_name(self.rank, self.world_size, self.tensor))]
-                    if self.writes_shard
-                    else []
-                )
+                name = shard_name(self.rank, self.world_size, self.tensor, self.pipeline)
+                status = [_write(self.payload, self.tmp / name)] if self.writes_shard else []
                 if comm.rank == 0:
                     status.append(_write(self.extra, self.tmp / EXTRA))
         except Exception as err:  # noqa: BLE001 - reported to every rank below
@@ -308,8 +314,10 @@ def stage_save(
         The staged save; its ``write`` must then be called on all ranks.
 
     With tensor-parallel parameters, every tensor-parallel rank writes its slices' shards, and ``meta.pt``
-    records the layout (:mod:`lightning_zero.checkpoint.tensor_layout`); its ``write`` then takes every
-    rank (:func:`~lightning_zero.checkpoint.tensor_layout.checkpoint_comm`).
+    records the layout (:mod:`lightning_zero.checkpoint.tensor_layout`); under pipeline parallelism every
+    pipeline rank writes its stages' shards, and ``meta.pt`` describes the joined model
+    (:mod:`lightning_zero.checkpoint.pipeline_layout`); its ``write`` then takes every rank
+    (:func:`~lightning_zero.checkpoint.tensor_layout.checkpoint_comm`).
 
     Raises:
         NotImplementedError: a tensor-parallel (``DTensor``) tensor outside the buckets (a frozen
@@ -344,6 +352,8 @@ def stage_save(
     tensor = engine.tensor
     if tensor is not None:  # every tensor-parallel rank's plan: their local shapes may differ
         tensor_layout.record(engine, tensor.comm.all_gather_object(plan_meta(engine)), meta)
+    meta = pipeline_layout.record(engine, meta)  # every pipeline rank's plan, joined by name
+    extra_tensors = pipeline_layout.gather_extras(engine, extra_tensors)  # every stage's buffers on rank 0
     copy_extra = copy_tensor or (lambda t: t.detach().cpu())
     return StagedSave(
         target,
@@ -355,6 +365,7 @@ def stage_save(
         meta,
         writes_shard=engine.groups.replicas.rank == 0,
         tensor=None if tensor is None else (tensor.rank, tensor.size),
+        pipeline=None if engine.pipeline is None else (engine.pipeline.rank, engine.pipeline.world_size),
     )
 
 

@@ -12,7 +12,10 @@ parameters are then completed by the usual per-bucket all-gather.
 A checkpoint of a tensor-parallel model (:mod:`lightning_zero.checkpoint.tensor_layout`) is read the
 same way by each tensor-parallel rank from its own files when the layout is unchanged; into another
 tensor-parallel layout (``T=2`` saved, ``T=1`` loading, or the reverse), each parameter this rank
-loads is made whole from the saved slices and this rank's slice of it cut out (:class:`_Whole`).
+loads is made whole from the saved slices and this rank's slice of it cut out (:class:`_Whole`). A
+checkpoint of a pipeline-parallel model (:mod:`lightning_zero.checkpoint.pipeline_layout`) likewise:
+each pipeline rank reads its own files in the same pipeline layout, and whole parameters, each from the
+pipeline rank that saved it, in another (``P=2`` into ``P=1`` or the reverse).
 
 Before any collective, every rank checks the files it will read (presence, size, sha256) and the
 parameter names and shapes; ranks exchange what they found and all raise the same
@@ -35,6 +38,7 @@ from lightning_zero.checkpoint.format import (
     saved_shard_name,
     verify_files,
 )
+from lightning_zero.checkpoint.pipeline_layout import STAGE, held_elsewhere, holding, own_stage
 from lightning_zero.checkpoint.tensor_layout import (
     VIEW,
     checkpoint_comm,
@@ -95,15 +99,22 @@ class _SavedLayout:
         return math.prod(self.params[self.by_name[name]]["shape"])
 
 
-def check_compatible(engine: ShardEngine, meta: dict[str, Any], path: Path, whole: bool = False) -> list[str]:
+def check_compatible(
+    engine: ShardEngine,
+    meta: dict[str, Any],
+    path: Path,
+    whole: bool = False,
+    elsewhere: set[str] | None = None,
+) -> list[str]:
     """Missing / unexpected / mis-shaped parameters between the checkpoint (or a tensor-parallel rank's
-    view of it) and the optimizer; ``whole``: compare global shapes (``meta`` a whole checkpoint's)."""
+    view of it) and the optimizer; ``whole``: compare global shapes (``meta`` a whole checkpoint's);
+    ``elsewhere``: names the other pipeline ranks hold (not unexpected here)."""
     saved = {p["name"]: tuple(p["shape"]) for p in meta["plan"]["params"]}
     sizes = engine_layout(engine)[3] if whole else [tuple(p.shape) for p in engine.plan.params]
     current = {p.name: sizes[i] for i, p in enumerate(engine.plan.params)}
     problems = []
     missing = sorted(set(current) - set(saved))
-    unexpected = sorted(set(saved) - set(current))
+    unexpected = sorted(set(saved) - set(current) - (elsewhere or set()))
     if missing:
         problems.append(f"{path}: missing trainable parameters {missing}")
     if unexpected:
@@ -141,30 +152,35 @@ def files_per_bucket(engine: ShardEngine, meta: dict[str, Any]) -> list[set[int]
     return out
 
 
-def _whole_files(engine: ShardEngine, meta: dict[str, Any]) -> set[str]:
-    """The shard files that make whole the parameters this rank loads (another tensor-parallel layout)."""
+def _whole_files(engine: ShardEngine, path: Path, meta: dict[str, Any]) -> set[str]:
+    """The shard files that make whole the parameters this rank loads (another tensor-parallel or
+    pipeline layout): each parameter's, of the pipeline rank that saved it."""
     plan = engine.plan
     rank = engine.comm.rank
     wanted = {plan.params[seg.param_index].name for b in plan.buckets for seg in plan.segments(b, rank)}
+    files = ShardFiles(path)  # its layouts only (nothing is opened), built once per saved view
     names: set[str] = set()
-    for layout in map(_SavedLayout, views(meta)):
-        for name in wanted & set(layout.by_name):
-            if VIEW not in layout.meta or layout.meta[VIEW] == 0 or saved_placement(meta, name)[0] == "shard":
+    for name in sorted(wanted):
+        held = holding(meta, name)
+        for layout in map(files.layout, views(held)):
+            if VIEW not in layout.meta or layout.meta[VIEW] == 0 or saved_placement(held, name)[0] == "shard":
                 names.update(layout.file(r) for r, *_ in layout.pieces(name, 0, layout.numel(name)))
     return names
 
 
 def preflight(engine: ShardEngine, path: Path, meta: dict[str, Any]) -> None:
     """Check, on every rank, what this rank will read; raise the union of problems everywhere (over
-    every rank that loads: with tensor parallelism, all of them)."""
-    if same_layout(engine, meta):
-        mine = view(meta, engine_layout(engine)[1])
+    every rank that loads: with tensor or pipeline parallelism, all of them)."""
+    elsewhere = held_elsewhere(engine)  # on every rank of a pipeline, whichever way it reads
+    own = own_stage(engine, meta)
+    if own is not None and same_layout(engine, own):
+        mine = view(own, engine_layout(engine)[1])
         problems = check_compatible(engine, mine, path)
         layout = _SavedLayout(mine)
         names = {layout.file(r) for r in set().union(*files_per_bucket(engine, mine))}
     else:
-        problems = check_compatible(engine, meta, path, whole=True)
-        names = set() if problems else _whole_files(engine, meta)
+        problems = check_compatible(engine, meta, path, whole=True, elsewhere=elsewhere)
+        names = set() if problems else _whole_files(engine, path, meta)
     if not problems:
         problems = verify_files(path, meta, sorted(names))
     found = sorted(checkpoint_comm(engine).union_of(problems))
@@ -179,7 +195,7 @@ class ShardFiles:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._open: dict[str, dict[str, list[Tensor]]] = {}
-        self._layouts: dict[int, _SavedLayout] = {}
+        self._layouts: dict[tuple[int, int], _SavedLayout] = {}
 
     def __getitem__(self, name: str) -> dict[str, list[Tensor]]:
         if name not in self._open:
@@ -187,8 +203,9 @@ class ShardFiles:
         return self._open[name]
 
     def layout(self, meta: dict[str, Any]) -> _SavedLayout:
-        """The saved layout of ``meta`` (a checkpoint's, or a tensor-parallel rank's view), built once."""
-        key = int(meta.get(VIEW, -1))
+        """The saved layout of ``meta`` (a checkpoint's, or a pipeline or tensor-parallel rank's view),
+        built once."""
+        key = (int(meta.get(STAGE, -1)), int(meta.get(VIEW, -1)))
         if key not in self._layouts:
             self._layouts[key] = _SavedLayout(meta)
         return self._layouts[key]
@@ -225,8 +242,9 @@ def _load(
     engine.wait_for_params()  # gathers left in flight would overwrite what is loaded here
     files = ShardFiles(path)
     reader: _Pieces | _Whole
-    if same_layout(engine, meta):
-        reader = _Pieces(engine, files.layout(view(meta, engine_layout(engine)[1])), files)
+    own = own_stage(engine, meta)
+    if own is not None and same_layout(engine, own):
+        reader = _Pieces(engine, files.layout(view(own, engine_layout(engine)[1])), files)
     else:
         reader = _Whole(engine, path, meta, files)
     shards = engine.state
@@ -348,9 +366,11 @@ def read_full_param(
     from every tensor-parallel rank's slices (:mod:`~lightning_zero.checkpoint.tensor_layout`).
 
     ``files`` keeps shard files mapped across calls. Returns ``None`` for a state the checkpoint
-    does not hold. No communication.
+    does not hold. No communication. Of a pipeline-parallel model, read from the files of the pipeline
+    rank that saved it (:func:`~lightning_zero.checkpoint.pipeline_layout.holding`).
     """
     files = ShardFiles(path) if files is None else files
+    meta = holding(meta, name)
     where = saved_placement(meta, name)
     slices = []
     for part in views(meta) if where[0] == "shard" else views(meta)[:1]:

@@ -27,6 +27,8 @@ Reading (:mod:`lightning_zero.checkpoint.reshard`):
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,28 +45,44 @@ TENSOR = "tensor"
 VIEW = "tensor_rank"
 """Key a :func:`view` adds to ``meta``: the tensor-parallel rank whose files it reads."""
 REPLICATE: Placement = ("replicate",)
+_EVERYONE: weakref.WeakKeyDictionary[ShardEngine, Comm] = weakref.WeakKeyDictionary()
+"""The checkpoint communicator of a pipeline engine without tensor parallelism (built once per engine;
+a tensor-parallel engine keeps it on its ``tensor.everyone``)."""
 
 
 def checkpoint_comm(engine: ShardEngine) -> Comm:
-    """The ranks that save and load a checkpoint together: the data-parallel ones, and with tensor
-    parallelism every rank (the default process group, which must be exactly data x tensor ranks).
+    """The ranks that save and load a checkpoint together: the data-parallel ones, and with tensor or
+    pipeline parallelism every rank (the default process group, which must be exactly the data x tensor
+    x pipeline ranks).
 
     Raises:
-        NotImplementedError: tensor-parallel and data-parallel ranks that are not the whole world.
+        NotImplementedError: tensor-parallel, pipeline and data-parallel ranks that are not the whole world.
     """
-    tensor = engine.tensor
-    if tensor is None:
+    tensor, pipeline = engine.tensor, engine.pipeline
+    if tensor is None and pipeline is None:
         return engine.world
-    if tensor.everyone is None:
-        everyone = Comm()
-        if everyone.world_size != tensor.size * engine.world.world_size:
-            raise NotImplementedError(
-                f"a checkpoint of a tensor-parallel model is written by every rank of the default process "
-                f"group ({everyone.world_size}), which must be the {engine.world.world_size} data-parallel "
-                f"x {tensor.size} tensor-parallel ranks of the model: build the mesh over the whole world"
-            )
+    if tensor is not None and tensor.everyone is not None:
+        return tensor.everyone
+    if engine in _EVERYONE:
+        return _EVERYONE[engine]
+    everyone = Comm()
+    sizes = {"data-parallel": engine.world.world_size}
+    if tensor is not None:
+        sizes["tensor-parallel"] = tensor.size
+    if pipeline is not None:
+        sizes["pipeline"] = pipeline.world_size
+    if everyone.world_size != math.prod(sizes.values()):
+        raise NotImplementedError(
+            f"a checkpoint of a tensor- or pipeline-parallel model is written by every rank of the default "
+            f"process group ({everyone.world_size}), which must be the model's "
+            + " x ".join(f"{n} {k}" for k, n in sizes.items())
+            + " ranks: build the mesh over the whole world"
+        )
+    if tensor is not None:
         tensor.everyone = everyone
-    return tensor.everyone
+    else:
+        _EVERYONE[engine] = everyone
+    return everyone
 
 
 def engine_layout(engine: ShardEngine) -> tuple[int, int, list[Placement], list[tuple[int, ...]]]:

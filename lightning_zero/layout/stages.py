@@ -144,3 +144,9 @@ def _param_name(model: nn.Module, param: nn.Parameter) -> str:
         if p is param:
             return name
     return "<unnamed>"
+
+
+def other_stage_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """The state-dict prefixes (``"blocks.3."``) of the layers :func:`keep_stages` replaced in ``model``:
+    the keys of a whole model's state that another pipeline rank holds (none in a model not cut)."""
+    return tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, OnOtherStage))

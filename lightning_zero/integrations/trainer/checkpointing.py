@@ -49,6 +49,7 @@ from lightning_zero.comm import Comm
 from lightning_zero.engine.parameters import sharded_engine
 from lightning_zero.integrations.arguments import check_sharded_path, local_path
 from lightning_zero.integrations.frontend import ZeroFrontEnd
+from lightning_zero.layout.stages import other_stage_prefixes
 
 
 class ShardedCheckpointing(DDPStrategy):
@@ -95,6 +96,7 @@ class ShardedCheckpointing(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         engine = self._zero.engine
         if not self._zero.writes_shards() or engine is None:
+            self._refuse_whole_file("save")
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(
@@ -169,6 +171,7 @@ class ShardedCheckpointing(DDPStrategy):
         self.wait_for_checkpoint()
         self._pending_load = None
         if not sharded_everywhere(checkpoint_path, Comm()):  # every rank takes the same branch
+            self._refuse_whole_file("load")
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = Path(checkpoint_path)
         meta = read_meta_once(path, Comm())  # one read of meta.pt, not one per rank
@@ -186,7 +189,8 @@ class ShardedCheckpointing(DDPStrategy):
             return super().load_model_state_dict(checkpoint, strict=strict)
         path, meta = self._pending_load
         module = self.lightning_module
-        extras = dict(checkpoint["state_dict"])
+        elsewhere = other_stage_prefixes(module)  # pipeline parallelism: the other stages' layers
+        extras = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(elsewhere)}
         engine = self._zero.engine
         if engine is not None and (self._fitting() or sharded_engine(module) is engine):
             # fit, or validate/test/predict of the model this strategy's stage-3 fit left sharded
@@ -199,9 +203,12 @@ class ShardedCheckpointing(DDPStrategy):
         extras = weights_extras(meta, extras)
         files = ShardFiles(path)
         for spec in meta["plan"]["params"]:
-            extras[spec["name"]] = read_full_param(path, meta, spec["name"], weights_key(meta), files=files)
+            name = spec["name"]
+            if not name.startswith(elsewhere):
+                extras[name] = read_full_param(path, meta, name, weights_key(meta), files=files)
         for alias, name in meta.get("aliases", {}).items():  # a tied weight's other key
-            extras[alias] = extras[name]
+            if name in extras:
+                extras[alias] = extras[name]
         try:  # a tensor-parallel parameter takes its slice of the whole tensor
             extras, filled = copy_slices(module, extras)
         except ValueError as err:
@@ -225,6 +232,20 @@ class ShardedCheckpointing(DDPStrategy):
         load_sharded(engine, path, meta, with_optimizer=True)
         self._pending_load = None
         return None
+
+    def _refuse_whole_file(self, what: str) -> None:
+        """A pipeline stage holds part of the model: one standard file cannot be written or read by it.
+
+        Raises:
+            ValueError: under ``pipeline_parallel_size > 1``, naming it.
+        """
+        size = self._zero.options.pipeline_parallel_size
+        if size > 1:
+            raise ValueError(
+                f"pipeline_parallel_size={size} cannot {what} a single-file checkpoint (each stage holds "
+                "only its layers): use sharded checkpoint directories (sharded_checkpoint=True, the "
+                "default); `lightning-zero consolidate` turns one into a single file"
+            )
 
     @override
     def on_exception(self, exception: BaseException) -> None:

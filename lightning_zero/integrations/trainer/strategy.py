@@ -226,10 +226,10 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
                 "would have to scale every micro-batch's loss inside the schedule): use 'bf16-mixed' or "
                 "'bf16-true'"
             )
-        if trainer.checkpoint_callbacks:
+        if trainer.checkpoint_callbacks and not options.sharded_checkpoint:
             raise ValueError(
-                f"checkpoints of pipeline_parallel_size={size} are not supported yet: pass "
-                "Trainer(enable_checkpointing=False) and no ModelCheckpoint"
+                f"pipeline_parallel_size={size} writes sharded checkpoint directories only (each stage "
+                "holds only its layers): sharded_checkpoint=False is not supported with a ModelCheckpoint"
             )
         if self._pipeline is None:
             mesh = self._zero.pipeline_group()

@@ -1,0 +1,150 @@
+"""Sharded checkpoints of pipelined Trainer fits on 4 CPU ranks, launched by
+``tests/distributed/test_pipeline_checkpoints.py``: one training run in four fits, each resumed from the
+checkpoint its predecessor's ``ModelCheckpoint`` wrote, across layouts:
+
+  a. pipeline 2 x data 2 at stage 2, steps 0 -> 2 (the checkpoint the test consolidates);
+  b. pipeline 2 x data 2 at stage 3, steps 2 -> 4 (the same pipeline layout: each stage its own files);
+  c. no pipeline, data 4 at stage 2 (the unsplit model), steps 4 -> 6 (P=2 read into P=1);
+  d. pipeline 2 x data 2 at stage 1, steps 6 -> 8 (P=1 read into P=2).
+
+Each block of the model holds a buffer that fit a sets and the later fits must load (a fresh module has
+zeros). Every rank reports the parameters it holds at the end of each fit and the samples it trained on;
+rank 0 saves them all with the checkpoint paths."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_zero
+
+WIDTH, LAYERS, SAMPLES, BATCH, ACCUM, CLIP, LR = 4, 4, 32, 4, 2, 0.5, 0.05
+FITS = [  # name, pipeline size, ZeRO stage, last step
+    ("a", 2, 2, 2),
+    ("b", 2, 3, 4),
+    ("c", 1, 2, 6),
+    ("d", 2, 1, 8),
+]
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(11)
+    inputs = torch.randn(SAMPLES, WIDTH, generator=g, dtype=torch.float64)
+    targets = torch.randn(SAMPLES, WIDTH, generator=g, dtype=torch.float64)
+    return TensorDataset(inputs, targets, torch.arange(SAMPLES))
+
+
+def shifts() -> list[torch.Tensor]:
+    """The buffer of each block that the first fit trains with (a fresh module holds zeros)."""
+    return [torch.full((WIDTH,), 0.1 * (i + 1), dtype=torch.float64) for i in range(LAYERS)]
+
+
+class Block(nn.Module):
+    shift: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("shift", torch.zeros(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) + self.shift
+
+
+class CheckpointModule(pl.LightningModule):
+    """``LAYERS`` blocks and the mean squared error; ``training_step`` is the unsplit model's (a fit
+    without a pipeline calls it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.seen: list[torch.Tensor] = []
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch[0], batch[1]
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, target)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        return self.pipeline_loss(self(batch[0]), batch[1])
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, index: int) -> None:
+        self.seen.append(batch[2].clone())  # the samples this rank's data-parallel rank trained on
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+
+
+def fit(name: str, pipeline: int, stage: int, steps: int, root: Path, resume: str | None) -> dict[str, Any]:
+    """One fit to ``steps``, resumed from ``resume``; its ModelCheckpoint saves at its last step."""
+    options: dict[str, Any] = {"stage": stage, "bucket_cap_mb": 0.0001}
+    if pipeline > 1:
+        options.update(pipeline_parallel_size=pipeline, pipeline_microbatches=2)
+    saver = ModelCheckpoint(dirpath=root / name, every_n_train_steps=2, save_top_k=1)
+    trainer = pl.Trainer(
+        strategy=lightning_zero.ZeroStrategy(**options),
+        accelerator="cpu",
+        devices=4,
+        max_steps=steps,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=CLIP,
+        callbacks=[saver],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    module = CheckpointModule()
+    if resume is None:
+        with torch.no_grad():
+            for block, shift in zip(module.blocks, shifts(), strict=True):
+                block.get_buffer("shift").copy_(shift)
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH), ckpt_path=resume)
+    with lightning_zero.gathered(module) if stage == 3 else contextlib.nullcontext():
+        params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    path = saver.best_model_path
+    assert path, f"fit {name}: ModelCheckpoint saved nothing"
+    return {"params": params, "buffers": buffers, "seen": torch.stack(module.seen), "path": path}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_default_dtype(torch.float64)
+    root = Path(args.out).parent / "checkpoints"
+    results: dict[str, Any] = {}
+    resume = None
+    for name, pipeline, stage, steps in FITS:
+        results[name] = fit(name, pipeline, stage, steps, root, resume)
+        resume = results[name]["path"]
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, results)
+    if dist.get_rank() == 0:
+        torch.save(everyone, args.out)
+
+
+if __name__ == "__main__":
+    main()
