@@ -85,7 +85,8 @@ class ZeroConfig:
     small all-reduce and one host synchronisation per step (:mod:`lightning_zero.engine.nonfinite`)."""
     sharded_accumulation: bool | None = None
     """Gradient accumulation (the micro-batches inside ``no_sync``, Lightning's
-    ``accumulate_grad_batches``); ``None``: ``True`` at stage 3, ``False`` at stages 1 and 2.
+    ``accumulate_grad_batches``); ``None``: ``True`` at stage 3, ``False`` at stages 1 and 2 and
+    under pipeline parallelism (a schedule's micro-batches accumulate: one reduction per step).
     ``False`` keeps every bucket's local sum in a full-size buffer for
     the window and sends it once, at the last micro-batch (DDP's ``no_sync``: fewer elements sent,
     ``4`` bytes per parameter held across the window); ``True`` reduce-scatters (stage 1:

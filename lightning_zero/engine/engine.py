@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -102,6 +103,8 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
             )
         self.param_groups = param_groups
         self.module = module
+        if pipeline is not None and config.sharded_accumulation is None:  # one reduction per step: the
+            config = replace(config, sharded_accumulation=False)  # schedule's micro-batches accumulate
         self.config = config
         self.groups = CommGroups.of(comm)
         self.comm = self.groups.shard
@@ -183,6 +186,7 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
                 after_write=lambda: self.state.refresh_master(),  # a load through the model's state dict
                 quantized=config.gather_dtype == "int8",
             )
+            self.units.hold_for_step = self.pipeline is not None  # one gather per unit and step
             assert self.module is not None
             if deferred is not None:
                 self.init_peak_elements = materialize(self.module, deferred, self.flat, layout)

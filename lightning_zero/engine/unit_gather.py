@@ -122,6 +122,11 @@ class UnitGather:
         self.quantized = quantized
         """``gather_dtype="int8"``: the gathers of training forwards and backwards send int8 rows."""
         self.reshard_after_forward = reshard_after_forward
+        self.hold_for_step = False
+        """Pipeline parallelism: a unit gathered in the step stays gathered until the optimizer step
+        frees it (the step's ``M`` micro-batches run forward and backward through it in turns): one
+        all-gather per unit and step, not two per micro-batch, the stage's full parameters held
+        through the step (torchtitan keeps FSDP2's parameters so under pipeline parallelism)."""
         self.prefetch_units = prefetch_units
         by_unit: dict[int, list[Bucket]] = {}
         for bucket in plan.buckets:
@@ -272,7 +277,7 @@ class UnitGather:
     def held_through_backward(self, unit: int) -> bool:
         """Whether ``unit`` stays gathered from its forward to its backward (gathered once per
         micro-batch): the root, the last unit, and every unit without ``reshard_after_forward``."""
-        return not self.reshard_after_forward or unit in (0, self.last_in_forward())
+        return self.hold_for_step or not self.reshard_after_forward or unit in (0, self.last_in_forward())
 
     # ---- hooks ------------------------------------------------------------------------------
 
@@ -329,8 +334,8 @@ class UnitGather:
             torch.autograd.graph.register_multi_grad_hook(outputs, hook, mode="any")
             if not self.held_through_backward(unit):
                 self.free(unit)
-            elif self.reshard_after_forward and unit != 0:  # the last unit: its backward comes first,
-                self._kept = unit  # it is freed once its gradients arrived
+            elif self.reshard_after_forward and not self.hold_for_step and unit != 0:
+                self._kept = unit  # the last unit: its backward comes first; freed once its gradients arrived
 
         return hook
 
@@ -366,7 +371,7 @@ class UnitGather:
                 "Choose units (unit_modules) whose forward uses every parameter they hold"
             )
         state.arrived.add(index)
-        if self._finished(unit):
+        if self._finished(unit) and not self.hold_for_step:
             self.free(unit)
 
     def _finished(self, unit: int) -> bool:
@@ -397,6 +402,8 @@ class UnitGather:
             self._order = list(self._running)
         self._forget_backward()
         self._done.backward_ends()
+        if self.hold_for_step:  # the next micro-batch's forward and backward use them: the step frees them
+            return
         for unit in range(1, len(self.units)):  # the root stays for the next micro-batch: the step frees it
             self.free(unit)
 

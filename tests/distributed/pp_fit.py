@@ -131,8 +131,11 @@ def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
 
 
 def _strategy(case: dict[str, Any]) -> lightning_zero.ZeroStrategy:
+    stage = case.get("stage", 2)
+    units = {"min_unit_numel": 1} if stage == 3 else {}  # every block a unit of its own
     return lightning_zero.ZeroStrategy(
-        stage=case.get("stage", 2),
+        stage=stage,
+        **units,
         pipeline_parallel_size=case.get("pipeline", 2),
         pipeline_schedule=case.get("schedule", "1f1b"),
         pipeline_microbatches=case.get("microbatches", BATCH),
@@ -151,6 +154,8 @@ def fit(case: dict[str, Any]) -> dict[str, Any]:
     with trainer.init_module(empty_init=True) if case.get("deferred") else contextlib.nullcontext():
         module = kind(layers=case.get("layers", LAYERS))
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    engine = strategy.sharded_optimizer.engine
+    sent = engine.comm.stats.elements_sent  # the step's collectives of this stage's data-parallel ranks
     stage3 = case.get("stage", 2) == 3
     with lightning_zero.gathered(module) if stage3 else contextlib.nullcontext():
         params = full_parameters(module)
@@ -158,7 +163,9 @@ def fit(case: dict[str, Any]) -> dict[str, Any]:
         "params": params,
         "seen": torch.stack(module.seen),
         "losses": module.losses,
-        "engine_numel": sum(b.numel for b in strategy.sharded_optimizer.engine.plan.buckets),  # planned here
+        "engine_numel": sum(b.numel for b in engine.plan.buckets),  # planned here
+        "sent": sent,
+        "padded": sum(b.padded_numel for b in engine.plan.buckets),
     }
     if case.get("evaluate"):
         held = DataLoader(dataset(seed=8), batch_size=BATCH)

@@ -22,6 +22,7 @@ from tests.distributed.pp_fit import (
     CLIP,
     LAYERS,
     LR,
+    STEPS,
     WIDTH,
     PipelineModule,
     TensorParallelBlocks,
@@ -177,3 +178,16 @@ def test_validation_and_predict_run_through_the_pipeline(name: str, launched: li
 def test_what_a_pipeline_cannot_run_is_refused_by_name(name: str, launched: list[dict]) -> None:
     for everyone in launched:
         assert REFUSALS[name] in everyone[f"refuse-{name}"]
+
+
+@pytest.mark.parametrize("name", ["stage2-1f1b", "stage3-1f1b", "stage3-gpipe"])
+def test_one_reduction_and_at_stage_3_one_gather_per_step_whatever_the_microbatches(
+    name: str, launched: list[dict]
+) -> None:
+    """Per optimizer step (2 batches of 4 micro-batches each): one reduce-scatter and one all-gather of
+    every bucket over the stage's 2 data-parallel ranks, each sending half: the padded size in all. At
+    stage 3 the units gathered in a step stay so until the optimizer step (a gather per micro-batch's
+    forward and backward would send 8 to 16 times as much)."""
+    for everyone in launched:
+        result = everyone[name]
+        assert result["sent"] == STEPS * result["padded"], (result["sent"], result["padded"])
