@@ -8,8 +8,9 @@ checkpoint its predecessor's ``ModelCheckpoint`` wrote, across layouts:
   d. pipeline 2 x data 2 at stage 1, steps 6 -> 8 (P=1 read into P=2).
 
 Each block of the model holds a buffer that fit a sets and the later fits must load (a fresh module has
-zeros). Every rank reports the parameters it holds at the end of each fit and the samples it trained on;
-rank 0 saves them all with the checkpoint paths."""
+zeros). Then ``validate(ckpt_path=...)`` of a zeroed module at pipeline 2 reads fit b's checkpoint (each
+stage its whole parameters, without an optimizer). Every rank reports the parameters it holds at the end
+of each fit and the samples it trained on; rank 0 saves them all with the checkpoint paths."""
 
 from __future__ import annotations
 
@@ -87,6 +88,9 @@ class CheckpointModule(pl.LightningModule):
     def training_step(self, batch: Any, index: int) -> torch.Tensor:
         return self.pipeline_loss(self(batch[0]), batch[1])
 
+    def validation_step(self, batch: Any, index: int) -> torch.Tensor:  # Lightning asks for one
+        return self.training_step(batch, index)
+
     def on_train_batch_end(self, outputs: Any, batch: Any, index: int) -> None:
         self.seen.append(batch[2].clone())  # the samples this rank's data-parallel rank trained on
 
@@ -127,6 +131,26 @@ def fit(name: str, pipeline: int, stage: int, steps: int, root: Path, resume: st
     return {"params": params, "buffers": buffers, "seen": torch.stack(module.seen), "path": path}
 
 
+def validated(path: str) -> dict[str, Any]:
+    """A zeroed module's parameters and buffers after ``validate(ckpt_path=path)`` at pipeline 2."""
+    strategy = lightning_zero.ZeroStrategy(stage=2, pipeline_parallel_size=2, pipeline_microbatches=2)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=4,
+        limit_val_batches=1,
+        logger=False,
+        enable_progress_bar=False,
+    )
+    module = CheckpointModule()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.zero_()
+    trainer.validate(module, DataLoader(dataset(), batch_size=BATCH), ckpt_path=path, verbose=False)
+    params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return {"params": params, "buffers": {n: b.detach().clone() for n, b in module.named_buffers()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -138,6 +162,7 @@ def main() -> None:
     for name, pipeline, stage, steps in FITS:
         results[name] = fit(name, pipeline, stage, steps, root, resume)
         resume = results[name]["path"]
+    results["validated"] = validated(results["b"]["path"])
     import torch.distributed as dist
 
     everyone: list[Any] = [None] * dist.get_world_size()

@@ -142,3 +142,16 @@ def test_consolidate_and_load_full_state_dict_read_the_whole_model(
     full = load_full_state_dict(path)
     assert full.keys() == state_dict.keys()
     assert all(torch.equal(full[k], v) for k, v in state_dict.items())
+
+
+def test_validate_with_a_checkpoint_loads_each_stages_whole_parameters(
+    launched: list[dict[str, Any]],
+) -> None:
+    """``validate(ckpt_path=...)`` of a zeroed module at pipeline 2 (no optimizer) takes fit b's weights
+    exactly, each stage its own parameters and buffers."""
+    for rank, everyone in enumerate(launched):
+        loaded, saved = everyone["validated"], everyone["b"]
+        assert loaded["params"].keys() == saved["params"].keys() and len(loaded["params"]) == 4, rank
+        assert all(torch.equal(loaded["params"][n], p) for n, p in saved["params"].items()), rank
+        for name, buffer in loaded["buffers"].items():
+            assert torch.equal(buffer, shifts()[int(name.split(".")[1])]), (rank, name)
