@@ -50,9 +50,11 @@ def sample_text(run: Run, cfg: DictConfig) -> str:
     tokenizer = run.datamodule.tokenizer
     assert tokenizer is not None, "the data module is set up by fit()"
     model = run.module.model
-    if is_tensor_parallel(model):  # decoding one position at a time cannot be split along the sequence
+    # decoding one position at a time cannot be split along the sequence, nor run by stages
+    pipeline = run.module.device_mesh["pipeline_parallel"] if run.module.pipelined else None  # type: ignore[index]
+    if is_tensor_parallel(model) or pipeline is not None:
         with lightning_zero.gathered(model):
-            model = unsplit_copy(model)
+            model = unsplit_copy(model, pipeline)
     prompt = torch.tensor([tokenizer.encode(cfg.sample.prompt)], dtype=torch.long, device=run.module.device)
     generator = torch.Generator(device=run.module.device).manual_seed(cfg.seed)
     ids = model.generate(
@@ -106,7 +108,7 @@ def main(cfg: DictConfig) -> None:
         )
         sys.exit(EXIT_PEER_FAILURE)
     # every rank samples: under zero3 the model stays sharded after fit, and its forward gathers; under
-    # tensor parallelism every rank gathers the whole model (`sample_text`)
+    # tensor or pipeline parallelism every rank gathers the whole model (`sample_text`)
     sample = sample_text(run, cfg)
     if run.trainer.is_global_zero:
         report(run, cfg, sample)

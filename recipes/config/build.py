@@ -83,10 +83,14 @@ def build_module(trainer: pl.Trainer, configs: RecipeConfigs) -> PretrainModule:
     so that no rank ever holds the whole model: the strategy initializes it unit by unit at setup, to
     the values eager construction gives (`lightning_zero.engine.deferred_init`; the model follows its
     rule), and a resume then overwrites the shards. Under tensor parallelism it is built with values
-    and split in `configure_model` (a meta-device build with the plan is not tested in the recipe)."""
+    and split in `configure_model` (a meta-device build with the plan is not tested in the recipe).
+    Under pipeline parallelism too: a meta-device model cut into stages before it is initialized draws
+    other values than the whole model would (each stage replays its own layers' initialization only,
+    from the same seed), so every rank builds the whole model and the strategy drops the other stages'
+    layers."""
     strategy = trainer.strategy
     stage3 = isinstance(strategy, ZeroStrategy) and strategy.zero_config.stage == 3
-    if stage3 and configs.tensor_parallel <= 1:
+    if stage3 and configs.tensor_parallel <= 1 and configs.pipeline_parallel <= 1:
         with trainer.init_module(empty_init=True):
             return PretrainModule(configs.model, configs.optim)
     return PretrainModule(configs.model, configs.optim)

@@ -110,22 +110,34 @@ class ClusterSchema:
     peer_failure_requeues: int = 3  # SLURM: requeues of a job after a rank died or hung (0: none)
 
 
-def _tensor_parallel_default() -> int:
-    """`ZeroStrategy`'s own default `tensor_parallel_size` (its one source)."""
+def strategy_default(argument: str) -> Any:
+    """`ZeroStrategy`'s own default of `argument` (its one source)."""
     from lightning_zero import ZeroStrategy
 
-    default: int = inspect.signature(ZeroStrategy).parameters["tensor_parallel_size"].default
-    return default
+    return inspect.signature(ZeroStrategy).parameters[argument].default
 
 
 @dataclass
 class ParallelismSchema:
-    """Model-parallel dimensions of the run, beside the data-parallel one (the rest of the ranks)."""
+    """Model-parallel dimensions of the run, beside the data-parallel one (the rest of the ranks). The
+    lightning-zero strategy files pass each on to its `ZeroStrategy` argument (`conf/strategy/zero*.yaml`);
+    the defaults are that argument's."""
 
-    tensor: int = field(default_factory=_tensor_parallel_default)
+    tensor: int = field(default_factory=lambda: strategy_default("tensor_parallel_size"))
     """Tensor (+ sequence) parallel ranks splitting each layer: consecutive ranks of one node. The
     lightning-zero strategy files pass it as `tensor_parallel_size`; the module applies
     `recipes.training.tensor_parallel`'s plan over them (docs/recipes.md#tensor-parallelism)."""
+    pipeline: int = field(default_factory=lambda: strategy_default("pipeline_parallel_size"))
+    """Pipeline stages (`pipeline_parallel_size`): the model's layers (`PretrainModule.pipeline_layers`)
+    cut into `pipeline` stages of consecutive layers, each on `devices x nodes / pipeline` ranks
+    (docs/recipes.md#pipeline-parallelism)."""
+    microbatches: int | None = field(default_factory=lambda: strategy_default("pipeline_microbatches"))
+    """Micro-batches each rank's batch of `data.batch_size` windows is cut into (`pipeline_microbatches`,
+    which `data.batch_size` must divide); null: one per stage."""
+    schedule: str = field(default_factory=lambda: strategy_default("pipeline_schedule"))
+    """`gpipe`, `1f1b` or `interleaved_1f1b` (`pipeline_schedule`)."""
+    virtual_stages: int = field(default_factory=lambda: strategy_default("pipeline_virtual_stages"))
+    """Stages per rank (`pipeline_virtual_stages`): 2 or more with `interleaved_1f1b`, 1 otherwise."""
 
 
 @dataclass

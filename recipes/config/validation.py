@@ -14,10 +14,10 @@ designates (`recipes.data.sources`) for what it knows: a data path that matches 
 (or a .jsonl / .parquet without the text field), a prepared directory that is incomplete or too small, a
 window longer than the model's context, token ids the model's vocabulary cannot cover (from the prepared
 index's `max_token_id`; for a `.bin` by one pass over it), more devices than the machine has, a
-`ckpt_path` with nothing to resume, a `parallelism.tensor` the strategy, model, data or devices cannot
-split into (`recipes.config.parallelism`), and the value checks of the recipe dataclasses. Each failure is a
-`ConfigError` whose message names the setting and what would be valid; the entry point prints it and exits
-non-zero without touching earlier runs.
+`ckpt_path` with nothing to resume, a `parallelism.tensor` or `parallelism.pipeline` the strategy, model,
+data or devices cannot split into (`recipes.config.parallelism`), and the value checks of the recipe
+dataclasses. Each failure is a `ConfigError` whose message names the setting and what would be valid; the
+entry point prints it and exits non-zero without touching earlier runs.
 
 Optional packages fail here, never after training (`check_objects`, `data_vocab_size`, `check_data`):
 everything the config asks for that imports a package only when first used - a logger's client (its
@@ -47,7 +47,7 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from lightning_utilities.core.imports import RequirementCache
 from omegaconf import DictConfig, OmegaConf
 
-from recipes.config.parallelism import check_tensor_parallel
+from recipes.config.parallelism import check_pipeline_parallel, check_pipeline_settings, check_tensor_parallel
 from recipes.config.resolvers import slurm_nodes
 from recipes.config.schema import RUN_DIR_DEFAULT, TRAINER_ARGS_FROM_GROUPS
 from recipes.config.signatures import SIGNATURE_SCHEMA, ArgumentError, check_arguments
@@ -76,6 +76,8 @@ class RecipeConfigs:
     """Where `data` reads its tokens, as checked (`recipes.data.sources`)."""
     tensor_parallel: int
     """`parallelism.tensor`, as checked (`recipes.config.parallelism`)."""
+    pipeline_parallel: int = 1
+    """`parallelism.pipeline`, as checked (`recipes.config.parallelism`)."""
 
     @property
     def corpus(self) -> Corpus | None:
@@ -309,6 +311,10 @@ def check_keys(cfg: DictConfig) -> None:
         raise ConfigError(
             f"parallelism.tensor={cfg.parallelism.tensor} must be >= 1 (ranks splitting each layer; 1: none)"
         )
+    try:
+        check_pipeline_settings(cfg)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
     check_strategy(cfg.strategy)
     check_shard_group(cfg)
     check_target_nodes(cfg)
@@ -410,11 +416,17 @@ def validate(cfg: DictConfig) -> RecipeConfigs:
         )
     try:
         check_tensor_parallel(cfg, model, data)
+        check_pipeline_parallel(cfg, model, data)
     except ValueError as error:
         raise ConfigError(str(error)) from error
     check_devices(str(cfg.trainer.accelerator), cfg.trainer.devices)
     check_slurm_launch()
     check_ckpt_path(cfg.ckpt_path, Path(cfg.run_dir), cfg.run_name)
     return RecipeConfigs(
-        model=model, data=data, optim=optim, source=source, tensor_parallel=cfg.parallelism.tensor
+        model=model,
+        data=data,
+        optim=optim,
+        source=source,
+        tensor_parallel=cfg.parallelism.tensor,
+        pipeline_parallel=cfg.parallelism.pipeline,
     )

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from recipes.data.config import DataConfig, check_token_count
-from recipes.data.resume import TrainDataResume
+from recipes.data.resume import TrainDataResume, pipeline_stages
 from recipes.data.shards import TokenStream
 from recipes.data.sources import DataSource, data_source
 from recipes.data.tokenizer import Tokenizer
@@ -100,14 +100,18 @@ class PretrainDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
         assert self.val_set is not None, "setup() must run first"
-        return self._loader(self.val_set, shuffle=False)
+        # a pipeline cuts every batch into equal micro-batches: a last short batch is left out
+        pipelined = self.trainer is not None and pipeline_stages(self.trainer) > 1
+        return self._loader(self.val_set, shuffle=False, drop_last=pipelined)
 
-    def _loader(self, dataset: Dataset[tuple[torch.Tensor, torch.Tensor]], shuffle: bool) -> DataLoader:
+    def _loader(
+        self, dataset: Dataset[tuple[torch.Tensor, torch.Tensor]], shuffle: bool, drop_last: bool = False
+    ) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=self.config.batch_size,
             shuffle=shuffle,
-            drop_last=shuffle,
+            drop_last=shuffle or drop_last,
             num_workers=self.config.num_workers,
             persistent_workers=self.config.num_workers > 0,
             generator=torch.Generator().manual_seed(self.config.seed) if shuffle else None,

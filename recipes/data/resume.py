@@ -49,13 +49,23 @@ def data_parallel(trainer: pl.Trainer) -> tuple[int, int]:
     return int(kwargs["num_replicas"]), int(kwargs["rank"])
 
 
-def tensor_parallel_rank(module: pl.LightningModule) -> int:
-    """This rank's index in its tensor-parallel group (the module's `tensor_parallel` mesh dimension,
-    set by a strategy with tensor parallelism); 0 without one."""
+def pipeline_stages(trainer: pl.Trainer) -> int:
+    """The pipeline stages the strategy runs the model as (its `pipeline_parallel` mesh dimension, which
+    it sets on the LightningModule); 1 without a pipeline."""
+    module = trainer.lightning_module
+    mesh = None if module is None else module.device_mesh
+    if mesh is None or "pipeline_parallel" not in (mesh.mesh_dim_names or ()):
+        return 1
+    return int(mesh["pipeline_parallel"].size())
+
+
+def model_parallel_rank(module: pl.LightningModule, dimension: str) -> int:
+    """This rank's index along `dimension` of the module's device mesh (`"tensor_parallel"`,
+    `"pipeline_parallel"`: set by a strategy with tensor or pipeline parallelism); 0 without one."""
     mesh = module.device_mesh
-    if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+    if mesh is None or dimension not in (mesh.mesh_dim_names or ()):
         return 0
-    return mesh["tensor_parallel"].get_local_rank()
+    return mesh[dimension].get_local_rank()
 
 
 def batch_layout(trainer: pl.Trainer | None, micro_batch_size: int) -> BatchLayout:
@@ -189,7 +199,8 @@ class TrainedSamples(Callback):
     micro-batch is part of. Files are appended to, so a resumed run continues them. Under tensor
     parallelism the `T` ranks of a group train the same samples: only the group's first rank (tensor
     rank 0) writes its data-parallel rank's file, so there is one file per data-parallel rank, each
-    line once. Needs a training loader built by `TrainDataResume`.
+    line once; the same under pipeline parallelism (pipeline rank 0 writes). Needs a training loader
+    built by `TrainDataResume`.
     """
 
     def __init__(self, dirpath: str) -> None:
@@ -217,8 +228,8 @@ class TrainedSamples(Callback):
                 "TrainedSamples needs a training DataLoader whose sampler is a GlobalBatchSampler"
             )
         indices = sampler.take_trained()  # on every rank: each sampler hands out its own queue
-        if tensor_parallel_rank(pl_module) != 0:
-            return  # tensor rank 0 of the group writes the samples the group trained
+        if any(model_parallel_rank(pl_module, d) for d in ("tensor_parallel", "pipeline_parallel")):
+            return  # the first rank of the model-parallel group writes the samples the group trained
         self.dirpath.mkdir(parents=True, exist_ok=True)
         with (self.dirpath / f"rank{sampler.rank}.txt").open("a") as handle:
             handle.write(f"{self._step} {' '.join(map(str, indices))}\n")

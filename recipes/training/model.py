@@ -327,13 +327,37 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             if cache is not None:
                 x = block(x, cos, sin, (cache.keys[i], cache.values[i], start))
-            elif self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
-                x = block(x, cos, sin)
+                x = self.block_forward(i, x, cos, sin)
         if cache is not None:
             cache.length = start + seq
         return self.head(self.norm(x))  # (B, T, vocab_size)
+
+    def block_forward(
+        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """Block `index` on `x` without a cache, under activation checkpointing when it is on and the
+        model trains with gradients."""
+        block = self.blocks[index]
+        if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(block, x, cos, sin, use_reentrant=False)  # type: ignore[no-any-return]
+        return block(x, cos, sin)  # type: ignore[no-any-return]
+
+    def layers(self) -> list[nn.Module]:
+        """The model's layers in the order `forward` runs them: the embedding, each block, the final
+        norm, the head (the pipeline stages are cut from this list: `PretrainModule.pipeline_layers`)."""
+        return [self.embed, *self.blocks, self.norm, self.head]
+
+    def layer_forward(self, index: int, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """`layers()[index]` on the previous layer's output `x` (token ids for the embedding) in training
+        or evaluation (no cache), as `forward` runs it; the blocks take the rotary tables of the first
+        `seq_len` positions (the whole sequence's, which a sequence-parallel `x` holds a part of)."""
+        if index == 0:
+            return self.embed(x)  # type: ignore[no-any-return]
+        if index <= len(self.blocks):
+            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, head_dim // 2)
+            return self.block_forward(index - 1, x, cos, sin)
+        return self.norm(x) if index == len(self.blocks) + 1 else self.head(x)  # type: ignore[no-any-return]
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count (shared tensors once); optionally without the input embedding table."""

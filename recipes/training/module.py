@@ -13,6 +13,17 @@ callback in the recipe's default callbacks) measures them with Lightning's tools
 after every batch;
 `recipes.training.progress.RefreshProgressBar` shows it when it redraws, the loggers read it every
 `log_every_n_steps`), so no step waits for the device; and `lr`, a Python number.
+
+Pipeline parallelism (`parallelism.pipeline=P`, lightning-zero's `pipeline_parallel_size`): the module
+gives the strategy its layers (`pipeline_layers`: the embedding, each block, the final norm, the head,
+`GPT.layers`), runs one of them (`pipeline_forward`, with the rotary tables and activation
+checkpointing of `GPT.forward`) and the loss of a micro-batch (`pipeline_loss`, `_loss`), as
+`docs/pipeline.md` asks. The strategy then runs the steps itself and never calls `training_step` or
+`validation_step`: the module logs `lr` in `on_train_batch_start`, the losses the strategy's steps
+return in `on_train_batch_end` (`train/loss`) and `on_validation_batch_end` (`val/loss`), and `val/ppl`
+as the exponential of the mean validation loss (`val_mean_loss`: the logits never reach the module),
+the torchmetrics perplexity's value when every validation batch holds as many tokens. Without a
+pipeline these hooks log nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
 import lightning_zero  # noqa: F401  (load_from_checkpoint reads sharded checkpoint directories)
@@ -121,6 +133,9 @@ class PretrainModule(pl.LightningModule):
         self.model = GPT(model_config)
         with torch.device("cpu"):  # never on the meta device (`trainer.init_module(empty_init=True)`):
             self.val_perplexity = Perplexity()  # its state is no parameter; it follows the module's moves
+            self.val_mean_loss = MeanMetric()  # val/ppl under pipeline parallelism (module docstring)
+        self._sequence_split = 1
+        """Ranks the sequence is split over between the layers (sequence parallelism: `T`)."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -137,6 +152,32 @@ class PretrainModule(pl.LightningModule):
 
         if tensor_mesh.size() > 1 and not is_tensor_parallel(self.model):
             apply_tensor_parallel(self.model, tensor_mesh)
+        self._sequence_split = tensor_mesh.size()
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether a strategy runs this module as pipeline stages (a `pipeline_parallel` mesh dimension
+        of size > 1): its steps are then the strategy's, not `training_step` / `validation_step`."""
+        mesh = self.device_mesh
+        if mesh is None or "pipeline_parallel" not in (mesh.mesh_dim_names or ()):
+            return False
+        return bool(mesh["pipeline_parallel"].size() > 1)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The layers the pipeline stages are cut from, in forward order (`GPT.layers`): the embedding
+        goes with the first stage, the final norm and the head with the last, the blocks between them
+        in the stages' equal numbers of layers (`lightning_zero.layout.stages.stage_layers`)."""
+        return self.model.layers()
+
+    def pipeline_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer `index` of `pipeline_layers()` on `x` (`GPT.layer_forward`): the rotary tables cover
+        the whole sequence, `x.shape[1]` positions times the sequence-parallel ranks that hold parts of
+        it between the layers (the token ids of the embedding are whole)."""
+        return self.model.layer_forward(index, x, x.shape[1] * self._sequence_split)
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of one micro-batch's logits: `training_step`'s."""
+        return self._loss(output, target)
 
     def on_fit_start(self) -> None:
         """A fresh run with `model.init_from=DIR` starts from that Llama's weights, read straight into
@@ -162,8 +203,13 @@ class PretrainModule(pl.LightningModule):
             for group, base_lr, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
                 group["lr"] = base_lr * factor(scheduler.last_epoch)
         if self.trainer.is_global_zero:  # after a resume this shows the restored step
-            params = self.model.num_params()
-            print(f"training {params / 1e6:.2f}M parameters from global step {self.trainer.global_step}")
+            params = f"{self.model.num_params() / 1e6:.2f}M parameters"
+            if self.pipelined:  # this rank holds its stages' layers only
+                with torch.device("meta"):
+                    params = (
+                        f"{GPT(self.model_config).num_params() / 1e6:.2f}M parameters ({params} on stage 0)"
+                    )
+            print(f"training {params} from global step {self.trainer.global_step}")
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -172,8 +218,23 @@ class PretrainModule(pl.LightningModule):
         inputs, targets = batch  # each (B, T)
         loss = self._loss(self(inputs), targets)
         self.log("train/loss", loss)  # not prog_bar: Lightning would read it to the host every step
-        self.log("lr", self.optimizers().param_groups[0]["lr"])  # type: ignore[union-attr]
+        self._log_lr()
         return loss
+
+    def _log_lr(self) -> None:
+        self.log("lr", self.optimizers().param_groups[0]["lr"])  # type: ignore[union-attr]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Under pipeline parallelism: log the learning rate this batch trains with (the schedulers
+        have stepped by `on_train_batch_end`)."""
+        if self.pipelined:
+            self._log_lr()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Under pipeline parallelism: log the batch's loss the strategy's step returned, as
+        `training_step` logs it (Lightning divides `outputs["loss"]` by the accumulated batches)."""
+        if self.pipelined:
+            self.log("train/loss", outputs["loss"] * self.trainer.accumulate_grad_batches)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, targets = batch
@@ -182,6 +243,21 @@ class PretrainModule(pl.LightningModule):
         self.log("val/loss", self._loss(logits, targets), sync_dist=True)
         # Logging the metric object lets Lightning compute it across ranks and reset it per epoch.
         self.log("val/ppl", self.val_perplexity, prog_bar=True, on_step=False, on_epoch=True)
+
+    def on_validation_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        """Under pipeline parallelism: log the batch's mean loss the strategy's step returned."""
+        if self.pipelined:
+            self.log("val/loss", outputs, sync_dist=True)
+            self.val_mean_loss.update(outputs)
+
+    def on_validation_epoch_end(self) -> None:
+        """Under pipeline parallelism: `val/ppl` as exp(mean validation loss) over the batches of every
+        rank (`MeanMetric` syncs over all ranks: a pipeline's ranks hold the same losses)."""
+        if self.pipelined:
+            self.log("val/ppl", self.val_mean_loss.compute().exp(), prog_bar=True)
+            self.val_mean_loss.reset()
 
     def configure_optimizers(self) -> dict[str, Any]:
         config = self.optim_config

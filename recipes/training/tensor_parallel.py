@@ -111,21 +111,28 @@ def is_tensor_parallel(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def unsplit_copy(model: GPT) -> GPT:
+def unsplit_copy(model: GPT, pipeline: DeviceMesh | None = None) -> GPT:
     """A plain `GPT` on `model`'s device and in its dtype (`trainer.precision=64-true` trains in
-    float64) holding the whole of `model`'s current weights.
+    float64) holding the whole of `model`'s current weights; with the 1-D `pipeline` mesh, `model`
+    holds one pipeline stage's layers (`PretrainModule.pipeline_layers`) and the copy every stage's.
 
-    A collective over the tensor-parallel group (each `DTensor` is all-gathered): call it on every rank.
-    The copy holds the whole model on every rank, which suits sampling from the recipe's models, not
-    from one too large for a device.
+    A collective over the tensor-parallel group (each `DTensor` is all-gathered) and the pipeline group
+    (each stage's weights sent to every other, through the host): call it on every rank. The copy holds
+    the whole model on every rank, which suits sampling from the recipe's models, not from one too
+    large for a device.
     """
     state = {
         name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         for name, tensor in model.state_dict().items()
     }
+    if pipeline is not None:
+        stages: list[dict[str, torch.Tensor] | None] = [None] * pipeline.size()
+        mine = {name: tensor.detach().cpu() for name, tensor in state.items()}
+        torch.distributed.all_gather_object(stages, mine, group=pipeline.get_group())
+        state = {name: tensor for stage in stages if stage is not None for name, tensor in stage.items()}
     device = model.rope_cos.device
     with torch.device(device):
         copy = GPT(model.config)
-    copy.to(dtype=model.embed.weight.dtype)  # a float32 copy would round the weights it is asked for
+    copy.to(dtype=state["embed.weight"].dtype)  # a float32 copy would round the weights it is asked for
     copy.load_state_dict(state)
     return copy.train(model.training)

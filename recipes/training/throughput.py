@@ -23,7 +23,9 @@ Logged (all ranks alike, rank 0's reach the loggers): `tokens_per_s` (global: th
 data-parallel ranks, as the strategy deals data; shown by `recipes.training.progress.RefreshProgressBar`)
 and `mfu` (model FLOPs/s per device / peak), averaged over the last `window` logging intervals; the first
 figure comes after `window` + 1 logging steps (the first interval holds start-up costs). The `T` ranks of
-a tensor-parallel group train the same tokens (counted once) and each does `1/T` of their FLOPs.
+a tensor-parallel group train the same tokens (counted once) and each does `1/T` of their FLOPs; the `P`
+stages of a pipeline likewise (each is given `1/P` of them: stages of equal numbers of layers, the first
+and the last with the embedding and the head, do about that).
 """
 
 from __future__ import annotations
