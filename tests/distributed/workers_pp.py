@@ -1,6 +1,7 @@
 """Pipeline parallelism on every rank (:func:`tests.distributed.harness.run_ranks`): a stack of tiny
-layers split into stages over the ``pipeline`` dimension of a ``(pipeline, data)`` mesh, each stage's
-parameters sharded by ``ShardedAdamW`` over the ``data`` dimension, torch's schedules driving it
+layers split into stages over the ``pipeline`` dimension of a ``(pipeline, data, tensor)`` mesh, each
+stage's linear layers optionally tensor-parallel over ``tensor``, its parameters (slices) sharded by
+``ShardedAdamW`` over the ``data`` dimension, torch's schedules driving it
 (:mod:`lightning_zero.comm.pipeline`), against one unsplit copy trained by ``torch.optim.AdamW`` on
 the whole global batch in this process."""
 
@@ -14,7 +15,7 @@ from torch import nn
 
 import lightning_zero
 from lightning_zero import ShardedAdamW, ZeroConfig
-from lightning_zero.layout.local import is_dtensor
+from lightning_zero.layout.local import is_dtensor, local
 
 WIDTH, LAYERS, ROWS = 8, 8, 8  # ROWS samples per data-parallel rank and step
 
@@ -45,11 +46,33 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).pow(2).mean()
 
 
+def _count_reductions(comm: Any) -> list[int]:
+    """A one-element counter of the gradient reductions ``comm`` launches from now on: its
+    reduce-scatters and its all-reduces other than control ones (a norm, a flag)."""
+    seen = [0]
+    reduce_scatter, all_reduce = comm.reduce_scatter, comm.all_reduce
+
+    def counted_reduce_scatter(*args: Any, **kwargs: Any) -> Any:
+        seen[0] += 1
+        return reduce_scatter(*args, **kwargs)
+
+    def counted_all_reduce(tensor: torch.Tensor, *args: Any, control: bool = False, **kwargs: Any) -> Any:
+        seen[0] += not control
+        return all_reduce(tensor, *args, control=control, **kwargs)
+
+    comm.reduce_scatter, comm.all_reduce = counted_reduce_scatter, counted_all_reduce
+    return seen
+
+
 def pp_parity(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each case: ``pipeline`` stages, ``schedule``, ``microbatches``, ``stage`` (ZeRO), ``accum``
     (pipeline steps per optimizer step), ``clip``, optionally ``nan_step`` (a NaN in one gradient of
     the last stage on one rank at that step: every stage must skip it, as the unsplit run does) with
-    ``skip``; returns the largest difference to the unsplit run after every step and the norms."""
+    ``skip``, ``virtual`` (stages per rank), ``tensor`` (the stage's linear layers column- then
+    row-parallel over that many ranks), ``sharded_accumulation`` (``ZeroConfig``'s); returns the
+    largest difference to the unsplit run after every step, the norms, the numels this rank holds
+    (the stage's, its tensor-parallel slice, the ZeRO plan's and shard's) and the gradient
+    reductions launched per optimizer step."""
     return [_pp_case(rank, world_size, **case) for case in cases]
 
 
@@ -68,6 +91,7 @@ def _pp_case(
     skip: int = 0,
     virtual: int = 1,
     tensor: int = 1,
+    sharded_accumulation: bool | None = None,
 ) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -93,6 +117,7 @@ def _pp_case(
                 }
                 parallelize_module(chunk, mesh["tensor"], plan)
         module = mine[0] if virtual == 1 else nn.ModuleList(mine)
+        held_numel = sum(local(p).numel() for p in module.parameters())  # before ZeRO flattens them
         now = {"step": 0}
         last = index == pipeline - 1
         if nan_step is not None and last and data_rank == 1:  # before the optimizer's hook
@@ -102,7 +127,12 @@ def _pp_case(
                     param.grad.fill_(float("nan"))  # type: ignore[union-attr]
 
             mine[-1][-1].weight.register_post_accumulate_grad_hook(poison)
-        config = ZeroConfig(stage=stage, bucket_cap_mb=0.0002, skip_nonfinite_steps=skip)
+        config = ZeroConfig(
+            stage=stage,
+            bucket_cap_mb=0.0002,
+            skip_nonfinite_steps=skip,
+            sharded_accumulation=sharded_accumulation,
+        )
         opt = ShardedAdamW(
             module.parameters(),
             lr=0.05,
@@ -112,6 +142,7 @@ def _pp_case(
             device_mesh=mesh["data"],
             pipeline_group=mesh["pipeline"],
         )
+        reductions = _count_reductions(opt.engine.comm)
         stages = [
             ShardedStage(
                 chunk,
@@ -132,7 +163,8 @@ def _pp_case(
         ref_parts = chunks(reference, pipeline * virtual)
         ref_mine = [ref_parts[index + v * pipeline] for v in range(virtual)]
         initial = [p.detach().clone() for p in reference.parameters()]
-        max_diff, norms, losses = [], [], []
+        max_diff, norms, losses, reduced = [], [], [], []
+        stats, compared = opt.engine.comm.stats, 0  # compared: what the comparison's gathers send
         for step in range(steps):
             now["step"] = step
             for micro in range(accum):
@@ -158,11 +190,14 @@ def _pp_case(
                     )
             opt.step()
             opt.zero_grad()
+            reduced.append(reductions[0] - sum(reduced))
             if step != nan_step:  # the unsplit run skips the step the non-finite guard skips
                 ref_opt.step()
             ref_opt.zero_grad()
+            before = stats.elements_sent
             with torch.no_grad(), lightning_zero.gathered(module) if stage == 3 else contextlib.nullcontext():
                 mine_now = [p for chunk in mine for p in full_parameters(chunk).values()]
+            compared += stats.elements_sent - before
             theirs = [p.detach() for chunk in ref_mine for p in chunk.parameters()]
             max_diff.append(max(float((a - b).abs().max()) for a, b in zip(mine_now, theirs, strict=True)))
         moved = max(
@@ -176,8 +211,13 @@ def _pp_case(
             "skipped": opt.skipped_steps,
             "numel": sum(p.numel() for chunk in mine for p in chunk.parameters()),
             "dtensors": sum(is_dtensor(p) for p in module.parameters()),
-            "sent_per_step": opt.engine.comm.stats.elements_sent / steps,
+            "sent_per_step": (stats.elements_sent - compared) / steps,  # the training's own
             "padded": sum(b.padded_numel for b in opt.engine.plan.buckets),
+            "held_numel": held_numel,
+            "planned_numel": sum(spec.numel for spec in opt.engine.plan.params),
+            "shard_numel": sum(opt.engine.plan.shard_numel(b) for b in opt.engine.plan.buckets),
+            "buckets": len(opt.engine.plan.buckets),
+            "reductions": reduced,
         }
     finally:
         torch.set_default_dtype(torch.float32)
