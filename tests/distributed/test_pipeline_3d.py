@@ -4,7 +4,7 @@ linear layers column- then row-parallel over ``tensor``, each rank's slices shar
 ``ShardedAdamW`` over ``data``, torch's schedules driving it (:mod:`lightning_zero.comm.pipeline`),
 equals one unsplit copy trained by ``torch.optim.AdamW`` on the whole global batch in one process
 (float64, 2 pipeline steps of 4 micro-batches accumulated per optimizer step, clipped to 0.1), at ZeRO
-stages 2 and 3 under GPipe and 1F1B. One launch of 8 ranks (about 35 s on 2 cores).
+stages 2 and 3 under GPipe and 1F1B. One launch of 8 ranks.
 
 Each rank also holds only its stage's slice of the model, and reduces its gradients once per
 optimizer step, not per micro-batch (unless ``sharded_accumulation`` is asked for)."""
