@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from local_ranks import launch_ranks  # this folder is on sys.path when run as a script
 
 RUNS = [
     ("gpipe", 2, 1),
@@ -130,21 +127,7 @@ def worker(args: argparse.Namespace, out: Path) -> None:
 
 
 def launch(args: argparse.Namespace) -> list[list[dict[str, Any]]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = []
-        for rank in range(args.stages):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.stages))
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            argv = [sys.executable, __file__, "--worker", "--out", str(out), *sys.argv[1:]]
-            procs.append(subprocess.Popen(argv, env=env))
-        codes = [p.wait() for p in procs]
-        if any(codes):
-            raise SystemExit(f"ranks ended with {codes}")
-        return json.loads(out.read_text())
+    return launch_ranks(__file__, args.stages)
 
 
 def main() -> None:

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from local_ranks import launch_ranks  # this folder is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout, not another install
@@ -145,21 +143,7 @@ def worker(mode: str, args: argparse.Namespace, out: Path) -> None:
 
 
 def launch(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = []
-        for rank in range(args.ranks):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.ranks))
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            argv = [sys.executable, __file__, "--worker", mode, "--out", str(out), *sys.argv[1:]]
-            procs.append(subprocess.Popen(argv, env=env))
-        codes = [p.wait() for p in procs]
-        if any(codes):
-            raise SystemExit(f"{mode}: ranks ended with {codes}")
-        return json.loads(out.read_text())
+    return launch_ranks(__file__, args.ranks, [mode], mode)
 
 
 def main() -> None:

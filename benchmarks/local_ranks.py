@@ -1,0 +1,39 @@
+"""Launch a benchmark's worker on local ranks: one process per rank on this machine (gloo over
+localhost, one thread each), the script run again with ``--worker [MODE] --out FILE`` and its own
+arguments; rank 0 writes ``FILE`` (JSON), which is returned. Imported as a top-level module: this
+folder is on ``sys.path`` when a benchmark runs as a script."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def launch_ranks(script: str, ranks: int, worker: list[str] | None = None, label: str = "") -> Any:
+    """Run ``script`` on ``ranks`` local processes as its worker (``--worker`` and the ``worker``
+    arguments, then this command line's own) and return what rank 0 wrote.
+
+    Raises:
+        SystemExit: a rank ended with a non-zero status (named, with ``label``).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = []
+        for rank in range(ranks):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks))
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            argv = [sys.executable, script, "--worker", *(worker or []), "--out", str(out), *sys.argv[1:]]
+            procs.append(subprocess.Popen(argv, env=env))
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise SystemExit(f"{label + ': ' if label else ''}ranks ended with {codes}")
+        return json.loads(out.read_text())
