@@ -21,12 +21,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
+from tests.distributed.pp_fit import PipelineModule
 
 WIDTH, LAYERS, SAMPLES, BATCH, ACCUM, CLIP, LR = 4, 4, 32, 4, 2, 0.5, 0.05
 FITS = [  # name, pipeline size, ZeRO stage, last step
@@ -61,41 +61,15 @@ class Block(nn.Module):
         return torch.tanh(self.linear(x)) + self.shift
 
 
-class CheckpointModule(pl.LightningModule):
-    """``LAYERS`` blocks and the mean squared error; ``training_step`` is the unsplit model's (a fit
+class CheckpointModule(PipelineModule):
+    """``LAYERS`` blocks with a buffer each, and the Trainer pipeline test's hooks and loss
+    (:class:`tests.distributed.pp_fit.PipelineModule`); ``training_step`` is the unsplit model's (a fit
     without a pipeline calls it)."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.seen: list[torch.Tensor] = []
-
-    def pipeline_layers(self) -> list[nn.Module]:
-        return list(self.blocks)
-
-    def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch[0], batch[1]
-
-    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(output, target)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-    def training_step(self, batch: Any, index: int) -> torch.Tensor:
-        return self.pipeline_loss(self(batch[0]), batch[1])
-
-    def validation_step(self, batch: Any, index: int) -> torch.Tensor:  # Lightning asks for one
-        return self.training_step(batch, index)
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, index: int) -> None:
-        self.seen.append(batch[2].clone())  # the samples this rank's data-parallel rank trained on
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
 
 
 def fit(name: str, pipeline: int, stage: int, steps: int, root: Path, resume: str | None) -> dict[str, Any]:
