@@ -153,6 +153,10 @@ def fit(case: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)  # where a deferred build's initialization starts (init_module's entry)
     with trainer.init_module(empty_init=True) if case.get("deferred") else contextlib.nullcontext():
         module = kind(layers=case.get("layers", LAYERS))
+    held = DataLoader(dataset(seed=8), batch_size=BATCH)
+    if case.get("evaluate"):  # the evaluation schedule made before fit, used again after it
+        trainer.validate(module, held, verbose=False)
+    before, module.val_losses = module.val_losses, []
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
     engine = strategy.sharded_optimizer.engine
     sent = engine.comm.stats.elements_sent  # the step's collectives of this stage's data-parallel ranks
@@ -168,9 +172,8 @@ def fit(case: dict[str, Any]) -> dict[str, Any]:
         "padded": sum(b.padded_numel for b in engine.plan.buckets),
     }
     if case.get("evaluate"):
-        held = DataLoader(dataset(seed=8), batch_size=BATCH)
         trainer.validate(module, held, verbose=False)
-        out["val_losses"] = module.val_losses
+        out["val_losses"], out["val_before"] = module.val_losses, before
         predictions = trainer.predict(module, held)
         out["predictions"] = None if predictions[0] is None else torch.cat(predictions)  # type: ignore[arg-type]
     return out

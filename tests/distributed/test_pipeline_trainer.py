@@ -167,6 +167,14 @@ def test_validation_and_predict_run_through_the_pipeline(name: str, launched: li
         rows = list(mine.split(BATCH))
         expected = [float(F.mse_loss(outputs[r], targets[r])) for r in rows]
         assert result["val_losses"] == pytest.approx(expected, rel=1e-10, abs=0), rank
+        torch.set_default_dtype(torch.float64)  # validated before the fit too: the initial weights
+        try:
+            start = _model(case)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        with torch.no_grad():
+            first = [float(F.mse_loss(start(inputs[r]), targets[r])) for r in rows]
+        assert result["val_before"] == pytest.approx(first, rel=1e-10, abs=0), rank
         last = rank // data == pipeline - 1
         if last:  # the last stage's outputs; None on the other stages
             assert torch.allclose(result["predictions"], outputs[torch.cat(rows)], rtol=0, atol=1e-12)

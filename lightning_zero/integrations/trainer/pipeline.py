@@ -113,11 +113,6 @@ class TrainerPipeline:
         self._optimizer: Any = None
         self._accumulate = 1
 
-    @property
-    def stage_numel(self) -> int:
-        """Elements of this rank's parameters (its stages' layers only)."""
-        return sum(p.numel() for p in self.module.parameters())
-
     def train(self, optimizer: Any, accumulate: int) -> None:
         """Training from now on with ``optimizer`` (a ``ShardedAdamW``), the loss divided by
         ``accumulate`` (the batches per optimizer step). Builds the training schedule once, so that a
@@ -126,9 +121,11 @@ class TrainerPipeline:
         self._runs = {key: run for key, run in self._runs.items() if key[0] != "train"}
         self._schedule("train", None)
 
-    def _loss(self) -> Callable[[Any, Any], torch.Tensor]:
+    def _loss(self, mode: str) -> Callable[[Any, Any], torch.Tensor]:
+        """``pipeline_loss``, divided by the batches per optimizer step in training (an evaluation's is
+        not: its schedule may outlive a change of them)."""
         loss = _required(self.module, "pipeline_loss", "the loss of a micro-batch's output and target")
-        accumulate = self._accumulate
+        accumulate = self._accumulate if mode == "train" else 1
 
         def fn(output: Any, target: Any) -> torch.Tensor:
             return loss(output, target) / accumulate
@@ -143,7 +140,7 @@ class TrainerPipeline:
                 ShardedStage(f, s, self.ranks * self.virtual, self.device, self.group, no_sync)
                 for f, s in zip(self.forwards, self.mine, strict=True)
             ]
-            loss = self._loss() if mode != "predict" else None
+            loss = self._loss(mode) if mode != "predict" else None
             if loss is None:
                 self._runs[key] = _predict_schedule(self.kind, stages, self.microbatches)
             else:
@@ -219,7 +216,7 @@ class TrainerPipeline:
             run.eval(target=target, losses=losses)
         else:
             run.eval()
-        return self._share(losses) * self._accumulate
+        return self._share(losses)
 
     def predict_step(self, batch: Any) -> Any:
         """Forward of every micro-batch of the batch's inputs; the last stage's outputs there, ``None``
