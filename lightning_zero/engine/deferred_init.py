@@ -82,7 +82,9 @@ from lightning_zero.engine.init_order import (
     eager_calls,
     post_order,
 )
+from lightning_zero.engine.rng_state import RngState, capture_rng, rng_set_to, set_rng
 from lightning_zero.engine.tensor_parallel import slice_of
+from lightning_zero.engine.unwritten import mark_unwritten, nan_like, unwritten
 from lightning_zero.layout.buckets import Bucket
 from lightning_zero.layout.flat import FlatParams
 from lightning_zero.layout.local import is_dtensor, local
@@ -114,34 +116,6 @@ class DeferredInit:
     """Where the generators stood before each call (module id, kind) of the whole model's eager
     build (:func:`with_eager_states`): a model cut down since (pipeline stages) replays its calls
     from there, drawing what the whole model's build draws."""
-
-
-@dataclass(frozen=True)
-class RngState:
-    """The random-number generators' state where a model's construction began."""
-
-    cpu: Tensor
-    device: Tensor | None
-    """The accelerator's generator (``None`` on a CPU run)."""
-
-
-def capture_rng(device: torch.device) -> RngState:
-    """The CPU generator's state and, for an accelerator ``device``, that device's generator's."""
-    accelerator = None if device.type in ("cpu", "meta") else torch.get_device_module(device.type)
-    return RngState(
-        cpu=torch.random.get_rng_state(),
-        device=None if accelerator is None else accelerator.get_rng_state(device),
-    )
-
-
-@contextmanager
-def _rng_set_to(state: RngState, device: torch.device) -> Iterator[None]:
-    """Inside: the generators hold ``state``; at the exit, what they held before."""
-    accelerator = state.device is not None and device.type not in ("cpu", "meta")
-    devices = [device] if accelerator else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type if accelerator else "cuda"):
-        _set_rng(state, device)
-        yield
 
 
 def is_deferred(module: nn.Module) -> bool:
@@ -193,9 +167,9 @@ class _Materializer:
             elif param.is_meta:
                 if is_dtensor(param):  # tensor parallelism: this rank's slice gets memory
                     real = nn.Parameter(torch.empty_like(param, device=self.device), param.requires_grad)
-                    _mark_unwritten(local(real))
+                    mark_unwritten(local(real))
                 else:
-                    real = nn.Parameter(_nan_like(param, self.device), requires_grad=param.requires_grad)
+                    real = nn.Parameter(nan_like(param, self.device), requires_grad=param.requires_grad)
                 torch.utils.swap_tensors(param, real)  # the same object: optimizers keep their references
         for name, buffer in module._buffers.items():
             if is_dtensor(buffer):
@@ -204,7 +178,7 @@ class _Materializer:
                     "tensor-parallel DTensor; build the model with values, or keep its buffers plain tensors"
                 )
             if buffer is not None and buffer.is_meta:
-                filled = _nan_like(buffer, self.device)
+                filled = nan_like(buffer, self.device)
                 module._buffers[name] = filled
                 self.names[id(filled)] = self.names.get(id(buffer), name)  # the error names it
 
@@ -234,7 +208,7 @@ class _Materializer:
                 self._own(module)
             for i, call in enumerate(calls):
                 if states is not None:
-                    _set_rng(states[i], self.device)
+                    set_rng(states[i], self.device)
                 self._call(call)
         else:  # one unit at a time: each module's calls when it is visited, children first
             if states is None and not _in_post_order(calls):
@@ -246,7 +220,7 @@ class _Materializer:
                 self._own(module)
                 for i in by_module.get(id(module), []):
                     if states is not None:  # where the eager build's generators stood for this call
-                        _set_rng(states[i], self.device)
+                        set_rng(states[i], self.device)
                     self._call(calls[i])
                 unit = self._unit_of_module.get(id(module))
                 if unit is not None:
@@ -275,7 +249,7 @@ class _Materializer:
                 )
             elif param is not None and is_dtensor(param):  # drawn whole as eagerly, then cut to the slice
                 sliced[pname] = param
-                module._parameters[pname] = nn.Parameter(_nan_like(param, self.device), param.requires_grad)
+                module._parameters[pname] = nn.Parameter(nan_like(param, self.device), param.requires_grad)
         try:
             with torch.no_grad():
                 call.run()
@@ -338,7 +312,7 @@ class _Materializer:
         checked = [t for t in tensors if t.dtype != torch.bool]
         if not checked:
             return
-        flags = torch.stack([_unwritten(local(t)).any() for t in checked]).tolist()  # a slice: no collective
+        flags = torch.stack([unwritten(local(t)).any() for t in checked]).tolist()  # a slice: no collective
         missed = [self.names.get(id(t), "<unnamed>") for t, bad in zip(checked, flags, strict=True) if bad]
         if missed:
             raise DeferredInitError(
@@ -347,22 +321,6 @@ class _Materializer:
                 "initializer wrote them (or one read them before they were written). Initialize every "
                 "tensor a module owns in its reset_parameters(), or build the model without empty_init"
             )
-
-
-def _nan_like(tensor: Tensor, device: torch.device) -> Tensor:
-    """What an unwritten tensor holds until an initializer writes it: NaN, an integer's minimum."""
-    return _mark_unwritten(torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
-
-
-def _mark_unwritten(out: Tensor) -> Tensor:
-    """Fill ``out`` with what an unwritten tensor holds (see :func:`_nan_like`); returns it."""
-    if out.is_floating_point() or out.is_complex():
-        out.fill_(float("nan"))
-    elif out.dtype != torch.bool:
-        out.fill_(_unset_integer(out.dtype))
-    else:  # no value tells "unwritten" here: a boolean buffer no initializer writes stays False
-        out.zero_()
-    return out
 
 
 @contextmanager
@@ -387,19 +345,6 @@ def _scratch_own(module: nn.Module, device: torch.device, subtree: bool = False)
             store[name] = tensor
 
 
-def _unwritten(tensor: Tensor) -> Tensor:
-    if tensor.is_floating_point() or tensor.is_complex():
-        return torch.isnan(tensor).any()
-    return (tensor == _unset_integer(tensor.dtype)).any()
-
-
-def _unset_integer(dtype: torch.dtype) -> int:
-    """What an unwritten integer tensor holds: the dtype's minimum (its maximum for an unsigned one,
-    whose minimum 0 is an ordinary value)."""
-    info = torch.iinfo(dtype)
-    return info.max if info.min == 0 else info.min
-
-
 def _in_post_order(calls: list[Call]) -> bool:
     """Whether ``calls`` are each module's own, children first (no model initializer, no
     ``param_init_fn``): the order a unit-by-unit replay makes them in anyway."""
@@ -412,12 +357,6 @@ def _what(call: Call) -> str:
         if call.kind == "reset"
         else "the model's _init_weights()"
     )
-
-
-def _set_rng(state: RngState, device: torch.device) -> None:
-    torch.random.set_rng_state(state.cpu)
-    if state.device is not None and device.type not in ("cpu", "meta"):
-        torch.get_device_module(device.type).set_rng_state(state.device, device)
 
 
 def stand_ins(params: list[nn.Parameter], device: torch.device) -> None:
@@ -453,7 +392,7 @@ def materialize(
     """
     materializer = _Materializer(root, init.device, flat, layout, init.init_fn)
     materializer.states = init.states
-    with _rng_set_to(init.rng, init.device):
+    with rng_set_to(init.rng, init.device):
         materializer.run()
     return materializer.peak_elements
 
@@ -464,6 +403,6 @@ def with_eager_states(root: nn.Module, init: DeferredInit) -> DeferredInit:
     nothing kept). For a meta model about to be cut down (a rank's pipeline stages): the calls of what
     remains, replayed from these states, draw the values the whole model's build gives them."""
     calls = eager_calls(root, init.init_fn)
-    with _rng_set_to(init.rng, init.device):
+    with rng_set_to(init.rng, init.device):
         states = _Materializer(root, init.device, None, None, init.init_fn)._dry_run(calls)
     return replace(init, states={(id(c.module), c.kind): s for c, s in zip(calls, states, strict=True)})

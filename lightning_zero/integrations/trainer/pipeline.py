@@ -189,12 +189,7 @@ class TrainerPipeline:
         if first_of_window:
             self._optimizer.zero_grad()
         losses: list[torch.Tensor] = []
-        if self.first:
-            run.step(inputs)
-        elif self.last:
-            run.step(target=target, losses=losses)
-        else:
-            run.step()
+        self._drive(run.step, inputs, target, losses)
         if first_of_window:
             self._optimizer.keep_next_zero_grad()
         return self._share(losses) * self._accumulate
@@ -210,13 +205,22 @@ class TrainerPipeline:
         inputs, target = self.split(batch)
         run = self._schedule("eval", self._shapes(inputs, target))
         losses: list[torch.Tensor] = []
-        if self.first:
-            run.eval(inputs)
-        elif self.last:
-            run.eval(target=target, losses=losses)
-        else:
-            run.eval()
+        self._drive(run.eval, inputs, target, losses)
         return self._share(losses)
+
+    def _drive(
+        self, call: Callable[..., Any], inputs: Any, target: Any, losses: list[torch.Tensor] | None
+    ) -> Any:
+        """A schedule's ``step``/``eval`` as this rank calls it: the first stage gives the inputs, the
+        last the target (and gets each micro-batch's loss in ``losses``), the others nothing; the last
+        stage's outputs, ``None`` elsewhere."""
+        if self.first:
+            call(inputs)
+            return None
+        if self.last:
+            return call(target=target, losses=losses)
+        call()
+        return None
 
     def predict_step(self, batch: Any) -> Any:
         """Forward of every micro-batch of the batch's inputs; the last stage's outputs there, ``None``
@@ -230,12 +234,7 @@ class TrainerPipeline:
                 f"a batch of {inputs.shape[0]} samples cannot be cut into pipeline_microbatches="
                 f"{self.microbatches} equal micro-batches"
             )
-        run = self._schedule("predict", self._shapes(inputs))
-        if self.first:
-            run.step(inputs)
-            return None
-        output = run.step()
-        return output if self.last else None
+        return self._drive(self._schedule("predict", self._shapes(inputs)).step, inputs, None, None)
 
     def _share(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The sum of the last stage's micro-batch losses (each already divided by ``M``), sent to
