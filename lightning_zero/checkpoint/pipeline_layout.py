@@ -12,9 +12,11 @@ per-bucket format. ``meta.pt`` records:
   * ``meta["plan"]``, ``meta["steps"]``, ``meta["param_groups"]``, ``meta["aliases"]``: the *joined*
     model, as a checkpoint of the unsplit model describes it: every pipeline rank's parameters in
     pipeline-rank order (global shapes), its buckets after the previous ranks' (slots re-indexed), each
-    param group the union of the ranks' same group. What readers of whole parameters see
-    (consolidation, ``load_full_state_dict``, the exports, ``verify``), and what a resume in another
-    layout reads steps and hyper-parameters from by name;
+    param group the union of the ranks' same group, its parameters in the unsplit model's
+    ``named_parameters()`` order (``ShardEngine.model_order``; an interleaved rank holds blocks 0 and 2):
+    the order a consolidated file numbers Adam's state in, as ``"ddp"`` loads it. What readers of whole
+    parameters see (consolidation, ``load_full_state_dict``, the exports, ``verify``), and what a
+    resume in another layout reads steps and hyper-parameters from by name;
   * ``meta["pipeline"]``: ``{"size": P, "stage_of": {name: p}, "stages": [pipeline rank p's own
     "plan", "steps", "param_groups" and, with tensor parallelism, its "tensor" layout]}``.
 
@@ -112,6 +114,13 @@ def record(engine: ShardEngine, meta: dict[str, Any]) -> dict[str, Any]:
             buckets.append({**bucket, "slots": [[i + offset, at, n] for i, at, n in bucket["slots"]]})
         for group, own_group in zip(groups, stage["param_groups"], strict=True):
             group["param_indices"] += [i + offset if i >= 0 else i for i in own_group["param_indices"]]
+    if engine.model_order is not None:  # each group in the unsplit model's order (interleaved stages)
+        at = {name: k for k, name in enumerate(engine.model_order)}
+        position = [at.get(p["name"], len(at)) for p in params]
+        for group in groups:  # a frozen parameter (-1, not in the plan) keeps its place
+            indices = group["param_indices"]
+            planned = iter(sorted((i for i in indices if i >= 0), key=position.__getitem__))
+            group["param_indices"] = [next(planned) if i >= 0 else i for i in indices]
     joined = {k: v for k, v in meta.items() if k != TENSOR}
     joined["plan"] = {**meta["plan"], "params": params, "buckets": buckets}
     joined["steps"] = torch.cat([s["steps"] for s in stages])

@@ -115,6 +115,11 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         """Pipeline parallelism: this rank's peers holding the other stages of the model (one rank per
         stage). The gradient norm for clipping, a loss-scale overflow and the non-finite guard's flags
         are agreed across them: every stage clips by the whole model's norm and skips together."""
+        self.model_order: tuple[str, ...] | None = None
+        """Pipeline parallelism: the whole model's parameter names in its ``named_parameters()`` order
+        (this rank holds some of them; :func:`~lightning_zero.layout.stages.whole_order`, set by the
+        integration). A checkpoint numbers the joined model's optimizer state in it, as a torch optimizer
+        over the unsplit model does."""
         self.rule = rule
         self._param_order = None if param_order is None else list(param_order)
         self._names = param_names or {}
@@ -382,9 +387,9 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
             self.reducer.reset()
             return
         for b in self.gather.order():  # each bucket's gather overlaps the next one's update
+            self.gather.launch(b)
             with span(f"bucket {b}: update", self.flat.device):
                 self.state.update_bucket(b, self.param_groups, used_mask)
-            self.gather.launch(b)
         self.gather.launched()
         self.reducer.reset()
 

@@ -57,6 +57,7 @@ from lightning_zero.integrations.options import ZeroOptions
 from lightning_zero.layout.buckets import fingerprint
 from lightning_zero.layout.dims import ParallelDims
 from lightning_zero.layout.local import local
+from lightning_zero.layout.stages import whole_order
 from lightning_zero.optim import ShardedAdamW
 from lightning_zero.optim.twin import make_twin, repoint_scheduler
 
@@ -205,6 +206,8 @@ class ZeroFrontEnd:
             deferred_init if stage3 else None,
             self.pipeline_group(),
         )
+        if self.pipeline_group() is not None:  # checkpoints number the optimizer state as the unsplit model
+            sharded.engine.model_order = tuple(whole_order(module))
         for scheduler in schedulers:
             repoint_scheduler(scheduler, sharded)
         self.optimizer = sharded

@@ -55,10 +55,13 @@ def rank_stages(rank: int, ranks: int, virtual: int = 1) -> list[int]:
 class OnOtherStage(nn.Module):
     """A layer another pipeline stage runs: no parameters, no buffers; calling it raises."""
 
-    def __init__(self, name: str, stage: int) -> None:
+    def __init__(self, name: str, stage: int, param_names: Sequence[str] = ()) -> None:
         super().__init__()
         self.layer_name = name
         self.stage = stage
+        self.param_names = tuple(param_names)
+        """The whole model's names of the parameters the layer holds, in its ``named_parameters()``
+        order (:func:`whole_order`)."""
 
     def forward(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError(
@@ -130,13 +133,37 @@ def keep_stages(
     """Replace every layer of a stage not in ``mine`` by an :class:`OnOtherStage` in its parent, in
     place (see the module docstring). ``bounds``: :func:`stage_layers`'."""
     names = layer_names(model, layers)
+    held: dict[str, list[str]] = {names[i]: [] for s, b in enumerate(bounds) if s not in mine for i in b}
+    for name, _ in model.named_parameters():  # each parameter to the layer holding it, if another stage's
+        parts = name.split(".")
+        layer = next((p for k in range(1, len(parts)) if (p := ".".join(parts[:k])) in held), None)
+        if layer is not None:
+            held[layer].append(name)
     for s, bound in enumerate(bounds):
         if s in mine:
             continue
         for i in bound:
             parent_name, _, child = names[i].rpartition(".")
             parent = model.get_submodule(parent_name)
-            setattr(parent, child, OnOtherStage(names[i], s))
+            setattr(parent, child, OnOtherStage(names[i], s, held[names[i]]))
+
+
+def whole_order(model: nn.Module) -> list[str]:
+    """The parameter names of the whole model, in its ``named_parameters()`` order, from ``model`` cut
+    by :func:`keep_stages` (each :class:`OnOtherStage` stands for its layer's parameters, at the layer's
+    place): the order a torch optimizer over the unsplit model numbers its parameters in, the same on
+    every pipeline rank. ``model``'s own names for a model not cut."""
+    order: list[str] = []
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, OnOtherStage):
+            order += module.param_names
+            continue
+        for key, param in module.named_parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                order.append(f"{prefix}.{key}" if prefix else key)
+    return order
 
 
 def _param_name(model: nn.Module, param: nn.Parameter) -> str:

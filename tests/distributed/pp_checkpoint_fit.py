@@ -5,7 +5,8 @@ checkpoint its predecessor's ``ModelCheckpoint`` wrote, across layouts:
   a. pipeline 2 x data 2 at stage 2, steps 0 -> 2 (the checkpoint the test consolidates);
   b. pipeline 2 x data 2 at stage 3, steps 2 -> 4 (the same pipeline layout: each stage its own files);
   c. no pipeline, data 4 at stage 2 (the unsplit model), steps 4 -> 6 (P=2 read into P=1);
-  d. pipeline 2 x data 2 at stage 1, steps 6 -> 8 (P=1 read into P=2).
+  d. pipeline 2 x data 2 at stage 1, interleaved (two one-block stages per rank: blocks 0 and 2 on the
+     first pipeline rank), steps 6 -> 8 (P=1 read into P=2).
 
 Each block of the model holds a buffer that fit a sets and the later fits must load (a fresh module has
 zeros). Then ``validate(ckpt_path=...)`` of a zeroed module at pipeline 2 reads fit b's checkpoint (each
@@ -29,11 +30,11 @@ import lightning_zero
 from tests.distributed.pp_fit import PipelineModule
 
 WIDTH, LAYERS, SAMPLES, BATCH, ACCUM, CLIP, LR = 4, 4, 32, 4, 2, 0.5, 0.05
-FITS = [  # name, pipeline size, ZeRO stage, last step
-    ("a", 2, 2, 2),
-    ("b", 2, 3, 4),
-    ("c", 1, 2, 6),
-    ("d", 2, 1, 8),
+FITS = [  # name, pipeline size, ZeRO stage, last step, stages per pipeline rank
+    ("a", 2, 2, 2, 1),
+    ("b", 2, 3, 4, 1),
+    ("c", 1, 2, 6, 1),
+    ("d", 2, 1, 8, 2),
 ]
 
 
@@ -72,11 +73,15 @@ class CheckpointModule(PipelineModule):
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
 
 
-def fit(name: str, pipeline: int, stage: int, steps: int, root: Path, resume: str | None) -> dict[str, Any]:
+def fit(
+    name: str, pipeline: int, stage: int, steps: int, virtual: int, root: Path, resume: str | None
+) -> dict[str, Any]:
     """One fit to ``steps``, resumed from ``resume``; its ModelCheckpoint saves at its last step."""
     options: dict[str, Any] = {"stage": stage, "bucket_cap_mb": 0.0001}
     if pipeline > 1:
         options.update(pipeline_parallel_size=pipeline, pipeline_microbatches=2)
+    if virtual > 1:
+        options.update(pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=virtual)
     saver = ModelCheckpoint(dirpath=root / name, every_n_train_steps=2, save_top_k=1)
     trainer = pl.Trainer(
         strategy=lightning_zero.ZeroStrategy(**options),
@@ -133,8 +138,8 @@ def main() -> None:
     root = Path(args.out).parent / "checkpoints"
     results: dict[str, Any] = {}
     resume = None
-    for name, pipeline, stage, steps in FITS:
-        results[name] = fit(name, pipeline, stage, steps, root, resume)
+    for name, pipeline, stage, steps, virtual in FITS:
+        results[name] = fit(name, pipeline, stage, steps, virtual, root, resume)
         resume = results[name]["path"]
     results["validated"] = validated(results["b"]["path"])
     import torch.distributed as dist

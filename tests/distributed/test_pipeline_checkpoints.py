@@ -1,11 +1,11 @@
 """Sharded checkpoints of ``Trainer(strategy=ZeroStrategy(pipeline_parallel_size=2))`` on 4 CPU ranks:
 every stage writes its data-parallel shards into one directory (the pipeline rank in the file names),
 ``meta.pt`` describes the joined model; a fit resumed in the same pipeline layout (stage 2 -> 3), in
-none (P=2 -> P=1, the unsplit model on 4 data-parallel ranks) and back (P=1 -> P=2, stage 1) continues
-the unbroken run of one unsplit model under torch AdamW on the same global batches (float64,
-accumulation 2, clipping 0.5, 2 micro-batches), and ``lightning-zero consolidate``,
-``load_full_state_dict`` and ``verify`` read the whole model, Adam's moments included. One launch
-(``tests/distributed/pp_checkpoint_fit.py``)."""
+none (P=2 -> P=1, the unsplit model on 4 data-parallel ranks) and back (P=1 -> P=2, stage 1,
+interleaved) continues the unbroken run of one unsplit model under torch AdamW on the same global
+batches (float64, accumulation 2, clipping 0.5, 2 micro-batches), and ``lightning-zero consolidate``,
+``load_full_state_dict`` and ``verify`` read the whole model, Adam's moments included (numbered in the
+unsplit model's order). One launch (``tests/distributed/pp_checkpoint_fit.py``)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_every_stage_writes_its_shards_into_one_directory(launched: list[dict[st
     assert [sorted(meta["pipeline"]["stage_of"]).count(n) for n in meta["pipeline"]["stage_of"]] == [1] * 8
 
 
-@pytest.mark.parametrize("fit", ["a", "b"])
+@pytest.mark.parametrize("fit", ["a", "b", "d"])
 def test_consolidate_and_load_full_state_dict_read_the_whole_model(
     fit: str, launched: list[dict[str, Any]], unbroken: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:

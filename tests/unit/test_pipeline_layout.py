@@ -42,10 +42,13 @@ class _Pipeline:
 STAGES = [["blocks.0.w", "blocks.1.w"], ["blocks.2.w"]]
 
 
-def _engine(rank: int, names: list[str], pipeline: list[Any] | None) -> Any:
+def _engine(
+    rank: int, names: list[str], pipeline: list[Any] | None, order: tuple[str, ...] | None = None
+) -> Any:
     return SimpleNamespace(
         pipeline=None if pipeline is None else _Pipeline(rank, pipeline),
         trainable_names=lambda: set(names),
+        model_order=order,
     )
 
 
@@ -61,6 +64,21 @@ def test_record_joins_the_pipeline_ranks_by_name() -> None:
     assert joined["param_groups"] == [{"lr": 0.1, "param_indices": [0, 1, 2]}]
     assert joined["steps"].tolist() == [4, 4, 4]
     assert joined["pipeline"]["stage_of"] == {"blocks.0.w": 0, "blocks.1.w": 0, "blocks.2.w": 1}
+
+
+def test_each_param_group_is_numbered_in_the_unsplit_models_order() -> None:
+    """Interleaved stages (rank 0: blocks 0 and 2, rank 1: blocks 1 and 3): the plan stays in
+    pipeline-rank order, each group's indices follow the whole model's order; a frozen parameter of a
+    group (-1, not in the plan) keeps its place."""
+    held = [["blocks.0.w", "blocks.2.w"], ["blocks.1.w", "blocks.3.w"]]
+    metas = [_meta(held[0], 4), _meta(held[1], 4)]
+    metas[1]["param_groups"][0]["param_indices"] = [0, -1, 1]
+    order = tuple(f"blocks.{i}.w" for i in range(4))
+    joined = record(_engine(1, held[1], metas, order), metas[1])
+    assert [p["name"] for p in joined["plan"]["params"]] == held[0] + held[1]
+    assert joined["param_groups"][0]["param_indices"] == [0, 2, 1, -1, 3]
+    unordered = record(_engine(1, held[1], metas), metas[1])  # no order known: pipeline-rank order
+    assert unordered["param_groups"][0]["param_indices"] == [0, 1, 2, -1, 3]
 
 
 def test_each_pipeline_rank_has_its_own_view_and_files() -> None:

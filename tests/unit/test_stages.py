@@ -15,6 +15,7 @@ from lightning_zero.layout.stages import (
     layer_names,
     rank_stages,
     stage_layers,
+    whole_order,
 )
 
 
@@ -71,6 +72,28 @@ def test_a_rank_keeps_only_its_stages_layers_under_their_names() -> None:
     assert len(net.blocks) == 3  # the list keeps its indices: blocks.2 stays blocks.2
     with pytest.raises(RuntimeError, match="layer 'blocks.1' runs on pipeline stage 0, not on this rank"):
         net.blocks[1](torch.zeros(4))
+
+
+class HeadFirst(Net):
+    """The head registered before the blocks, a block's weight shared by two of its linears: the
+    registration order (the one a torch optimizer numbers parameters in) is not the layers' order."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.head = nn.Linear(4, 2)
+        self.embed = nn.Linear(2, 4)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(3))
+        self.blocks[1][1].weight = self.blocks[1][0].weight
+
+
+@pytest.mark.parametrize("mine", [[0], [1], [0, 2], [1, 3], [0, 1, 2, 3]])
+def test_every_rank_of_a_cut_model_knows_the_whole_models_parameter_order(mine: list[int]) -> None:
+    """Interleaved (four stages on two ranks: [0, 2] and [1, 3]) and contiguous cuts alike."""
+    whole = [n for n, _ in HeadFirst().named_parameters()]
+    net = HeadFirst()
+    keep_stages(net, net.layers(), stage_layers(5, 4 if len(mine) != 1 else 2), mine)
+    assert whole_order(net) == whole
+    assert len(list(net.parameters())) < len(whole) or len(mine) == 4
 
 
 def test_a_split_that_would_lose_or_share_a_parameter_is_refused_by_name() -> None:
