@@ -387,9 +387,9 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
             self.reducer.reset()
             return
         for b in self.gather.order():  # each bucket's gather overlaps the next one's update
-            self.gather.launch(b)
             with span(f"bucket {b}: update", self.flat.device):
                 self.state.update_bucket(b, self.param_groups, used_mask)
+            self.gather.launch(b)
         self.gather.launched()
         self.reducer.reset()
 
