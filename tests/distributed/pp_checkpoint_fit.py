@@ -3,7 +3,8 @@
 checkpoint its predecessor's ``ModelCheckpoint`` wrote, across layouts:
 
   a. pipeline 2 x data 2 at stage 2, steps 0 -> 2 (the checkpoint the test consolidates);
-  b. pipeline 2 x data 2 at stage 3, steps 2 -> 4 (the same pipeline layout: each stage its own files);
+  b. pipeline 2 x data 2 at stage 3, steps 2 -> 4 (the same pipeline layout: each stage its own files),
+     saved in the background (``async_checkpoint=True``);
   c. no pipeline, data 4 at stage 2 (the unsplit model), steps 4 -> 6 (P=2 read into P=1);
   d. pipeline 2 x data 2 at stage 1, interleaved (two one-block stages per rank: blocks 0 and 2 on the
      first pipeline rank), steps 6 -> 8 (P=1 read into P=2).
@@ -77,14 +78,15 @@ def fit(
     name: str, pipeline: int, stage: int, steps: int, virtual: int, root: Path, resume: str | None
 ) -> dict[str, Any]:
     """One fit to ``steps``, resumed from ``resume``; its ModelCheckpoint saves at its last step."""
-    options: dict[str, Any] = {"stage": stage, "bucket_cap_mb": 0.0001}
+    options: dict[str, Any] = {"stage": stage, "bucket_cap_mb": 0.0001, "async_checkpoint": name == "b"}
     if pipeline > 1:
         options.update(pipeline_parallel_size=pipeline, pipeline_microbatches=2)
     if virtual > 1:
         options.update(pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=virtual)
     saver = ModelCheckpoint(dirpath=root / name, every_n_train_steps=2, save_top_k=1)
+    strategy = lightning_zero.ZeroStrategy(**options)
     trainer = pl.Trainer(
-        strategy=lightning_zero.ZeroStrategy(**options),
+        strategy=strategy,
         accelerator="cpu",
         devices=4,
         max_steps=steps,
@@ -107,7 +109,15 @@ def fit(
     buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
     path = saver.best_model_path
     assert path, f"fit {name}: ModelCheckpoint saved nothing"
-    return {"params": params, "buffers": buffers, "seen": torch.stack(module.seen), "path": path}
+    writer = strategy._async_writer  # its own process group exists once it wrote in the background
+    background = writer is not None and writer._comm is not None
+    return {
+        "params": params,
+        "buffers": buffers,
+        "seen": torch.stack(module.seen),
+        "path": path,
+        "background": background,
+    }
 
 
 def validated(path: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import EMAWeightAveraging
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -142,13 +143,16 @@ def _strategy(case: dict[str, Any]) -> lightning_zero.ZeroStrategy:
         pipeline_virtual_stages=case.get("virtual", 1),
         tensor_parallel_size=case.get("tensor", 1),
         bucket_cap_mb=0.0002,
+        reduce_dtype=case.get("wire"),
+        gather_dtype=case.get("wire") if stage == 3 else None,
     )
 
 
 def fit(case: dict[str, Any]) -> dict[str, Any]:
     """One fit, then (``evaluate``) a validation and a prediction through the pipeline."""
     strategy = _strategy(case)
-    trainer = _trainer(strategy)
+    averaging = [EMAWeightAveraging(decay=case["ema"])] if "ema" in case else []
+    trainer = _trainer(strategy, callbacks=averaging)
     kind = TensorParallelBlocks if case.get("tensor", 1) > 1 else PipelineModule
     torch.manual_seed(0)  # where a deferred build's initialization starts (init_module's entry)
     with trainer.init_module(empty_init=True) if case.get("deferred") else contextlib.nullcontext():

@@ -98,6 +98,7 @@ def test_each_resumed_fit_continues_the_unbroken_unsplit_run(
         for name, buffer in result["buffers"].items():  # each stage's own blocks' buffers, loaded
             assert torch.equal(buffer, shifts()[int(name.split(".")[1])]), (fit, rank, name)
     assert held == {name: data for name in expected}
+    assert all(everyone[fit]["background"] == (fit == "b") for everyone in launched), "b saves in the background"
 
 
 def test_every_stage_writes_its_shards_into_one_directory(launched: list[dict[str, Any]]) -> None:
