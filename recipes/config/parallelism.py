@@ -30,11 +30,18 @@ Pipeline parallelism, likewise one setting per strategy argument (`parallelism.p
     layers (`model.n_layer + 3`: the embedding, the blocks, the final norm, the head) than stages
     (`P x V`); `model.tie_embeddings=true` (the embedding of the first stage and the head of the last
     would share a tensor); `trainer.precision=16-mixed` (its loss scaler would have to run inside the
-    schedule);
-  * under `P > 1`, what the recipe has not tested with a pipeline yet: checkpoints (the recipe's
-    `callbacks.model_checkpoint`, Lightning's default one when `trainer.enable_checkpointing`,
-    `ckpt_path`; the strategy writes pipeline checkpoints since issue 42 item 4),
-    `model.compile_blocks`, `model.init_from`.
+    schedule); `strategy.sharded_checkpoint=false` with checkpoints on (the recipe's
+    `callbacks.model_checkpoint`, Lightning's default one when `trainer.enable_checkpointing`, or a
+    `ckpt_path`): a stage holds only its layers, so the strategy writes and reads sharded directories
+    only;
+  * under `P > 1`, what the recipe has not tested with a pipeline yet: `model.compile_blocks`,
+    `model.init_from`.
+
+The recipe's checkpoints run under a pipeline as without one: `RunCheckpoint` saves the series through
+the strategy (every stage its own files in one directory), the data position (a function of the
+optimizer's step count and the data-parallel layout, the same on every stage's ranks) is saved once
+with the trainer's state, and a run resumes in the same layout or another (`P=2 -> P=1`), tested in
+`tests/recipes/test_pipeline_recipe.py`.
 """
 
 from __future__ import annotations
@@ -207,12 +214,13 @@ def _check_pipeline_support(cfg: DictConfig, model: GPTConfig) -> None:
             "would have to scale every micro-batch inside the schedule; use bf16-mixed or bf16-true"
         )
     lightnings = cfg.trainer.enable_checkpointing is not False  # None: Lightning adds its ModelCheckpoint
-    checkpoints = cfg.callbacks.get("model_checkpoint") is not None or lightnings
-    if checkpoints or cfg.ckpt_path is not None:
+    checkpoints = cfg.callbacks.get("model_checkpoint") is not None or lightnings or cfg.ckpt_path is not None
+    if checkpoints and cfg.strategy.get("sharded_checkpoint") is False:
         raise ValueError(
-            f"parallelism.pipeline={stages}: the recipe's checkpoints (its save, data-position resume and "
-            "requeue) are not tested with a pipeline yet: set callbacks.model_checkpoint=null "
-            "trainer.enable_checkpointing=false, and no ckpt_path"
+            f"strategy.sharded_checkpoint=false with parallelism.pipeline={stages}: each stage holds only "
+            "its layers, so the checkpoints are sharded directories (every stage writes its own files); "
+            "leave strategy.sharded_checkpoint=true, or turn checkpoints off "
+            "(callbacks.model_checkpoint=null trainer.enable_checkpointing=false, no ckpt_path)"
         )
     if model.compile_blocks:
         raise ValueError(

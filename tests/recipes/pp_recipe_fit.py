@@ -2,20 +2,23 @@
 2-rank launch (`tests/recipes/test_pipeline_recipe.py`).
 
 Every run composes, validates and builds as `python -m recipes.pretrain` does (`recipes.config`), with
-the CSV logger (every step) and `callbacks=trained_samples`, checkpoints off (refused under a pipeline
-for now), then fits 3 steps of 2 accumulated micro-batches, clipped at 1.0, validating 2 batches after
-step 2 and at the end, then draws the end-of-run greedy sample:
+the CSV logger (every step) and `callbacks=trained_samples`, then fits 3 steps of 2 accumulated
+micro-batches, clipped at 1.0, validating 2 batches after step 2 and at the end, then draws the
+end-of-run greedy sample:
 
   * `data`: pipeline 1 x data 2, batches of 2 windows;
   * `pipeline`: pipeline 2 x data 1, batches of 4 windows cut into 2 micro-batches (1F1B), ZeRO stage 3
-    (the recipe builds the model on the meta device: each stage materializes its own layers only) and
-    activation checkpointing;
-  * `interleaved`: pipeline 2 x data 1 with 2 virtual stages per rank (`interleaved_1f1b`), stage 2.
+    (built with values: the strategy drops the other stage's layers) and activation checkpointing,
+    with the recipe's checkpoint series (after step 2, and `last` at the end);
+  * `interleaved`: pipeline 2 x data 1 with 2 virtual stages per rank (`interleaved_1f1b`), stage 2;
+  * `resumed`, `resumed_unsplit`: the `pipeline` run's step-2 checkpoint resumed for its last step, as
+    `pipeline` and as `data`.
 
-All train 8 windows per optimizer step, the same ones (`recipes.data.sampling`). Rank 0 saves, per run,
-every rank's training loss of each micro-batch (Lightning's `outputs["loss"]`), the rows of
-`metrics.csv`, the whole trained weights (`unsplit_copy`: a pipeline run's stages gathered), the sample,
-the parameters each rank held, and the data layout its sampler used.
+The others run without checkpoints. All train 8 windows per optimizer step, the same ones
+(`recipes.data.sampling`). Rank 0 saves, per run, every rank's training loss of each micro-batch
+(Lightning's `outputs["loss"]`), the rows of `metrics.csv`, the whole trained weights (`unsplit_copy`: a
+pipeline run's stages gathered), the sample, the parameters each rank held, the data layout its sampler
+used, and for `pipeline` what its checkpoints hold (`saved_checkpoints`).
 """
 
 from __future__ import annotations
@@ -30,17 +33,34 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_zero.checkpoint import read_meta
+from recipes.checkpoints.load import load_module
 from recipes.config import build_run, compose_recipe, validate
+from recipes.data.module import PretrainDataModule
 from recipes.data.resume import TrainDataResume
 from recipes.pretrain import sample_text
 from recipes.training.tensor_parallel import unsplit_copy
 
 PIPELINE = ["parallelism.pipeline=2", "parallelism.microbatches=2", "data.batch_size=4"]
+NO_CHECKPOINTS = ["trainer.enable_checkpointing=false", "callbacks.model_checkpoint=null"]
+DATA = ["parallelism.pipeline=1", "data.batch_size=2"]
+ONE_F_ONE_B = [*PIPELINE, "strategy=zero3", "model.activation_checkpointing=true"]
+SAVED = "pipeline/checkpoints/step000002.ckpt"
+"""The `pipeline` run's checkpoint after step 2 (the recipe's series: `every_n_train_steps=2`)."""
 RUNS = {
-    "data": ["parallelism.pipeline=1", "data.batch_size=2"],
-    "pipeline": [*PIPELINE, "strategy=zero3", "model.activation_checkpointing=true"],
-    "interleaved": [*PIPELINE, "parallelism.schedule=interleaved_1f1b", "parallelism.virtual_stages=2"],
+    "data": [*DATA, *NO_CHECKPOINTS],
+    "pipeline": [*ONE_F_ONE_B, "callbacks.model_checkpoint.every_n_train_steps=2"],
+    "interleaved": [
+        *PIPELINE,
+        "parallelism.schedule=interleaved_1f1b",
+        "parallelism.virtual_stages=2",
+        *NO_CHECKPOINTS,
+    ],
+    "resumed": [*ONE_F_ONE_B, *NO_CHECKPOINTS, f"ckpt_path={{dir}}/{SAVED}"],
+    "resumed_unsplit": [*DATA, *NO_CHECKPOINTS, f"ckpt_path={{dir}}/{SAVED}"],
 }
+"""`resumed`: the `pipeline` run again from its step-2 checkpoint, in its layout; `resumed_unsplit`: the
+same checkpoint resumed as the `data` run (pipeline 2 -> 1, ZeRO stage 3 -> 2, data-parallel 1 -> 2)."""
 
 
 class MicroBatchLosses(Callback):
@@ -82,14 +102,12 @@ def overrides(run: str, out_dir: str, cache_dir: str) -> list[str]:
         "trainer.log_every_n_steps=1",
         "trainer.enable_progress_bar=false",
         "trainer.enable_model_summary=false",
-        "trainer.enable_checkpointing=false",
         "callbacks=trained_samples",
-        "callbacks.model_checkpoint=null",
         "callbacks.loss_plot=null",
         "optim.warmup_steps=1",
         "sample.max_new_tokens=8",
         "sample.temperature=0",
-        *RUNS[run],
+        *(setting.format(dir=out_dir) for setting in RUNS[run]),
     ]
 
 
@@ -97,6 +115,18 @@ def metric_rows(run_dir: Path) -> list[dict[str, str]]:
     (path,) = run_dir.glob("logs/version_*/metrics.csv")
     with path.open() as handle:
         return list(csv.DictReader(handle))
+
+
+def saved_checkpoints(run_dir: Path) -> dict[str, Any]:
+    """What the `pipeline` run's checkpoints hold, read as the recipe reads them: the data position of
+    the step-2 checkpoint, and the whole model of `last` (`recipes.checkpoints.load_module`: the
+    stages' files joined, what export, generate and evaluate read)."""
+    meta = read_meta(run_dir / "checkpoints" / Path(SAVED).name)
+    last = load_module(run_dir / "checkpoints" / "last.ckpt")
+    return {
+        "position": meta["lightning"][PretrainDataModule.__qualname__]["position"],
+        "last": {k: v.detach().clone() for k, v in last.model.state_dict().items()},
+    }
 
 
 def fit(run: str, out_dir: str, cache_dir: str) -> dict[str, Any]:
@@ -115,8 +145,10 @@ def fit(run: str, out_dir: str, cache_dir: str) -> dict[str, Any]:
     assert resume.sampler is not None
     params = (unsplit_copy(module.model, pipeline) if pipeline is not None else module.model).state_dict()
     sample = sample_text(built, cfg)
-    dist.barrier()  # rank 0's metrics.csv is complete
+    dist.barrier()  # rank 0's metrics.csv is complete; every rank's checkpoint written
+    saved = run == "pipeline" and dist.get_rank() == 0
     return {
+        "checkpoints": saved_checkpoints(built.run_dir) if saved else None,
         "pipelined": module.pipelined,
         "losses": everyone,
         "metrics": metric_rows(built.run_dir) if dist.get_rank() == 0 else None,

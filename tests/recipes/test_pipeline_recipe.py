@@ -1,7 +1,8 @@
 """The recipe with pipeline parallelism: `parallelism.pipeline=2` trains as `parallelism.pipeline=1` on the
-same global batch and logs what it logs (one 2-rank launch of `tests/recipes/pp_recipe_fit.py`, shared by
-the tests below), the module's layers run as its forward does, and the settings a pipeline cannot run
-with are refused before any process starts, naming the setting."""
+same global batch and logs what it logs, and its checkpoint resumes as the unbroken run, at
+`parallelism.pipeline=2` and `1` (one 2-rank launch of `tests/recipes/pp_recipe_fit.py`, shared by the
+tests below); the module's layers run as its forward does, and the settings a pipeline cannot run with
+are refused before any process starts, naming the setting."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 LOSS_TOL, PARAM_TOL = 1e-6, 1e-12  # losses: fp32 (the norms and loss); weights: float64
 PIPELINED = ("pipeline", "interleaved")
 NO_CHECKPOINTS = ["callbacks.model_checkpoint=null", "trainer.enable_checkpointing=false"]
-PIPELINE = ["parallelism.pipeline=2", "model.tie_embeddings=false", *NO_CHECKPOINTS]
+PIPELINE = ["parallelism.pipeline=2", "model.tie_embeddings=false"]
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +109,44 @@ def test_trained_samples_are_written_once_per_data_parallel_rank(
         rows, want = trained_rows(root / run), trained_rows(root / "data")
         assert list(rows) == ["rank0.txt"] and list(want) == ["rank0.txt", "rank1.txt"]
         assert samples_by_step(rows) == samples_by_step(want)
+
+
+@pytest.mark.parametrize("run", ["resumed", "resumed_unsplit"])
+def test_a_pipeline_checkpoint_resumes_as_the_unbroken_run(
+    launched: tuple[dict[str, Any], Path], run: str
+) -> None:
+    """The recipe's checkpoint of the pipeline run (1F1B, zero3) after step 2 of 3, resumed for the last
+    step in the same layout (`resumed`) and as pipeline 1 x data 2 at ZeRO stage 2 (`resumed_unsplit`):
+    the same micro-batch losses at step 2 as the unbroken run (<= 1e-6; equal measured), the same
+    weights at the end (<= 1e-12: 0 in the same layout, 3.5e-16 unsplit), the same sample. The data
+    position continues: the checkpoint says 2 global batches of 8 were consumed, the resumed run trains
+    step 2 only, with the samples the unbroken run trained at step 2 (none repeated, none skipped)."""
+    saved, root = launched
+    got, unbroken = saved["results"][run], saved["results"]["pipeline"]
+    assert got["pipelined"] == (run == "resumed")
+    position = unbroken["checkpoints"]["position"]  # the sampler's record: 1 data-parallel rank, 8 samples
+    assert (position["consumed_samples"], position["global_batch_size"], position["world_size"]) == (16, 8, 1)
+    losses, want_losses = step_means(got["losses"]), step_means(unbroken["losses"])
+    assert list(losses) == [2], losses  # resumed after step 2's optimizer step: step 2 only
+    assert abs(losses[2] - want_losses[2]) <= LOSS_TOL, (losses, want_losses)
+    worst = worst_difference(got["params"], unbroken["params"])
+    assert worst[0][1] <= PARAM_TOL, worst[:5]
+    assert got["sample"] == unbroken["sample"]
+    trained = samples_by_step(trained_rows(root / run))
+    want = samples_by_step(trained_rows(root / "pipeline"))
+    assert list(want) == [0, 1, 2] and trained == {2: want[2]}
+
+
+def test_the_recipes_reader_joins_a_pipeline_checkpoint(launched: tuple[dict[str, Any], Path]) -> None:
+    """`last` of the pipeline run (written at the end of the fit) read by `recipes.checkpoints.load_module`
+    (what export, generate and evaluate read): every stage's weights, equal to the trained ones (in the
+    float32 module it builds: the float64 weights rounded once)."""
+    saved, _ = launched
+    pipeline = saved["results"]["pipeline"]
+    loaded = pipeline["checkpoints"]["last"]
+    want = {name: tensor.to(loaded[name].dtype) for name, tensor in pipeline["params"].items()}
+    worst = worst_difference(loaded, want)
+    assert worst[0][1] == 0.0, worst[:5]
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -196,7 +235,7 @@ def test_whole_model_layers_are_the_models_modules() -> None:
             "= 6 stages, more than the model's 4 layers (model.n_layer=1 blocks",
         ),
         (
-            ["parallelism.pipeline=2", *NO_CHECKPOINTS],
+            ["parallelism.pipeline=2"],
             "model.tie_embeddings=true with parallelism.pipeline=2(...)use model.tie_embeddings=false",
         ),
         (
@@ -213,13 +252,14 @@ def test_whole_model_layers_are_the_models_modules() -> None:
             "trainer.precision=16-mixed with parallelism.pipeline=2(...)use bf16-mixed or bf16-true",
         ),
         (
-            ["parallelism.pipeline=2", "model.tie_embeddings=false", "trainer.enable_checkpointing=false"],
-            "parallelism.pipeline=2: the recipe's checkpoints(...)not tested with a pipeline yet: set "
-            "callbacks.model_checkpoint=null trainer.enable_checkpointing=false",
+            [*PIPELINE, "strategy.sharded_checkpoint=false"],
+            "strategy.sharded_checkpoint=false with parallelism.pipeline=2(...)leave "
+            "strategy.sharded_checkpoint=true, or turn checkpoints off",
         ),
         (
-            ["parallelism.pipeline=2", "model.tie_embeddings=false", "callbacks.model_checkpoint=null"],
-            "parallelism.pipeline=2: the recipe's checkpoints",
+            # Lightning's own ModelCheckpoint (trainer.enable_checkpointing)
+            [*PIPELINE, "strategy.sharded_checkpoint=false", "callbacks.model_checkpoint=null"],
+            "strategy.sharded_checkpoint=false with parallelism.pipeline=2",
         ),
         (
             [*PIPELINE, "model.compile_blocks=true"],
@@ -231,6 +271,14 @@ def test_settings_a_pipeline_cannot_run_are_named(overrides: list[str], message:
     with pytest.raises(ConfigError) as info:
         validate(compose_pretrain(overrides))
     assert all(part in str(info.value) for part in message.split("(...)")), str(info.value)
+
+
+def test_a_pipeline_run_keeps_the_recipes_checkpoints() -> None:
+    """The recipe's checkpoint series (on by default) and a single-file strategy without checkpoints
+    both validate under a pipeline."""
+    assert validate(compose_pretrain(PIPELINE)).pipeline_parallel == 2
+    single_file = [*PIPELINE, *NO_CHECKPOINTS, "strategy.sharded_checkpoint=false"]
+    assert validate(compose_pretrain(single_file)).pipeline_parallel == 2
 
 
 def test_the_strategy_takes_its_pipeline_from_parallelism() -> None:
