@@ -42,6 +42,7 @@ import torch
 from lightning_zero.checkpoint.format import CheckpointError, StagedSave, stage_save
 from lightning_zero.checkpoint.tensor_layout import checkpoint_comm
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.trace import span
 from lightning_zero.engine.engine import ShardEngine
 
 
@@ -113,6 +114,7 @@ class AsyncCheckpointWriter:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._comm: Comm | None = None  # over a gloo group of its own, never the training one
+        self._device: torch.device | None = None  # the training device, for the NVTX ranges
 
     @property
     def pending(self) -> bool:
@@ -148,15 +150,17 @@ class AsyncCheckpointWriter:
         if self._comm is None:
             self._comm = checkpoint_comm(engine).new_group("gloo", self._timeout)  # at the first save
         snapshot = HostSnapshot()
-        staged = stage_save(
-            engine,
-            path,
-            snapshot.tree(lightning_state),
-            extra_tensors,
-            stage,
-            copy_tensor=snapshot.tensor,
-            aliases=aliases,
-        )
+        self._device = engine.world.device
+        with span("checkpoint: stage", self._device):
+            staged = stage_save(
+                engine,
+                path,
+                snapshot.tree(lightning_state),
+                extra_tensors,
+                stage,
+                copy_tensor=snapshot.tensor,
+                aliases=aliases,
+            )
         staged.before_write = snapshot.seal()
         # not a daemon: an interpreter that exits right after a save still finishes writing it
         thread = threading.Thread(target=self._run, args=(staged,), name="lightning-zero-save")
@@ -224,7 +228,8 @@ class AsyncCheckpointWriter:
                 the ranks that failed); other exceptions from it are raised as they are.
         """
         if self._thread is not None:
-            self._thread.join()
+            with span("checkpoint: wait", self._device):
+                self._thread.join()
             self._thread = None
         with self._lock:
             error, self._error = self._error, None

@@ -201,6 +201,8 @@ class StagedSave:
     extra: dict[str, torch.Tensor]
     meta: dict[str, Any]  # without "files" (added by rank 0 once every rank has written)
     before_write: Callable[[], None] | None = None  # e.g. wait for device-to-host copies
+    device: torch.device | None = None
+    """The training device (NVTX ranges of a write on the writer's own thread); None: the ``Comm``'s."""
     writes_shard: bool = True
     """Hybrid sharding: only the first replica group writes its shards (the others hold the same)."""
     tensor: tuple[int, int] | None = None
@@ -226,7 +228,7 @@ class StagedSave:
         host = socket.gethostname()
         status: Any
         try:
-            with span("checkpoint: write", comm.device):
+            with span("checkpoint: write", self.device or comm.device):
                 if self.before_write is not None:
                     self.before_write()
                 self.tmp.mkdir(parents=True, exist_ok=True)
@@ -239,7 +241,7 @@ class StagedSave:
         peer_failure: CommError | None = None
         progress = {"sent": False, "committed": False}
         try:
-            with span("checkpoint: agree and commit", comm.device):
+            with span("checkpoint: agree and commit", self.device or comm.device):
                 errors = self._agree_and_commit(comm, host, status, progress)
         except CommError as err:  # a peer died or hung: no commit without every rank's word
             errors, peer_failure = [str(err)], err
@@ -366,6 +368,7 @@ def stage_save(
         writes_shard=engine.groups.replicas.rank == 0,
         tensor=None if tensor is None else (tensor.rank, tensor.size),
         pipeline=None if engine.pipeline is None else (engine.pipeline.rank, engine.pipeline.world_size),
+        device=engine.world.device,
     )
 
 
@@ -383,7 +386,8 @@ def save_sharded(
     Raises:
         CheckpointError: on every rank, if any rank failed to write (the previous ``path`` is kept).
     """
-    staged = stage_save(engine, path, lightning_state, extra_tensors, stage, aliases=aliases)
+    with span("checkpoint: stage", engine.world.device):
+        staged = stage_save(engine, path, lightning_state, extra_tensors, stage, aliases=aliases)
     staged.write(checkpoint_comm(engine))
 
 

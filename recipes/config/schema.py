@@ -35,7 +35,7 @@ import recipes.config.resolvers  # noqa: F401  (registers the recipe.* resolvers
 from recipes.config.signatures import schema_for
 from recipes.data.config import DataConfig
 from recipes.data.resume import TrainedSamples
-from recipes.training import LossPlot, RefreshProgressBar, RunCheckpoint, TokenThroughput
+from recipes.training import LossPlot, RefreshProgressBar, RunCheckpoint, StepTrace, TokenThroughput
 from recipes.training.model_config import GPTConfig
 from recipes.training.module import OptimConfig
 
@@ -67,6 +67,7 @@ GROUP_ENTRY_SCHEMAS: dict[str, dict[str, Any]] = {
         "loss_plot": schema_for(LossPlot),
         "trained_samples": schema_for(TrainedSamples),
         "ema": schema_for(EMAWeightAveraging),
+        "trace": schema_for(StepTrace),
     },
     "logger": {
         "csv": schema_for(CSVLogger),

@@ -6,7 +6,8 @@
   time limit, and after a peer failure, `peer_failure`, exit status `EXIT_PEER_FAILURE`), the tokenizer
   copied into the run directory (`TokenizerCopy`);
 * `lineage` - which checkpoint of a run's series is complete and newest (what a resume continues);
-* `throughput`, `progress`, `plot` - tokens/s and MFU, the progress bar, the loss curves.
+* `throughput`, `progress`, `plot` - tokens/s and MFU, the progress bar, the loss curves;
+* `trace` - a Chrome trace of a few training steps per rank (`StepTrace`, `callbacks=trace`).
 
 Nothing here knows Hydra or the data's source: `recipes.config` builds these objects from the config,
 `recipes.checkpoints` reads their checkpoints back. Other packages import these names from
@@ -30,6 +31,7 @@ from recipes.training.module import OptimConfig, PretrainModule
 from recipes.training.plot import LossPlot
 from recipes.training.progress import RefreshProgressBar
 from recipes.training.throughput import TokenThroughput
+from recipes.training.trace import StepTrace
 
 __all__ = [
     "EXIT_PEER_FAILURE",
@@ -41,6 +43,7 @@ __all__ = [
     "RefreshProgressBar",
     "RunCheckpoint",
     "SlurmRequeue",
+    "StepTrace",
     "StopAgreement",
     "TokenThroughput",
     "TokenizerCopy",

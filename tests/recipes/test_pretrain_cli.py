@@ -12,8 +12,10 @@ must give the same status and message, so the in-process runs stand for the comm
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -133,11 +135,12 @@ def read_metrics(path: Path) -> list[dict[str, str]]:
 def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result, Result]:
     """A 4-step 2-rank run, then the same command with ckpt_path=last up to step 6, at stage 3 (its
     units the blocks): a stage-2 checkpoint resumes there, and every rank samples from the model
-    stage 3 leaves sharded after fit."""
+    stage 3 leaves sharded after fit. The second traces its two steps (`callbacks=trace`)."""
     root = tmp_path_factory.mktemp("e2e")
     first = pretrain(*small_run(root / "outputs", root / "cache"))
     assert first.returncode == 0, first.stderr[-3000:]
     resume = ["ckpt_path=last", "trainer.max_steps=6", "strategy=zero3", "strategy.min_unit_numel=10000"]
+    resume += ["callbacks=trace", "callbacks.trace.steps=[4,5]"]
     second = pretrain(*small_run(root / "outputs", root / "cache", *resume))
     assert second.returncode == 0, second.stderr[-3000:]
     return root / "outputs" / "e2e", first, second
@@ -160,7 +163,8 @@ def test_two_process_run_reports_sample_and_locations(two_runs: tuple[Path, Resu
 def test_ranks_share_one_run_directory(two_runs: tuple[Path, Result, Result]) -> None:
     run_dir, _, _ = two_runs
     assert [p.name for p in run_dir.parent.iterdir()] == ["e2e"]
-    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml", "logs", "loss.png"]
+    files = ["checkpoints", "config.yaml", "logs", "loss.png", "trace-rank0.json", "trace-rank1.json"]
+    assert sorted(p.name for p in run_dir.iterdir()) == files
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["version_0", "version_1"]
 
 
@@ -181,6 +185,27 @@ def test_resume_continues_step_and_schedule(two_runs: tuple[Path, Result, Result
     first_lr = float(min(resumed, key=lambda row: int(row["step"]))["lr"])
     # scheduler state restored and re-evaluated for the new max_steps: step 4 of a 6-step cosine
     assert first_lr == pytest.approx(3e-3 * lr_factor(4, 2, 6, 0.1), rel=1e-5)
+
+
+def test_a_trace_of_the_chosen_steps_names_the_schedule(two_runs: tuple[Path, Result, Result]) -> None:
+    """`callbacks=trace callbacks.trace.steps=[4,5]` on the resumed stage-3 run: each rank's Chrome
+    trace holds the two steps, every gradient bucket's launch and update, every block's gather and
+    free."""
+    run_dir, _, _ = two_runs
+    for rank in (0, 1):
+        events = json.loads((run_dir / f"trace-rank{rank}.json").read_text())["traceEvents"]
+        names = {e["name"] for e in events if e.get("ph") == "X"}
+        assert sum(n.startswith("ProfilerStep#") for n in names) == 2, sorted(names)[:20]
+        ours = sorted(n for n in names if n.startswith("lightning_zero "))
+        buckets = {n.split(":")[0] for n in ours if n.startswith("lightning_zero bucket ")}
+        assert len(buckets) >= 2, ours
+        for bucket in buckets:
+            assert {f"{bucket}: launch", f"{bucket}: update"} <= names, (bucket, ours)
+        for block in (0, 1):  # model.n_layer=2
+            for verb in ("gather", "free"):
+                assert any(
+                    re.fullmatch(rf"lightning_zero unit \S*blocks\.{block}: {verb}", n) for n in ours
+                ), ours
 
 
 @pytest.fixture
@@ -211,6 +236,10 @@ BAD_INPUTS = [
     (["+trainer.max_step=5"], "takes no argument 'max_step'; did you mean max_steps"),
     (["run_dir=ELSEWHERE"], "set hydra.run.dir=ELSEWHERE instead"),
     (["run_name=never_ran", "ckpt_path=last"], "ckpt_path=last: no checkpoint"),
+    (
+        ["callbacks=trace", "callbacks.trace.steps=[7,5]"],
+        "callbacks.trace (recipes.training.trace.StepTrace): steps=[7, 5]",
+    ),
 ]
 
 

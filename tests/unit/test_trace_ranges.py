@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import lightning_zero.comm.trace as trace
 from lightning_zero import ShardedAdamW, ZeroConfig
 from lightning_zero.checkpoint import read_meta, save_sharded
+from lightning_zero.checkpoint.async_save import AsyncCheckpointWriter
 from lightning_zero.checkpoint.reshard import load_sharded, preflight
 from lightning_zero.comm import CommGroups
 from tests.distributed.models import TinyNet, param_groups
@@ -74,17 +76,34 @@ def test_a_checkpoint_names_its_phases(tmp_path: Path) -> None:
         preflight(opt.engine, tmp_path / "ckpt", meta)
         load_sharded(opt.engine, tmp_path / "ckpt", meta)
     names = _names(prof)
-    for phase in ("write", "agree and commit", "load"):
+    for phase in ("stage", "write", "agree and commit", "load"):
         assert f"lightning_zero checkpoint: {phase}" in names, sorted(names)
 
 
+def test_an_async_checkpoint_names_its_snapshot_and_the_wait_for_it(tmp_path: Path) -> None:
+    """The training thread's part: the snapshot (``stage``) and the wait for the background write;
+    the write and commit run on the writer's thread, which torch's profiler does not record."""
+    torch.manual_seed(0)
+    model = TinyNet().double()
+    opt = ShardedAdamW(param_groups(model), lr=1e-2, config=ZeroConfig(bucket_cap_mb=0.0004))
+    _step(model, opt)
+    writer = AsyncCheckpointWriter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        writer.save(opt.engine, tmp_path / "ckpt", {}, {}, 2)
+        writer.wait()
+    names = _names(prof)
+    for phase in ("stage", "wait"):
+        assert f"lightning_zero checkpoint: {phase}" in names, sorted(names)
+    assert read_meta(tmp_path / "ckpt")["stage"] == 2
+
+
 def test_outside_a_profiler_no_range_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ranges cost one check when nothing records: ``record_function`` is never called."""
+    """The ranges cost one check when nothing records: no profiler range is ever made."""
 
     def refuse(name: str) -> None:
-        raise AssertionError(f"record_function({name!r}) outside a profiler")
+        raise AssertionError(f"a profiler range {name!r} outside a profiler")
 
-    monkeypatch.setattr(torch.profiler, "record_function", refuse)
+    monkeypatch.setattr(trace, "_record", refuse)
     torch.manual_seed(0)
     model = TinyNet().double()
     config = ZeroConfig(bucket_cap_mb=0.0001)
