@@ -26,8 +26,8 @@ micro-batches' activations held), ``"1f1b"`` (at most ``P`` in flight), ``"inter
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -79,6 +79,9 @@ class ShardedStage(PipelineStage):
         device: where the stage runs.
         group: the pipeline group (``ProcessGroup``, or a 1-D ``DeviceMesh``): one rank per stage.
         no_sync: the optimizer's ``no_sync`` (``ShardedAdamW.no_sync``).
+        state: the module whose buffers torch's shape-inference forward (the first micro-batch of a new
+            schedule, :func:`_leaves_no_trace`) must leave as they were: ``module`` by default; a stage
+            that calls the model's layers without registering them passes the model.
     """
 
     def __init__(
@@ -89,15 +92,25 @@ class ShardedStage(PipelineStage):
         device: torch.device,
         group: Any,
         no_sync: Callable[[], AbstractContextManager[Any]],
+        state: torch.nn.Module | None = None,
     ) -> None:
         if isinstance(group, DeviceMesh):
             group = group.get_group()
         super().__init__(module, stage_index, num_stages, device, group=group)
         self._no_sync = no_sync
+        self._state = module if state is None else state
         self.siblings: list[ShardedStage] = [self]
         """This rank's stages under one optimizer (the interleaved schedule's; set by :func:`schedule`):
         the gradients are reduced in the last backward of the last of them to finish its step."""
         self._finished = False
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with _leaves_no_trace(self._state, self.device):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:  # its name before torch 2.13
+        with _leaves_no_trace(self._state, self.device):
+            return super()._shape_inference(*args, **kwargs)  # type: ignore[misc]
 
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict[str, Any], last_backward: bool = False
@@ -110,6 +123,22 @@ class ShardedStage(PipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         with self._no_sync():
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+@contextmanager
+def _leaves_no_trace(module: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """torch learns the shapes a new schedule's stage sends from a forward of its first micro-batch
+    (a real one, in training mode), which a ``"ddp"`` run does not have: the module's buffers (a
+    running mean, a step counter) and the generators (dropout's masks) are put back as they were."""
+    kept = [(b, b.detach().clone()) for b in module.buffers()]
+    accelerated = [device] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices=accelerated, device_type=device.type if accelerated else "cuda"):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in kept:
+                    buffer.copy_(value)
 
 
 def schedule(

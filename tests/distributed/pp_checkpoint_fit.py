@@ -11,8 +11,10 @@ checkpoint its predecessor's ``ModelCheckpoint`` wrote, across layouts:
 
 Each block of the model holds a buffer that fit a sets and the later fits must load (a fresh module has
 zeros). Then ``validate(ckpt_path=...)`` of a zeroed module at pipeline 2 reads fit b's checkpoint (each
-stage its whole parameters, without an optimizer). Every rank reports the parameters it holds at the end
-of each fit and the samples it trained on; rank 0 saves them all with the checkpoint paths."""
+stage its whole parameters, without an optimizer), and three fits run under ``EMAWeightAveraging`` with
+buffers that drift as they train: one saved at step 2, one resumed from it to step 4, one unbroken to
+step 4. Every rank reports the parameters it holds at the end of each fit and the samples it trained
+on; rank 0 saves them all with the checkpoint paths."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -54,12 +56,15 @@ def shifts() -> list[torch.Tensor]:
 class Block(nn.Module):
     shift: torch.Tensor
 
-    def __init__(self) -> None:
+    def __init__(self, drift: float = 0.0) -> None:
         super().__init__()
         self.linear = nn.Linear(WIDTH, WIDTH)
         self.register_buffer("shift", torch.zeros(WIDTH))
+        self.drift = drift
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.drift:  # a buffer that changes as it trains, as a running mean does
+            self.shift.add_(self.drift)
         return torch.tanh(self.linear(x)) + self.shift
 
 
@@ -68,10 +73,10 @@ class CheckpointModule(PipelineModule):
     (:class:`tests.distributed.pp_fit.PipelineModule`); ``training_step`` is the unsplit model's (a fit
     without a pipeline calls it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, drift: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(drift * (i + 1)) for i in range(LAYERS))
 
 
 def fit(
@@ -120,6 +125,33 @@ def fit(
     }
 
 
+def averaged(steps: int, root: Path, resume: str | None) -> dict[str, Any]:
+    """A fit at pipeline 2 x data 2, stage 2, under ``EMAWeightAveraging`` (drifting buffers: their
+    average differs from them), to ``steps``, resumed from ``resume``; it saves at its last step. Its
+    parameters and buffers at the end are the averages."""
+    strategy = lightning_zero.ZeroStrategy(
+        stage=2, bucket_cap_mb=0.0001, pipeline_parallel_size=2, pipeline_microbatches=2
+    )
+    saver = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=1)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=4,
+        max_steps=steps,
+        accumulate_grad_batches=ACCUM,
+        callbacks=[saver, EMAWeightAveraging(decay=0.5)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    module = CheckpointModule(drift=0.01)
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH), ckpt_path=resume)
+    params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    return {"params": params, "buffers": buffers, "path": saver.best_model_path}
+
+
 def validated(path: str) -> dict[str, Any]:
     """A zeroed module's parameters and buffers after ``validate(ckpt_path=path)`` at pipeline 2."""
     strategy = lightning_zero.ZeroStrategy(stage=2, pipeline_parallel_size=2, pipeline_microbatches=2)
@@ -152,6 +184,11 @@ def main() -> None:
         results[name] = fit(name, pipeline, stage, steps, virtual, root, resume)
         resume = results[name]["path"]
     results["validated"] = validated(results["b"]["path"])
+    first = averaged(2, root / "averaged", None)  # the average of each stage's buffers saved and resumed
+    results["averaged"] = {
+        "resumed": averaged(4, root / "resumed", first["path"]),
+        "unbroken": averaged(4, root / "unbroken", None),
+    }
     import torch.distributed as dist
 
     everyone: list[Any] = [None] * dist.get_world_size()

@@ -137,7 +137,7 @@ class TrainerPipeline:
         if key not in self._runs:
             no_sync = self._no_sync if mode == "train" else contextlib.nullcontext
             stages = [
-                ShardedStage(f, s, self.ranks * self.virtual, self.device, self.group, no_sync)
+                ShardedStage(f, s, self.ranks * self.virtual, self.device, self.group, no_sync, self.module)
                 for f, s in zip(self.forwards, self.mine, strict=True)
             ]
             loss = self._loss(mode) if mode != "predict" else None

@@ -43,6 +43,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero.checkpoint.format import BUFFER_AVERAGE
+from lightning_zero.checkpoint.pipeline_layout import gather_extras
 from lightning_zero.engine.averaging import average_into
 from lightning_zero.engine.engine import ShardEngine
 
@@ -114,9 +115,10 @@ class ShardedWeightAveraging(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        averaged = self._averaged_buffers()  # restored ones come on the CPU: to the chosen device
-        for name, b in pl_module.named_buffers():
-            averaged[name] = averaged[name].to(self.device or b.device)
+        averaged = self._averaged_buffers()  # restored ones come on the CPU: to the chosen device; of a
+        self._buffers = {  # pipeline's checkpoint, every stage's: this rank keeps its stages' own
+            name: averaged[name].to(self.device or b.device) for name, b in pl_module.named_buffers()
+        }
 
     @override
     def on_train_batch_end(
@@ -172,7 +174,12 @@ class ShardedWeightAveraging(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         engine = self.engine()
-        if engine is None or self._writes_shards():
+        if engine is None:
+            return
+        saved = checkpoint.get("callbacks", {}).get(self.state_key, {})
+        if BUFFER_AVERAGE in saved:  # a pipeline's: every stage's averaged buffers, where rank 0 writes them
+            saved[BUFFER_AVERAGE] = gather_extras(engine, saved[BUFFER_AVERAGE])
+        if self._writes_shards():
             return  # the shard files hold the average (lightning_zero.checkpoint.format.AVERAGE)
         # a standard file: WeightAveraging's layout, the averaged weights gathered as the weights are
         self._swap(pl_module)
