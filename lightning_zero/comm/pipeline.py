@@ -27,7 +27,7 @@ micro-batches' activations held), ``"1f1b"`` (at most ``P`` in flight), ``"inter
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from torch.distributed.pipelining import (
 )
 
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.handles import CommError
 
 SCHEDULES: dict[str, Any] = {
     "gpipe": ScheduleGPipe,
@@ -105,12 +106,16 @@ class ShardedStage(PipelineStage):
         self._finished = False
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        with _leaves_no_trace(self._state, self.device):
+        with _stage_work(), _leaves_no_trace(self._state, self.device):
             return super()._forward_metadata_inference(*args, **kwargs)
 
     def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:  # its name before torch 2.13
-        with _leaves_no_trace(self._state, self.device):
+        with _stage_work(), _leaves_no_trace(self._state, self.device):
             return super()._shape_inference(*args, **kwargs)  # type: ignore[misc]
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        with _stage_work():
+            return super().forward_maybe_with_nosync(*args, **kwargs)
 
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict[str, Any], last_backward: bool = False
@@ -120,9 +125,61 @@ class ShardedStage(PipelineStage):
         if all(s._finished for s in self.siblings):  # the step's reduction, bucket by bucket in this backward
             for stage in self.siblings:
                 stage._finished = False
+            with _stage_work():
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        with _stage_work(), self._no_sync():
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        with self._no_sync():
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+_STAGE_WORK = "_lightning_zero_stage_work"
+"""Attribute :func:`_stage_work` sets on an exception raised by a stage's own work."""
+
+
+@contextmanager
+def _stage_work() -> Iterator[None]:
+    """Marks an exception raised inside a stage's forward, backward, loss or shape inference (the
+    model's code, and our own collectives, which raise :class:`CommError` themselves): what
+    :func:`send_receive_failures` must not take for a failed send or receive."""
+    try:
+        yield
+    except BaseException as err:
+        with suppress(AttributeError, TypeError):  # an exception type without a __dict__
+            setattr(err, _STAGE_WORK, True)
+        raise
+
+
+def _from_stage_work(err: BaseException) -> bool:
+    """Whether ``err`` or one of its causes (torch re-raises a stage's error as its own
+    ``RuntimeError("[Stage 1] failed to run forward ...")``) came from a stage's own work."""
+    seen: BaseException | None = err
+    for _ in range(16):  # a chain's length, bounded: a cycle of contexts is possible
+        if seen is None:
+            return False
+        if getattr(seen, _STAGE_WORK, False):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+@contextmanager
+def send_receive_failures(what: str) -> Iterator[None]:
+    """Run a schedule's ``step``/``eval`` with a failure of its point-to-point sends and receives
+    between stages (a peer stage died, hung past the process group's timeout, or the backend broke)
+    re-raised as a :class:`CommError` naming ``what``, as every collective of ours is, so that code
+    acting on a peer's failure (the recipes' requeue) sees one. A failure of the stage's own work (its
+    forward, backward, loss: out of memory, a shape error; marked by :class:`ShardedStage`) and torch's
+    own checks of the pipeline pass through unchanged."""
+    try:
+        yield
+    except CommError:
+        raise
+    except (RuntimeError, TimeoutError, ConnectionError) as err:  # torch's DistError is a RuntimeError
+        if _from_stage_work(err) or type(err).__module__.startswith("torch.distributed.pipelining"):
+            raise
+        raise CommError(
+            f"{what}: a send or receive between pipeline stages failed ({type(err).__name__}: {err}); a "
+            "peer stage has died, hung past the process group's timeout, or the backend broke"
+        ) from err
 
 
 @contextmanager
@@ -169,7 +226,8 @@ def schedule(
         )
 
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return loss_fn(output, target) / microbatches
+        with _stage_work():
+            return loss_fn(output, target) / microbatches
 
     chosen = list(stages) if several else stages  # type: ignore[arg-type]
     if several:

@@ -11,7 +11,9 @@ end). Rank 1 is the faulty one:
   * ``kill_mid_save``: the same during a blocking save (``save_sharded``);
   * ``kill_mid_load`` / ``hang_mid_load``: every rank saves at step 1 and loads that checkpoint back
     at step 2 (a resume); rank 1 SIGKILLs itself, or sleeps ``HANG x TIMEOUT_S``, while it reads a shard
-    file. Rank 0 records whether the checkpoint still verifies (every file's size and sha256).
+    file. Rank 0 records whether the checkpoint still verifies (every file's size and sha256);
+  * ``kill_mid_pipeline`` / ``error_mid_pipeline``: two pipeline stages, rank 1's forward at step 2
+    SIGKILLs itself or raises an error of its own (:func:`run_pipeline`).
 """
 
 from __future__ import annotations
@@ -138,7 +140,70 @@ def run(out_dir: Path, fault: str, rank: int, world_size: int, init_file: str, t
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+def run_pipeline(
+    out_dir: Path, fault: str, rank: int, world_size: int, init_file: str, timeout_s: float
+) -> None:
+    """Two pipeline stages (one rank each) under torch's 1F1B schedule; at step 2 the second stage's
+    forward SIGKILLs its process (``kill_mid_pipeline``: the first stage waits for a gradient that never
+    comes) or raises an error of its own (``error_mid_pipeline``: an injected out-of-memory)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_zero.comm.pipeline import ShardedStage, schedule, send_receive_failures
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("pipeline", "data"))
+    torch.manual_seed(rank)
+    layer = nn.Linear(4, 4)
+    marks: dict[str, float] = {}
+
+    class Faulty(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if rank == 1 and marks.get("step") == FAULT_STEP:
+                if fault == "kill_mid_pipeline":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("out of memory (injected)")
+            return self.layer(x)
+
+    opt = ShardedAdamW(layer.parameters(), lr=1e-2, device_mesh=mesh["data"], pipeline_group=mesh["pipeline"])
+    stage = ShardedStage(Faulty(), rank, world_size, torch.device("cpu"), mesh["pipeline"], opt.no_sync)
+    run = schedule("1f1b", stage, 2, torch.nn.functional.mse_loss)
+    result: dict[str, Any] = {"error": None}
+    try:
+        for step in range(4):
+            marks["step"] = step
+            if step == FAULT_STEP:
+                marks["fault_at"] = time.monotonic()
+            x, y = torch.randn(4, 4), torch.randn(4, 4)
+            with send_receive_failures(f"pipeline rank {rank}'s step"):
+                run.step(x) if rank == 0 else run.step(target=y, losses=[])
+            opt.step()
+            opt.zero_grad()
+    except Exception as err:  # noqa: BLE001 - what a user would see, recorded
+        result["error"] = f"{type(err).__name__}: {err}"
+        result["chain"], result["messages"] = [], []
+        cause: BaseException | None = err
+        while cause is not None and len(result["chain"]) < 10:
+            result["chain"].append(type(cause).__name__)
+            result["messages"].append(str(cause))
+            cause = cause.__cause__ or cause.__context__
+    result["seconds_after_fault"] = time.monotonic() - marks.get("fault_at", time.monotonic())
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
 if __name__ == "__main__":
     out, fault_name, rank_arg, size_arg, init, timeout_arg = sys.argv[1:7]
-    run(Path(out), fault_name, int(rank_arg), int(size_arg), init, float(timeout_arg))
+    runner = run_pipeline if fault_name.endswith("_mid_pipeline") else run
+    runner(Path(out), fault_name, int(rank_arg), int(size_arg), init, float(timeout_arg))
     os._exit(0)  # do not wait in the process group's destructor for a dead peer

@@ -93,6 +93,24 @@ def test_a_dead_or_hung_peer_ends_the_other_rank_within_the_timeout(
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")], "temporaries left"
 
 
+@pytest.mark.parametrize("fault", ["kill_mid_pipeline", "error_mid_pipeline"])
+def test_a_dead_pipeline_stage_is_a_comm_error_its_own_failure_is_not(fault: str, tmp_path: Path) -> None:
+    """A stage's peer dies in a pipeline step (or fails with an error of its own, then exits): the
+    surviving stage, waiting on a point-to-point receive, ends within the timeout with a ``CommError``
+    (what the recipes requeue on); the failing stage's own error stays what it was, not a peer's."""
+    results = _run(fault, tmp_path)
+    for rank, result in sorted(results.items()):  # the figures of the note (pytest -s)
+        print(f"{fault}: rank {rank} ended {result['seconds_after_fault']:.2f} s after: {result['error']}")
+    assert 0 in results, f"rank 0 did not end within the test's deadline ({fault})"
+    survivor = results[0]
+    assert "CommError" in survivor["chain"], survivor
+    assert "send or receive between pipeline stages failed" in survivor["error"], survivor["error"]
+    assert survivor["seconds_after_fault"] <= TIMEOUT_S + MARGIN_S, survivor
+    if fault == "error_mid_pipeline":  # torch's "[Stage 1] failed to run forward", from the injected one
+        assert results[1]["chain"] == ["RuntimeError", "RuntimeError"], results[1]
+        assert results[1]["messages"][-1] == "out of memory (injected)", results[1]
+
+
 def test_a_stopped_rank_ends_a_lightning_fit_with_async_saves_within_the_timeout(tmp_path: Path) -> None:
     """The reported case, through Lightning: 2 ranks, ``ZeroStrategy(timeout=20 s, async_checkpoint=True)``,
     a checkpoint every 2 steps, rank 1 stopped (SIGSTOP) at step 5. Rank 0's process ends by itself,

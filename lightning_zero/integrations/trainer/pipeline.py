@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zero.comm.pipeline import ShardedStage, pipeline_comm, schedule
+from lightning_zero.comm.pipeline import ShardedStage, pipeline_comm, schedule, send_receive_failures
 from lightning_zero.layout.stages import (
     check_stage_split,
     keep_stages,
@@ -214,13 +214,14 @@ class TrainerPipeline:
         """A schedule's ``step``/``eval`` as this rank calls it: the first stage gives the inputs, the
         last the target (and gets each micro-batch's loss in ``losses``), the others nothing; the last
         stage's outputs, ``None`` elsewhere."""
-        if self.first:
-            call(inputs)
+        with send_receive_failures(f"pipeline rank {self.rank}'s schedule step"):
+            if self.first:
+                call(inputs)
+                return None
+            if self.last:
+                return call(target=target, losses=losses)
+            call()
             return None
-        if self.last:
-            return call(target=target, losses=losses)
-        call()
-        return None
 
     def predict_step(self, batch: Any) -> Any:
         """Forward of every micro-batch of the batch's inputs; the last stage's outputs there, ``None``
