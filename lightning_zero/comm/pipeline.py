@@ -81,7 +81,7 @@ class ShardedStage(PipelineStage):
         group: the pipeline group (``ProcessGroup``, or a 1-D ``DeviceMesh``): one rank per stage.
         no_sync: the optimizer's ``no_sync`` (``ShardedAdamW.no_sync``).
         state: the module whose buffers torch's shape-inference forward (the first micro-batch of a new
-            schedule, :func:`_leaves_no_trace`) must leave as they were: ``module`` by default; a stage
+            schedule, :class:`_Kept`) must leave as they were: ``module`` by default; a stage
             that calls the model's layers without registering them passes the model.
     """
 
@@ -100,18 +100,33 @@ class ShardedStage(PipelineStage):
         super().__init__(module, stage_index, num_stages, device, group=group)
         self._no_sync = no_sync
         self._state = module if state is None else state
+        self.kept = _Kept()
+        """The buffers put back after torch's shape inference (shared by the stages of one rank)."""
         self.siblings: list[ShardedStage] = [self]
         """This rank's stages under one optimizer (the interleaved schedule's; set by :func:`schedule`):
         the gradients are reduced in the last backward of the last of them to finish its step."""
         self._finished = False
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        with _stage_work(), _leaves_no_trace(self._state, self.device):
+        self.kept.keep(self._state)  # put back once torch's backward inference is done with the graph
+        with _stage_work(), _same_random_numbers(self.device):
             return super()._forward_metadata_inference(*args, **kwargs)
 
-    def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:  # its name before torch 2.13
-        with _stage_work(), _leaves_no_trace(self._state, self.device):
-            return super()._shape_inference(*args, **kwargs)  # type: ignore[misc]
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with _stage_work():
+            return super()._backward_metadata_inference(*args, **kwargs)
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()
+        self.kept.put_back()
+
+    def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:  # before torch 2.13: forward only
+        self.kept.keep(self._state)
+        try:
+            with _stage_work(), _same_random_numbers(self.device):
+                return super()._shape_inference(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.kept.put_back()
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
         with _stage_work():
@@ -182,20 +197,41 @@ def send_receive_failures(what: str) -> Iterator[None]:
         ) from err
 
 
+class _Kept:
+    """torch learns the shapes a new schedule's stage sends from a forward (and a backward) of its first
+    micro-batch, in training mode, which a ``"ddp"`` run does not have: the buffers it changed (a
+    running mean, a step counter) are put back as they were, once torch is done with that graph (an
+    in-place write before its backward would break it). The stages of one rank share one."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = {}
+
+    def keep(self, module: torch.nn.Module) -> None:
+        """Note ``module``'s buffers (those a sibling stage noted first keep their first value)."""
+        for owner in module.modules():
+            for name, buffer in owner.named_buffers(recurse=False):
+                key = (id(owner), name)
+                if key not in self._values:
+                    self._values[key] = (owner, name, buffer, buffer.detach().clone())
+
+    def put_back(self) -> None:
+        """Each buffer's value written back in place (a buffer the forward replaced: the kept one)."""
+        with torch.no_grad():
+            for owner, name, buffer, value in self._values.values():
+                if getattr(owner, name) is buffer:
+                    buffer.copy_(value)
+                else:
+                    setattr(owner, name, buffer.copy_(value))
+        self._values.clear()
+
+
 @contextmanager
-def _leaves_no_trace(module: torch.nn.Module, device: torch.device) -> Iterator[None]:
-    """torch learns the shapes a new schedule's stage sends from a forward of its first micro-batch
-    (a real one, in training mode), which a ``"ddp"`` run does not have: the module's buffers (a
-    running mean, a step counter) and the generators (dropout's masks) are put back as they were."""
-    kept = [(b, b.detach().clone()) for b in module.buffers()]
+def _same_random_numbers(device: torch.device) -> Iterator[None]:
+    """The generators as they were after the block (torch 2.13's schedule forks them around its shape
+    inference itself; older ones did not): dropout's masks as in a run without it."""
     accelerated = [device] if device.type != "cpu" else []
     with torch.random.fork_rng(devices=accelerated, device_type=device.type if accelerated else "cuda"):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, value in kept:
-                    buffer.copy_(value)
+        yield
 
 
 def schedule(
@@ -233,4 +269,5 @@ def schedule(
     if several:
         for stage in chosen:  # type: ignore[union-attr]
             stage.siblings = list(chosen)  # type: ignore[arg-type]
+            stage.kept = chosen[0].kept  # type: ignore[index]
     return SCHEDULES[kind](chosen, n_microbatches=microbatches, loss_fn=loss, scale_grads=False)

@@ -60,12 +60,13 @@ class Block(nn.Module):
         super().__init__()
         self.linear = nn.Linear(WIDTH, WIDTH)
         self.register_buffer("shift", torch.zeros(WIDTH))
+        self.register_buffer("gain", torch.ones(WIDTH), persistent=False)  # as rotary embeddings' tables
         self.drift = drift
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.drift:  # a buffer that changes as it trains, as a running mean does
             self.shift.add_(self.drift)
-        return torch.tanh(self.linear(x)) + self.shift
+        return torch.tanh(self.linear(x)) * self.gain + self.shift  # gain: saved for the backward
 
 
 class CheckpointModule(PipelineModule):
@@ -111,7 +112,7 @@ def fit(
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH), ckpt_path=resume)
     with lightning_zero.gathered(module) if stage == 3 else contextlib.nullcontext():
         params = {n: p.detach().clone() for n, p in module.named_parameters()}
-    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("shift")}
     path = saver.best_model_path
     assert path, f"fit {name}: ModelCheckpoint saved nothing"
     writer = strategy._async_writer  # its own process group exists once it wrote in the background
@@ -148,7 +149,7 @@ def averaged(steps: int, root: Path, resume: str | None) -> dict[str, Any]:
     module = CheckpointModule(drift=0.01)
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH), ckpt_path=resume)
     params = {n: p.detach().clone() for n, p in module.named_parameters()}
-    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("shift")}
     return {"params": params, "buffers": buffers, "path": saver.best_model_path}
 
 
@@ -169,7 +170,8 @@ def validated(path: str) -> dict[str, Any]:
             p.zero_()
     trainer.validate(module, DataLoader(dataset(), batch_size=BATCH), ckpt_path=path, verbose=False)
     params = {n: p.detach().clone() for n, p in module.named_parameters()}
-    return {"params": params, "buffers": {n: b.detach().clone() for n, b in module.named_buffers()}}
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("shift")}
+    return {"params": params, "buffers": buffers}
 
 
 def main() -> None:

@@ -12,9 +12,9 @@ import json
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import EMAWeightAveraging
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import EMAWeightAveraging
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
