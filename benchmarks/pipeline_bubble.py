@@ -7,16 +7,24 @@ schedules. Per schedule and number of micro-batches ``M``:
 
   * ``busy``: the time the stage spends in its forwards and backwards during the step (timed around
     torch's ``forward_maybe_with_nosync`` and ``backward_maybe_with_nosync``): the work it must do;
-  * ``step``: the schedule's ``step()`` (median over the steps after the first two; the optimizer
-    step is outside it);
+  * ``step``: the pipeline's step, from the moment every rank has entered the schedule's ``step()``
+    to the moment the last one has left it (one monotonic clock for the processes of one machine; a
+    rank's own ``step()`` misses the fill or the drain: the first stage starts at once, the last
+    returns before the first's last backward); the optimizer step is outside it;
   * ``idle = 1 - busy / step`` (median over the steps after the first two), per stage, against
     ``(P-1)/(M+P-1)`` (divided by ``V`` for interleaved 1F1B, whose ``V`` stages per rank are each
     ``1/V`` of its layers).
 
+The formula assumes stages of equal cost: the first stage's input is made a leaf that wants a
+gradient, so that its first layer's backward computes an input gradient as every other stage's does.
+What is not the bubble also counts as idle: the activations and gradients sent between the stages
+(through gloo's threads, on the same cores as the compute) and the schedule's own Python. It is a
+fixed cost per micro-batch, so the idle fraction nears the formula as a micro-batch's compute grows
+(``--width``, ``--layers``).
+
     python benchmarks/pipeline_bubble.py [--stages 2] [--width 1024] [--rows 64] [--layers 8]
 
-Figures, not assertions. The activations passed between stages (``rows x width`` floats) are small
-against a stage's compute here, so the idle time is the schedule's fill and drain.
+Figures, not assertions.
 """
 
 from __future__ import annotations
@@ -70,6 +78,14 @@ def worker(args: argparse.Namespace, out: Path) -> None:
             finally:
                 TimedStage.busy += time.perf_counter() - began
 
+    class InputGrad(nn.Module):
+        """The first stage's input as a leaf that wants a gradient: its first layer's backward computes
+        the input's gradient as every other stage's does, so that the stages cost the same (the
+        formula's premise)."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.detach().requires_grad_()
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     stages = dist.get_world_size()
@@ -81,8 +97,11 @@ def worker(args: argparse.Namespace, out: Path) -> None:
         chunks = stages * virtual
         per = args.layers // chunks
         mine = [
-            nn.Sequential(*[m for _ in range(per) for m in (nn.Linear(args.width, args.width), nn.Tanh())])
-            for _ in range(virtual)
+            nn.Sequential(
+                *[InputGrad()] * (index + v == 0),
+                *[m for _ in range(per) for m in (nn.Linear(args.width, args.width), nn.Tanh())],
+            )
+            for v in range(virtual)
         ]
         module = mine[0] if virtual == 1 else nn.ModuleList(mine)
         opt = ShardedAdamW(
@@ -112,7 +131,10 @@ def worker(args: argparse.Namespace, out: Path) -> None:
                 runner.step(target=targets, losses=[])
             else:
                 runner.step()
-            steps.append(time.perf_counter() - began)
+            ended = time.perf_counter()  # one monotonic clock for every process of this machine
+            spans: list[Any] = [None] * stages
+            dist.all_gather_object(spans, (began, ended))
+            steps.append(max(e for _, e in spans) - max(b for b, _ in spans))  # the pipeline's step
             busy.append(TimedStage.busy)
             opt.step()
             opt.zero_grad()
