@@ -1,7 +1,10 @@
 """Pipeline stages: which of a model's layers each rank runs, and the model cut down to them.
 
 A model under pipeline parallelism is an ordered list of ``L`` layers (the LightningModule's
-``pipeline_layers()``), each taking the previous one's output. ``S = P * V`` stages (``P`` pipeline
+``pipeline_layers()``), each taking the previous one's output. A layer is a submodule, or a list of
+submodules run in order (a *group*, :data:`Layer`: kept or dropped together, one layer of the cut; the
+recipes' models group the embedding with the first block and the final norm and head with the last,
+so that the stages hold equal numbers of blocks). ``S = P * V`` stages (``P`` pipeline
 ranks, ``V`` virtual stages per rank under the interleaved schedule) each take consecutive layers,
 in equal numbers (the first ``L mod S`` stages one more, :func:`stage_layers`); rank ``p`` runs stages
 ``p, p + P, ..., p + (V - 1) P`` (:func:`rank_stages`), as Megatron-LM and torch's interleaved schedule
@@ -19,6 +22,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch import nn
+
+Layer = nn.Module | Sequence[nn.Module]
+"""One entry of ``pipeline_layers()``: a submodule, or a group of them run in order."""
+
+
+def members(layer: Layer) -> list[nn.Module]:
+    """The modules of one layer (itself, or its group's, in order)."""
+    return [layer] if isinstance(layer, nn.Module) else list(layer)
 
 
 def stage_layers(layers: int, stages: int) -> list[range]:
@@ -74,33 +85,44 @@ class OnOtherStage(nn.Module):
         return f"{self.layer_name!r}, stage={self.stage}"
 
 
-def layer_names(model: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
-    """The name of each of ``layers`` in ``model`` (its first, if it has several).
+def layer_names(model: nn.Module, layers: Sequence[Layer]) -> list[list[str]]:
+    """The names in ``model`` of each layer's modules (a module's first, if it has several).
 
     Raises:
-        ValueError: a layer that is no module of ``model``, one listed twice, or ``model`` itself
-            (named by its position in the list).
+        ValueError: a module that is no module of ``model``, one listed twice, ``model`` itself, or an
+            empty group (named by its position in the list).
     """
     names: dict[int, str] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         names.setdefault(id(module), name)
-    found: list[str] = []
+    found: list[list[str]] = []
+    seen: dict[str, str] = {}
     for i, layer in enumerate(layers):
-        name = names.get(id(layer)) if isinstance(layer, nn.Module) else None
-        if not name:  # None: not in the model; "": the model itself
+        grouped = not isinstance(layer, nn.Module)
+        if grouped and not (isinstance(layer, Sequence) and len(layer) > 0):
             raise ValueError(
-                f"pipeline_layers()[{i}] ({type(layer).__name__}) is not a submodule of the model: list the "
-                "model's own layers, in the order its forward runs them"
+                f"pipeline_layers()[{i}] is {layer!r}: each entry must be a submodule of the model or a "
+                "non-empty list of them (a group run in order)"
             )
-        if name in found:
-            raise ValueError(
-                f"pipeline_layers() lists {name!r} twice (positions {found.index(name)} and {i})"
-            )
-        found.append(name)
+        found.append([])
+        for j, module in enumerate(members(layer)):
+            where = f"[{i}][{j}]" if grouped else f"[{i}]"
+            name = names.get(id(module)) if isinstance(module, nn.Module) else None
+            if not name:  # None: not in the model; "": the model itself
+                raise ValueError(
+                    f"pipeline_layers(){where} ({type(module).__name__}) is not a submodule of the model: "
+                    "list the model's own layers, in the order its forward runs them"
+                )
+            if name in seen:
+                raise ValueError(
+                    f"pipeline_layers() lists {name!r} twice (positions {seen[name]} and {where})"
+                )
+            seen[name] = where
+            found[-1].append(name)
     return found
 
 
-def check_stage_split(model: nn.Module, layers: Sequence[nn.Module], bounds: Sequence[range]) -> None:
+def check_stage_split(model: nn.Module, layers: Sequence[Layer], bounds: Sequence[range]) -> None:
     """Every trainable tensor of ``model`` lives in exactly one stage's layers.
 
     Raises:
@@ -110,7 +132,7 @@ def check_stage_split(model: nn.Module, layers: Sequence[nn.Module], bounds: Seq
     stage_of: dict[int, int] = {}
     for s, bound in enumerate(bounds):
         for i in bound:
-            for p in layers[i].parameters():
+            for p in (p for m in members(layers[i]) for p in m.parameters()):
                 if stage_of.setdefault(id(p), s) != s:
                     name = _param_name(model, p)
                     raise ValueError(
@@ -128,12 +150,14 @@ def check_stage_split(model: nn.Module, layers: Sequence[nn.Module], bounds: Seq
 
 
 def keep_stages(
-    model: nn.Module, layers: Sequence[nn.Module], bounds: Sequence[range], mine: Sequence[int]
+    model: nn.Module, layers: Sequence[Layer], bounds: Sequence[range], mine: Sequence[int]
 ) -> None:
-    """Replace every layer of a stage not in ``mine`` by an :class:`OnOtherStage` in its parent, in
-    place (see the module docstring). ``bounds``: :func:`stage_layers`'."""
+    """Replace every layer (every module of a group) of a stage not in ``mine`` by an
+    :class:`OnOtherStage` in its parent, in place (see the module docstring). ``bounds``:
+    :func:`stage_layers`'."""
     names = layer_names(model, layers)
-    held: dict[str, list[str]] = {names[i]: [] for s, b in enumerate(bounds) if s not in mine for i in b}
+    dropped = [name for s, bound in enumerate(bounds) if s not in mine for i in bound for name in names[i]]
+    held: dict[str, list[str]] = {name: [] for name in dropped}
     for name, _ in model.named_parameters():  # each parameter to the layer holding it, if another stage's
         parts = name.split(".")
         layer = next((p for k in range(1, len(parts)) if (p := ".".join(parts[:k])) in held), None)
@@ -142,10 +166,10 @@ def keep_stages(
     for s, bound in enumerate(bounds):
         if s in mine:
             continue
-        for i in bound:
-            parent_name, _, child = names[i].rpartition(".")
+        for name in (name for i in bound for name in names[i]):
+            parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name)
-            setattr(parent, child, OnOtherStage(names[i], s, held[names[i]]))
+            setattr(parent, child, OnOtherStage(name, s, held[name]))
 
 
 def whole_order(model: nn.Module) -> list[str]:

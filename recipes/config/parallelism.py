@@ -24,16 +24,16 @@ Pipeline parallelism, likewise one setting per strategy argument (`parallelism.p
   * a value out of range, a schedule torch does not have, virtual stages that do not match the
     schedule (`interleaved_1f1b` needs 2 or more, the others 1), and any of them set without
     `parallelism.pipeline > 1`, where they would be ignored;
-  * under `P > 1`: a strategy without a pipeline (`strategy=ddp`); `P x T` not dividing the job's
-    ranks (`cluster.nodes x trainer.devices`: every stage gets as many); the micro-batches (`P` when
-    null) not dividing `data.batch_size`, the batch each rank cuts into them; fewer of the model's
-    layers (`model.n_layer + 3`: the embedding, the blocks, the final norm, the head) than stages
-    (`P x V`); `model.tie_embeddings=true` (the embedding of the first stage and the head of the last
-    would share a tensor); `trainer.precision=16-mixed` (its loss scaler would have to run inside the
-    schedule); `strategy.sharded_checkpoint=false` with checkpoints on (the recipe's
-    `callbacks.model_checkpoint`, Lightning's default one when `trainer.enable_checkpointing`, or a
-    `ckpt_path`): a stage holds only its layers, so the strategy writes and reads sharded directories
-    only;
+  * under `P > 1`: a strategy without a pipeline (`strategy=ddp`); `P x T` not dividing the job's ranks
+    (`cluster.nodes x trainer.devices`: every stage gets as many); the micro-batches (`P` when null) not
+    dividing `data.batch_size`, the batch each rank cuts into them; fewer of the model's blocks
+    (`model.n_layer`: the stages hold equal numbers of them, the embedding with the first, the final
+    norm and the head with the last) than stages (`P x V`); `model.tie_embeddings=true` (the embedding
+    of the first stage and the head of the last would share a tensor); `trainer.precision=16-mixed` (its
+    loss scaler would have to run inside the schedule); `strategy.sharded_checkpoint=false` with
+    checkpoints on (the recipe's `callbacks.model_checkpoint`, Lightning's default one when
+    `trainer.enable_checkpointing`, or a `ckpt_path`): a stage holds only its layers, so the strategy
+    writes and reads sharded directories only;
   * under `P > 1`, what the recipe has not tested with a pipeline yet: `model.compile_blocks`,
     `model.init_from`.
 
@@ -175,12 +175,13 @@ def check_pipeline_parallel(cfg: DictConfig, model: GPTConfig, data: DataConfig)
             f"cuts its batch into {micro} equal micro-batches; use parallelism.microbatches in {valid} or a "
             f"data.batch_size that {micro} divides"
         )
-    layers, cut = model.n_layer + 3, stages * settings.virtual_stages
-    if layers < cut:
+    cut = stages * settings.virtual_stages
+    if model.n_layer < cut:
         raise ValueError(
             f"parallelism.pipeline={stages} x parallelism.virtual_stages={settings.virtual_stages} = {cut} "
-            f"stages, more than the model's {layers} layers (model.n_layer={model.n_layer} blocks, the "
-            "embedding, the final norm and the head): every stage needs one"
+            f"stages, more than model.n_layer={model.n_layer} blocks: every stage holds at "
+            "least one (the embedding goes with the first, the final norm and the head with the last); "
+            f"use model.n_layer >= {cut} or fewer stages"
         )
     if model.tie_embeddings:
         raise ValueError(

@@ -129,8 +129,9 @@ class ParallelismSchema:
     lightning-zero strategy files pass it as `tensor_parallel_size`; the module applies
     `recipes.training.tensor_parallel`'s plan over them (docs/recipes.md#tensor-parallelism)."""
     pipeline: int = field(default_factory=lambda: strategy_default("pipeline_parallel_size"))
-    """Pipeline stages (`pipeline_parallel_size`): the model's layers (`PretrainModule.pipeline_layers`)
-    cut into `pipeline` stages of consecutive layers, each on `devices x nodes / pipeline` ranks
+    """Pipeline stages (`pipeline_parallel_size`): the model's blocks (`PretrainModule.pipeline_layers`:
+    the embedding with the first, the final norm and the head with the last) cut into `pipeline` stages
+    of consecutive blocks, each on `devices x nodes / pipeline` ranks
     (docs/recipes.md#pipeline-parallelism)."""
     microbatches: int | None = field(default_factory=lambda: strategy_default("pipeline_microbatches"))
     """Micro-batches each rank's batch of `data.batch_size` windows is cut into (`pipeline_microbatches`,

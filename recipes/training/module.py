@@ -15,15 +15,15 @@ after every batch;
 `log_every_n_steps`), so no step waits for the device; and `lr`, a Python number.
 
 Pipeline parallelism (`parallelism.pipeline=P`, lightning-zero's `pipeline_parallel_size`): the module
-gives the strategy its layers (`pipeline_layers`: the embedding, each block, the final norm, the head,
-`GPT.layers`), runs one of them (`pipeline_forward`, with the rotary tables and activation
-checkpointing of `GPT.forward`) and the loss of a micro-batch (`pipeline_loss`, `_loss`), as
-`docs/pipeline.md` asks. The strategy then runs the steps itself and never calls `training_step` or
-`validation_step`: the module logs `lr` in `on_train_batch_start`, the losses the strategy's steps
-return in `on_train_batch_end` (`train/loss`) and `on_validation_batch_end` (`val/loss`), and `val/ppl`
-as the exponential of the mean validation loss (`val_mean_loss`: the logits never reach the module),
-the torchmetrics perplexity's value when every validation batch holds as many tokens. Without a
-pipeline these hooks log nothing.
+gives the strategy its layers (`pipeline_layers`: one per block of `GPT.layers`, the embedding grouped
+with the first block and the final norm and the head with the last), runs one of them
+(`pipeline_forward`, with the rotary tables and activation checkpointing of `GPT.forward`) and the loss
+of a micro-batch (`pipeline_loss`, `_loss`), as `docs/pipeline.md` asks. The strategy then runs the
+steps itself and never calls `training_step` or `validation_step`: the module logs `lr` in
+`on_train_batch_start`, the losses the strategy's steps return in `on_train_batch_end` (`train/loss`)
+and `on_validation_batch_end` (`val/loss`), and `val/ppl` as the exponential of the mean validation loss
+(`val_mean_loss`: the logits never reach the module), the torchmetrics perplexity's value when every
+validation batch holds as many tokens. Without a pipeline these hooks log nothing.
 """
 
 from __future__ import annotations
@@ -163,17 +163,30 @@ class PretrainModule(pl.LightningModule):
             return False
         return bool(mesh["pipeline_parallel"].size() > 1)
 
-    def pipeline_layers(self) -> list[nn.Module]:
-        """The layers the pipeline stages are cut from, in forward order (`GPT.layers`): the embedding
-        goes with the first stage, the final norm and the head with the last, the blocks between them
-        in the stages' equal numbers of layers (`lightning_zero.layout.stages.stage_layers`)."""
-        return self.model.layers()
+    def pipeline_layers(self) -> list[nn.Module | list[nn.Module]]:
+        """The layers the pipeline stages are cut from, in forward order: one per block, the embedding
+        grouped with the first block and the final norm and the head with the last, so that the stages
+        hold equal numbers of blocks (`lightning_zero.layout.stages.stage_layers`: the first ones one
+        more when the stages do not divide them), the first stage the embedding, the last the head."""
+        flat = self.model.layers()  # embedding, blocks, norm, head
+        return [flat[first : last + 1] if last > first else flat[first] for first, last in self._groups()]
 
     def pipeline_forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Layer `index` of `pipeline_layers()` on `x` (`GPT.layer_forward`): the rotary tables cover
-        the whole sequence, `x.shape[1]` positions times the sequence-parallel ranks that hold parts of
-        it between the layers (the token ids of the embedding are whole)."""
-        return self.model.layer_forward(index, x, x.shape[1] * self._sequence_split)
+        """Layer `index` of `pipeline_layers()` on `x`, a group's layers in order (`GPT.layer_forward`):
+        the rotary tables cover the whole sequence, `x.shape[1]` positions times the sequence-parallel
+        ranks that hold parts of it between the layers (the token ids of the embedding are whole)."""
+        first, last = self._groups()[index]
+        for flat in range(first, last + 1):
+            x = self.model.layer_forward(flat, x, x.shape[1] * self._sequence_split)
+        return x
+
+    def _groups(self) -> list[tuple[int, int]]:
+        """`(first, last)` indices into `GPT.layers()` of each pipeline layer: block `b` is at `b + 1`."""
+        blocks = len(self.model.blocks)
+        groups = [(b + 1, b + 1) for b in range(blocks)]
+        groups[0] = (0, groups[0][1])  # the embedding before the first block
+        groups[-1] = (groups[-1][0], blocks + 2)  # the final norm and the head after the last
+        return groups
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The loss of one micro-batch's logits: `training_step`'s."""

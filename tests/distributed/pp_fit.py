@@ -75,6 +75,14 @@ class PipelineModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
 
 
+class GroupedLayers(PipelineModule):
+    """``pipeline_layers()`` of groups: blocks 0 and 1's modules as one layer, then blocks 2 and 3's
+    each (two stages: blocks 0-2 on the first, 3 on the second)."""
+
+    def pipeline_layers(self) -> list[Any]:
+        return [[*self.blocks[0], *self.blocks[1]], list(self.blocks[2]), list(self.blocks[3])]
+
+
 class TensorParallelBlocks(PipelineModule):
     """Each block a column- then row-parallel pair over ``self.device_mesh["tensor_parallel"]`` (what a
     ``ModelParallelStrategy`` user's ``configure_model`` does)."""
@@ -154,6 +162,7 @@ def fit(case: dict[str, Any]) -> dict[str, Any]:
     averaging = [EMAWeightAveraging(decay=case["ema"])] if "ema" in case else []
     trainer = _trainer(strategy, callbacks=averaging)
     kind = TensorParallelBlocks if case.get("tensor", 1) > 1 else PipelineModule
+    kind = GroupedLayers if case.get("grouped") else kind
     torch.manual_seed(0)  # where a deferred build's initialization starts (init_module's entry)
     with trainer.init_module(empty_init=True) if case.get("deferred") else contextlib.nullcontext():
         module = kind(layers=case.get("layers", LAYERS))

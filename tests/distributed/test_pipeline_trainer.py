@@ -48,6 +48,8 @@ FITS = [
     {"name": "deferred-stage3-gpipe", "stage": 3, "schedule": "gpipe", "deferred": True},
     # four stages, one data-parallel rank each; 5 blocks: the first stage takes two
     {"name": "pp4-stage2-1f1b", "stage": 2, "pipeline": 4, "layers": 5, "evaluate": True},
+    # pipeline_layers() of groups of modules: blocks 0-2 on the first stage, 3 on the second
+    {"name": "stage2-grouped", "stage": 2, "grouped": True},
     # Lightning's EMAWeightAveraging: the average kept on each stage's shards, the model's at the end
     {"name": "stage3-1f1b-ema", "stage": 3, "ema": 0.5},
 ]
@@ -157,9 +159,14 @@ def test_the_pipelined_fit_equals_the_unsplit_model(case: dict[str, Any], launch
 
 def test_each_rank_holds_only_its_stages_parameters(launched: list[dict]) -> None:
     """No rank holds another stage's parameters: the module's own and the engine's bucket plan, 2 of
-    the 4 blocks on each rank of a 2-stage pipeline, 2-1-1-1 of 5 blocks over 4 stages."""
+    the 4 blocks on each rank of a 2-stage pipeline, 2-1-1-1 of 5 blocks over 4 stages, 3-1 of 4
+    blocks cut as three layers (the first a group of two blocks' modules)."""
     block = WIDTH * WIDTH + WIDTH
-    for name, counts in (("stage2-1f1b", [2, 2, 2, 2]), ("pp4-stage2-1f1b", [2, 1, 1, 1])):
+    for name, counts in (
+        ("stage2-1f1b", [2, 2, 2, 2]),
+        ("pp4-stage2-1f1b", [2, 1, 1, 1]),
+        ("stage2-grouped", [3, 3, 1, 1]),
+    ):
         results = [everyone[name] for everyone in launched]
         assert [sum(p.numel() for p in r["params"].values()) for r in results] == [c * block for c in counts]
         assert [r["engine_numel"] for r in results] == [c * block for c in counts]

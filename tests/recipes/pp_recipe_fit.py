@@ -87,7 +87,7 @@ def overrides(run: str, out_dir: str, cache_dir: str) -> list[str]:
         f"data.cache_dir={cache_dir}",
         "data.max_corpus_mb=0.1",
         "data.seq_len=32",
-        "model.n_layer=3",  # 6 pipeline layers: both stages run blocks (and their rotary tables)
+        "model.n_layer=4",  # 2 blocks per stage, 1 per interleaved stage (2 per rank)
         "model.d_model=64",
         "model.n_head=4",
         "model.n_kv_head=2",

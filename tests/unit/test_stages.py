@@ -74,6 +74,20 @@ def test_a_rank_keeps_only_its_stages_layers_under_their_names() -> None:
         net.blocks[1](torch.zeros(4))
 
 
+def test_a_group_of_modules_is_one_layer_of_the_cut_kept_or_dropped_whole() -> None:
+    """[embed + block 0], block 1, [block 2 + head]: two stages of equal numbers of blocks hold the
+    embedding with the first and the head with the last."""
+    net = Net()
+    groups = [[net.embed, net.blocks[0]], net.blocks[1], [net.blocks[2], net.head]]
+    bounds = stage_layers(len(groups), 2)
+    assert layer_names(net, groups) == [["embed", "blocks.0"], ["blocks.1"], ["blocks.2", "head"]]
+    check_stage_split(net, groups, bounds)
+    keep_stages(net, groups, bounds, mine=[1])
+    assert sorted({n.rpartition(".")[0] for n, _ in net.named_parameters()}) == ["blocks.2", "head"]
+    assert isinstance(net.embed, OnOtherStage) and isinstance(net.blocks[1], OnOtherStage)
+    assert whole_order(net) == [n for n, _ in Net().named_parameters()]
+
+
 class HeadFirst(Net):
     """The head registered before the blocks, a block's weight shared by two of its linears: the
     registration order (the one a torch optimizer numbers parameters in) is not the layers' order."""
@@ -112,10 +126,14 @@ def test_a_split_that_would_lose_or_share_a_parameter_is_refused_by_name() -> No
 
 def test_the_layers_must_be_the_models_own_and_listed_once() -> None:
     net = Net()
-    assert layer_names(net, net.layers()) == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
+    assert layer_names(net, net.layers()) == [["embed"], ["blocks.0"], ["blocks.1"], ["blocks.2"], ["head"]]
     with pytest.raises(ValueError, match=r"pipeline_layers\(\)\[1\] \(Linear\) is not a submodule"):
         layer_names(net, [net.embed, nn.Linear(4, 4)])
-    with pytest.raises(ValueError, match="lists 'embed' twice"):
-        layer_names(net, [net.embed, net.embed])
+    with pytest.raises(ValueError, match=r"lists 'embed' twice \(positions \[0\] and \[1\]\[1\]\)"):
+        layer_names(net, [net.embed, [net.head, net.embed]])
+    with pytest.raises(ValueError, match=r"pipeline_layers\(\)\[1\]\[0\] \(Linear\) is not a submodule"):
+        layer_names(net, [net.embed, [nn.Linear(4, 4)]])
+    with pytest.raises(ValueError, match=r"pipeline_layers\(\)\[1\] is \[\]: each entry must be"):
+        layer_names(net, [net.embed, []])
     with pytest.raises(ValueError, match=r"pipeline_layers\(\)\[0\] \(Net\) is not a submodule"):
         layer_names(net, [net])

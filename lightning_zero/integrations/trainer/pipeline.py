@@ -4,10 +4,11 @@ that run them inside Lightning's training, validation, test and predict steps.
 The LightningModule's part (``docs/pipeline.md`` argues it):
 
   * ``pipeline_layers()`` (required): the model's layers in the order its forward runs them, each a
-    submodule; every parameter belongs to exactly one
-    (:func:`~lightning_zero.layout.stages.check_stage_split`).
+    submodule or a list of submodules run in order (a group, one layer of the cut); every parameter
+    belongs to exactly one (:func:`~lightning_zero.layout.stages.check_stage_split`).
   * ``pipeline_forward(index, x)`` (optional): run layer ``index`` on ``x``; by default
-    ``pipeline_layers()[index](x)`` (override it when a layer takes more, e.g. rotary tables).
+    ``pipeline_layers()[index](x)``, a group's modules one after the other (override it when a layer
+    takes more, e.g. rotary tables).
   * ``pipeline_loss(output, target)`` (required to train, validate or test): the loss of one
     micro-batch, a mean over its samples.
   * a batch is ``(inputs, target)``, cut into micro-batches along dim 0 (or ``pipeline_batch(batch)``
@@ -31,9 +32,11 @@ from torch import nn
 
 from lightning_zero.comm.pipeline import ShardedStage, pipeline_comm, schedule, send_receive_failures
 from lightning_zero.layout.stages import (
+    Layer,
     check_stage_split,
     keep_stages,
     layer_names,
+    members,
     rank_stages,
     stage_layers,
 )
@@ -44,9 +47,9 @@ class StageForward(nn.Module):
     ``pipeline_forward`` when it defines one. It registers no module: the layers stay the model's."""
 
     _owner: nn.Module
-    _layers: list[nn.Module]
+    _layers: list[Layer]
 
-    def __init__(self, owner: nn.Module, layers: list[nn.Module], indices: range) -> None:
+    def __init__(self, owner: nn.Module, layers: list[Layer], indices: range) -> None:
         super().__init__()
         object.__setattr__(self, "_owner", owner)  # not a child: its parameters stay the model's
         object.__setattr__(self, "_layers", layers)
@@ -55,7 +58,11 @@ class StageForward(nn.Module):
     def forward(self, x: Any) -> Any:
         hook = getattr(self._owner, "pipeline_forward", None)
         for i in self.indices:
-            x = hook(i, x) if hook is not None else self._layers[i](x)
+            if hook is not None:
+                x = hook(i, x)
+                continue
+            for module in members(self._layers[i]):  # a group's modules in order
+                x = module(x)
         return x
 
 
