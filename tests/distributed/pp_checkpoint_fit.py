@@ -13,8 +13,9 @@ Each block of the model holds a buffer that fit a sets and the later fits must l
 zeros). Then ``validate(ckpt_path=...)`` of a zeroed module at pipeline 2 reads fit b's checkpoint (each
 stage its whole parameters, without an optimizer), and three fits run under ``EMAWeightAveraging`` with
 buffers that drift as they train: one saved at step 2, one resumed from it to step 4, one unbroken to
-step 4. Every rank reports the parameters it holds at the end of each fit and the samples it trained
-on; rank 0 saves them all with the checkpoint paths."""
+step 4; and the same three at pipeline 2 x tensor 2, stage 3. Every rank reports the parameters it
+holds at the end of each fit and the samples it trained on; rank 0 saves them all with the checkpoint
+paths."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import lightning_zero
 from tests.distributed.pp_fit import PipelineModule
@@ -153,6 +154,43 @@ def averaged(steps: int, root: Path, resume: str | None) -> dict[str, Any]:
     return {"params": params, "buffers": buffers, "path": saver.best_model_path}
 
 
+def tensor_parallel(steps: int, root: Path, resume: str | None) -> dict[str, Any]:
+    """A fit at pipeline 2 x tensor 2 (the Trainer pipeline test's column- then row-parallel blocks),
+    stage 3, to ``steps``, resumed from ``resume``; it saves at its last step. Every parameter whole
+    at the end (a collective over the tensor-parallel group)."""
+    from tests.distributed import pp_fit
+    from tests.distributed.workers_tp import full_parameters
+
+    strategy = lightning_zero.ZeroStrategy(
+        stage=3,
+        min_unit_numel=1,
+        bucket_cap_mb=0.0001,
+        pipeline_parallel_size=2,
+        pipeline_microbatches=2,
+        tensor_parallel_size=2,
+    )
+    saver = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=1)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=4,
+        max_steps=steps,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=CLIP,
+        callbacks=[saver],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    module = pp_fit.TensorParallelBlocks()
+    epoch = Subset(pp_fit.dataset(), range(2 * ACCUM * pp_fit.BATCH))  # 2 steps: it saves at an epoch's end
+    trainer.fit(module, DataLoader(epoch, batch_size=pp_fit.BATCH), ckpt_path=resume)
+    with lightning_zero.gathered(module):
+        params = full_parameters(module)
+    return {"params": params, "path": saver.best_model_path}
+
+
 def validated(path: str) -> dict[str, Any]:
     """A zeroed module's parameters and buffers after ``validate(ckpt_path=path)`` at pipeline 2."""
     strategy = lightning_zero.ZeroStrategy(stage=2, pipeline_parallel_size=2, pipeline_microbatches=2)
@@ -187,6 +225,12 @@ def main() -> None:
         resume = results[name]["path"]
     results["validated"] = validated(results["b"]["path"])
     first = averaged(2, root / "averaged", None)  # the average of each stage's buffers saved and resumed
+    sliced = tensor_parallel(2, root / "tensor", None)  # each stage's tensor-parallel shards saved, resumed
+    results["tensor"] = {
+        "saved": sliced,
+        "resumed": tensor_parallel(4, root / "tensor-resumed", sliced["path"]),
+        "unbroken": tensor_parallel(4, root / "tensor-unbroken", None),
+    }
     results["averaged"] = {
         "resumed": averaged(4, root / "resumed", first["path"]),
         "unbroken": averaged(4, root / "unbroken", None),

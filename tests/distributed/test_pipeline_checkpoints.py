@@ -171,3 +171,28 @@ def test_a_weight_average_with_each_stages_buffers_resumes_as_it_ran(launched: l
                 assert _diff(resumed[kind][name], value) <= 1e-12, (rank, kind, name)
         drifted = CheckpointModule().get_buffer(next(iter(unbroken["buffers"])))
         assert _diff(next(iter(unbroken["buffers"].values())), drifted) > 1e-3, "the buffers never moved"
+
+
+def test_tensor_parallel_stages_resume_and_consolidate(
+    launched: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """PP2 x TP2 at stage 3: every (pipeline, tensor) rank writes its shards (the pipeline rank, then
+    the tensor rank, in the file names); a fit resumed from step 2 to 4 equals the unbroken fit to 4
+    on every stage (<= 1e-12); the consolidated checkpoint holds the whole parameters the saving fit
+    ended with."""
+    for rank, everyone in enumerate(launched):
+        resumed, unbroken = everyone["tensor"]["resumed"]["params"], everyone["tensor"]["unbroken"]["params"]
+        assert resumed.keys() == unbroken.keys() != set()
+        for name, value in unbroken.items():
+            assert _diff(resumed[name], value) <= 1e-12, (rank, name, _diff(resumed[name], value))
+    path = Path(launched[0]["tensor"]["saved"]["path"])
+    shards = sorted(p.name for p in path.glob("shard-*"))
+    names = "shard-00000-of-00001-pipeline-0{}-of-02-tensor-0{}-of-02.pt"
+    assert shards == [names.format(p, t) for p in (0, 1) for t in (0, 1)]
+    assert verify(path) == 0
+    consolidate(path, tmp_path / "model.ckpt")
+    state_dict = torch.load(tmp_path / "model.ckpt", weights_only=True)["state_dict"]
+    saved = {n: p for everyone in launched for n, p in everyone["tensor"]["saved"]["params"].items()}
+    assert set(state_dict) == set(saved) and len(saved) == 16  # 4 blocks of 2 linear layers, on 2 stages
+    for name, param in saved.items():
+        assert _diff(state_dict[name], param) <= 1e-12, name
