@@ -86,8 +86,8 @@ def build_module(trainer: pl.Trainer, configs: RecipeConfigs) -> PretrainModule:
     and split in `configure_model` (a meta-device build with the plan is not tested in the recipe).
     Under pipeline parallelism it is built with values too, and the strategy drops the other stages'
     layers: the strategy's meta-device build under a pipeline equals the eager one in its own test
-    (`tests/distributed/test_pipeline_trainer.py`), but the recipe's pipeline run built so starts
-    0.02 off in its first loss against the data-parallel run, not yet explained."""
+    (`tests/distributed/test_pipeline_trainer.py`); the recipe's run built so at `64-true` draws its
+    initial values in float64, not as the eager build's float32 draws (docs/recipes.md)."""
     strategy = trainer.strategy
     stage3 = isinstance(strategy, ZeroStrategy) and strategy.zero_config.stage == 3
     if stage3 and configs.tensor_parallel <= 1 and configs.pipeline_parallel <= 1:
