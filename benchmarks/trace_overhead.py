@@ -61,17 +61,48 @@ def per_range_ns() -> dict[str, float]:
     return {"off_ns": off * 1e9, "off_fstring_ns": off_f * 1e9, "on_ns": on * 1e9}
 
 
-def worker(args: argparse.Namespace, out: Path) -> None:
+def build(stage: int, shape: tuple[int, int, int], bucket_mb: float) -> tuple[Any, Any]:
+    """The GPT of ``shape`` (seeded alike on every rank) and its ``ShardedAdamW`` at ``stage`` (stage
+    3: the blocks its units), buckets of ``bucket_mb`` MiB."""
+    import torch
+    from step_time_model import GPT, Block  # this folder
+
+    from lightning_zero import ShardedAdamW, ZeroConfig
+
+    torch.manual_seed(0)
+    model = GPT(*shape, SEQ, zero_redundancy=False)
+    units: dict[str, Any] = {"unit_modules": (Block,)} if stage == 3 else {}
+    config = ZeroConfig(stage=stage, bucket_cap_mb=bucket_mb, **units)
+    return model, ShardedAdamW(
+        model.parameters(), lr=1e-4, config=config, module=model if stage == 3 else None
+    )
+
+
+def timed_step(model: Any, opt: Any, g: Any, vocab: int) -> float:
+    """Seconds of one training step on a random batch (the ranks start it together)."""
     import time
+
+    import torch
+    import torch.distributed as dist
+
+    tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
+    dist.barrier()
+    start = time.perf_counter()
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    opt.step()
+    opt.zero_grad()
+    return time.perf_counter() - start
+
+
+def worker(args: argparse.Namespace, out: Path) -> None:
     from contextlib import nullcontext
 
     import torch
     import torch.distributed as dist
-    from step_time_model import GPT, Block  # this folder
     from torch.profiler import ProfilerActivity, profile
 
     import lightning_zero.comm.trace as trace
-    from lightning_zero import ShardedAdamW, ZeroConfig
     from lightning_zero.comm import end_process_group
 
     torch.set_num_threads(1)
@@ -94,22 +125,11 @@ def worker(args: argparse.Namespace, out: Path) -> None:
             module.span = fn
 
     def step(model: Any, opt: Any, g: torch.Generator) -> float:
-        tokens = torch.randint(0, shape[0], (BATCH, SEQ + 1), generator=g)
-        dist.barrier()
-        start = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        opt.step()
-        opt.zero_grad()
-        return time.perf_counter() - start
+        return timed_step(model, opt, g, shape[0])
 
     report: dict[str, Any] = {}
     for stage in (2, 3):
-        torch.manual_seed(0)
-        model = GPT(*shape, SEQ, zero_redundancy=False)
-        units: dict[str, Any] = {"unit_modules": (Block,)} if stage == 3 else {}
-        config = ZeroConfig(stage=stage, bucket_cap_mb=args.bucket_mb, **units)
-        opt = ShardedAdamW(model.parameters(), lr=1e-4, config=config, module=model if stage == 3 else None)
+        model, opt = build(stage, shape, args.bucket_mb)
         g = torch.Generator().manual_seed(dist.get_rank())
         step(model, opt, g)  # stage 3's first step learns the prefetch order
         opened[0] = 0

@@ -65,11 +65,18 @@ class Backend(ABC):
     handle are asynchronous; the others block."""
 
     def __init__(
-        self, group: dist.ProcessGroup | None, rank: int, world_size: int, device: torch.device
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        name: str = "",
     ) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
         self.device = device
         """Device of control tensors: NCCL moves only CUDA tensors, gloo only CPU ones."""
+        self.name = name
+        """The process group's backend (``"nccl"``, ``"gloo"``; ``""``: none, or not a torch one)."""
 
     recorded = True
     """Its collectives go to the collective-order recorder (test mode): a group of real ranks."""
@@ -311,8 +318,27 @@ def backend_for(group: dist.ProcessGroup | None) -> Backend:
     rank, world_size, name = dist.get_rank(group), dist.get_world_size(group), dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if name == "nccl" else torch.device("cpu")
     if world_size == 1:
-        return SingleProcess(group, rank, world_size, device)
-    return _BY_NAME.get(name, Native)(group, rank, world_size, device)
+        return SingleProcess(group, rank, world_size, device, name)
+    return _BY_NAME.get(name, Native)(group, rank, world_size, device, name)
+
+
+FLIGHT_RECORDER = {
+    "nccl": (
+        "torch's flight recorder keeps every rank's NCCL collectives: set TORCH_NCCL_DUMP_ON_TIMEOUT=1 "
+        "(and TORCH_NCCL_TRACE_BUFFER_SIZE=2000, torch's default) before the process group is made, and "
+        "each rank writes it on a timeout to TORCH_FR_DUMP_TEMP_FILE<rank> (default "
+        "/tmp/nccl_trace_rank_<rank>); torchfrtrace DIR names the ranks that did not join"
+    )
+}
+"""What a failure message adds, by process-group backend: where that backend records collectives itself
+(torch 2.13: ``torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp`` and ``FlightRecorder.hpp``; gloo has
+no such record)."""
+
+
+def failure_hint(name: str) -> str:
+    """What a collective's failure message adds on a process group of backend ``name`` (``"nccl"``:
+    where torch's flight recorder dumps every rank's record); ``""`` for the others."""
+    return FLIGHT_RECORDER.get(name, "")
 
 
 def before_any_group() -> None:

@@ -9,31 +9,31 @@ which
     elements: ``P·(N−1)/N``; all-reduce: ``2·P·(N−1)/N``), in elements and in bytes on the wire;
   * times how long the caller blocks in :meth:`Comm.wait`: communication that backward did not hide;
   * names what failed: a collective that ends in an error (a dead peer; a hung one runs into the
-    timeout) raises :class:`CommError` naming the operation, its size, this rank and the group's last
-    collectives (:class:`~lightning_zero.comm.handles.History`), on every rank that waited for it.
+    timeout) raises :class:`CommError` naming the operation, its size, this rank and this rank's last
+    collectives per group (:mod:`lightning_zero.comm.history`), on every rank that waited for it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_zero.comm.backends import Backend, SingleProcess, backend_for
+from lightning_zero.comm.backends import Backend, SingleProcess, backend_for, failure_hint
 from lightning_zero.comm.handles import (
     CommError,
     CommStats,
     EventDone,
-    History,
     InCall,
     Named,
     process_watchdog,
 )
+from lightning_zero.comm.history import group_history, last_collectives
 from lightning_zero.comm.recorder import Recorder, recorder_for
 from lightning_zero.comm.signatures import SignatureCheck
 from lightning_zero.comm.trace import span
@@ -75,7 +75,15 @@ class Comm:
             )
         )
         self._some_groups = 0  # depth of only_some_groups()
-        self._history = History(self.backend.device)
+        self._global_rank = self.backend.global_rank()
+        self._history = group_history(
+            self._global_rank,
+            self.role,
+            self.world_size,
+            self.backend.global_ranks(),
+            self.backend.group_name(),
+            failure_hint(self.backend.name),
+        )
         self._signatures: SignatureCheck | None = None  # LZ_CHECK_COLLECTIVES: compared before each one
         self._watchdog: Watchdog | None = None
         self._watch_timeout_s = 0.0
@@ -107,8 +115,16 @@ class Comm:
         return CommError(
             f"{self._where()}: {what} failed ({type(err).__name__}: {err}); a peer "
             "has died, hung past the process group's timeout, or lost its connection; "
-            + self._history.describe()
+            + self._last_collectives()
         )
+
+    def _last_collectives(self) -> str:
+        return last_collectives(self._history, self._global_rank)
+
+    def labelled(self, label: str) -> AbstractContextManager[None]:
+        """``with comm.labelled("bucket 3"):`` collectives issued inside carry the label in a failure
+        message's list of the last collectives (:mod:`lightning_zero.comm.history`)."""
+        return self._history.labelled(label)
 
     @contextmanager
     def only_some_groups(self) -> Iterator[None]:
@@ -141,7 +157,7 @@ class Comm:
         group's last collectives."""
         assert self._watchdog is not None
         timeout_s, abort, where = self._watch_timeout_s, self.backend.abort, f"{self._where()}: {what}"
-        self._watchdog.watch(pending, where, timeout_s, abort, self.device, self._history.describe)
+        self._watchdog.watch(pending, where, timeout_s, abort, self.device, self._last_collectives)
 
     def _watch_stream(self, what: str) -> None:
         """After a blocking collective on CUDA (enqueued, not finished): watch an event behind it."""
@@ -162,7 +178,7 @@ class Comm:
         signature across ranks; in test mode log the collective (:mod:`lightning_zero.comm.recorder`)."""
         if self._watchdog is not None:
             self._watchdog.check()
-        self._history.note(what or op, numel)
+        self._history.note(what or op, numel, dtype if dtype is not None else "object")
         if self._signatures is not None and not self._some_groups:
             self._signatures.check(self.role, op, numel, dtype if dtype is not None else "object", what or op)
         if self._recorder is not None:
@@ -381,28 +397,29 @@ class Comm:
             else None
         )
         self.stats.count(tensor.numel() if self.rank != dst else 0, tensor.dtype, control=True)
-        self._record(f"gather_to_{dst}", tensor.numel(), tensor.dtype)
+        self._record(f"gather_to_{dst}", tensor.numel(), tensor.dtype, f"gather to rank {dst}")
         self._run(f"gather of {tensor.numel()} elements to rank {dst}", self.backend.gather, tensor, out, dst)
         return out
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order, on every rank (blocking)."""
-        self._record("all_gather_object", -1)
-        return self._run("all-gather of a Python object", self.backend.all_gather_object, obj)
+        what = "all-gather of a Python object"
+        self._record("all_gather_object", -1, what=what)
+        return self._run(what, self.backend.all_gather_object, obj)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s picklable ``obj`` on every rank (blocking)."""
-        self._record(f"broadcast_object_from_{src}", -1)
-        return self._run(
-            f"broadcast of a Python object from rank {src}", self.backend.broadcast_object, obj, src
-        )
+        what = f"broadcast of a Python object from rank {src}"
+        self._record(f"broadcast_object_from_{src}", -1, what=what)
+        return self._run(what, self.backend.broadcast_object, obj, src)
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Every rank's picklable ``obj`` in rank order on rank ``dst``, ``None`` on the others
         (blocking). Where only one rank needs everyone's word, this keeps what each rank receives
         and unpickles independent of the world size (an all-gather's grows with it)."""
-        self._record(f"gather_object_to_{dst}", -1)
-        return self._run(f"gather of Python objects to rank {dst}", self.backend.gather_object, obj, dst)
+        what = f"gather of Python objects to rank {dst}"
+        self._record(f"gather_object_to_{dst}", -1, what=what)
+        return self._run(what, self.backend.gather_object, obj, dst)
 
     def union_of(self, problems: list[str], root: int = 0) -> list[str]:
         """Every rank's ``problems`` (lines of text), each distinct line once in rank order, on every
@@ -446,5 +463,5 @@ class Comm:
         pass the training group's (the strategy's ``timeout``): ``None`` gives torch's default
         (30 minutes), which a dead or hung peer would then cost every other rank.
         """
-        self._record("new_group", -1)
+        self._record("new_group", -1, what="new process group")
         return Comm(self.backend.new_group(backend, timeout), role="background", ordered=False)

@@ -4,13 +4,14 @@ collectives (what the collective watchdog polls), and its counters.
   * :class:`CommError`, and :func:`collective_failures` for collectives made by other code;
   * ``Named``: a pending collective and what it is (the error names it); ``InCall`` and ``EventDone``:
     a blocking call, and a CUDA event behind a collective, as something with ``is_completed()``;
-  * :class:`CommStats`: elements and bytes sent, control traffic apart, time waited;
-  * :class:`History`: the last collectives a ``Comm`` issued, which its failure messages name.
+  * :class:`CommStats`: elements and bytes sent, control traffic apart, time waited.
+
+A failure names this rank's last collectives per group (:mod:`lightning_zero.comm.history`), here too
+for collectives made by other code.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lightning_zero.comm.history import last_collectives
 from lightning_zero.comm.watchdog import Watchdog
 
 
@@ -37,7 +39,7 @@ def collective_failures(what: str) -> Iterator[None]:
     except (RuntimeError, TimeoutError, ConnectionError) as err:  # torch's DistError is a RuntimeError
         raise CommError(
             f"{what} failed ({type(err).__name__}: {err}); a peer has died, hung past the process "
-            "group's timeout, or lost its connection"
+            "group's timeout, or lost its connection; " + last_collectives()
         ) from err
 
 
@@ -124,31 +126,3 @@ class CommStats:
         else:
             self.elements_sent += numel
             self.bytes_sent += nbytes
-
-
-class History:
-    """The last :data:`SIZE` collectives one ``Comm`` issued on this rank: a bounded ring, kept in
-    production, that a failure or timeout message names (the ranks' lists side by side show where
-    they parted). On NCCL the message also points to torch's flight recorder, which has every rank's."""
-
-    SIZE = 8
-
-    def __init__(self, device: torch.device) -> None:
-        self._ring: deque[tuple[int, str, int]] = deque(maxlen=self.SIZE)  # (number, what, elements)
-        self._issued = 0
-        self._nccl = device.type == "cuda"
-
-    def note(self, what: str, numel: int) -> None:
-        """A collective is about to be issued."""
-        self._issued += 1
-        self._ring.append((self._issued, what, numel))
-
-    def describe(self) -> str:
-        issued = ", ".join(f"#{n} {what} ({numel} elements)" for n, what, numel in self._ring)
-        text = f"its last collectives here: {issued or 'none'}"
-        if self._nccl:
-            text += (
-                "; for NCCL's own record of every rank, set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 (torch's "
-                "flight recorder dumps it on a timeout, to TORCH_FR_DUMP_TEMP_FILE)"
-            )
-        return text

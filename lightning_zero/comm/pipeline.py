@@ -41,6 +41,7 @@ from torch.distributed.pipelining import (
 
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.handles import CommError
+from lightning_zero.comm.history import last_collectives
 
 SCHEDULES: dict[str, Any] = {
     "gpipe": ScheduleGPipe,
@@ -193,7 +194,8 @@ def send_receive_failures(what: str) -> Iterator[None]:
             raise
         raise CommError(
             f"{what}: a send or receive between pipeline stages failed ({type(err).__name__}: {err}); a "
-            "peer stage has died, hung past the process group's timeout, or the backend broke"
+            "peer stage has died, hung past the process group's timeout, or the backend broke; "
+            + last_collectives()
         ) from err
 
 

@@ -259,7 +259,10 @@ class BucketGroup:
         first = self.round.rounds == 0
         if self.tensor is not None:
             self.tensor.reduce_partial(state.bucket, accum)
-        with span(f"bucket {bucket_index}: launch", self.device):
+        with (
+            span(f"bucket {bucket_index}: launch", self.device),
+            self.comm.labelled(f"bucket {bucket_index}"),
+        ):
             sent = state.codec.launch(self.comm, accum, shard, first, self._inspect, self._ranks)
         sent.local_only = not self.round.syncing  # sharded accumulation in no_sync: across once, at the end
         if not sent.uses_accum:
@@ -283,7 +286,8 @@ class BucketGroup:
                 # after rounds folded inside no_sync: this round's part joins the shard, and the whole
                 # accumulated shard is all-reduced across the replicas, once per step
                 fold = self.grad_shards[b] if self.round.awaiting_sync else None
-                state.codec.start_across(self.comm, state.sent, self.replicas, fold)
+                with self.replicas.labelled(f"bucket {b}"):
+                    state.codec.start_across(self.comm, state.sent, self.replicas, fold)
         self._next_across = max(self._next_across, end)
 
     # -- collection ----------------------------------------------------------------------------------

@@ -61,9 +61,10 @@ class ParamGather:
     def launch(self, b: int) -> None:
         """Start bucket ``b``'s gather (its owned shard is updated). Call on all ranks, in :meth:`order`."""
         bucket = self.plan.buckets[b]
-        self._pending[b] = self.comm.all_gather(
-            self.flat.bucket(bucket), self.flat.shard(bucket), what="parameter all-gather"
-        )
+        with self.comm.labelled(f"bucket {b}"):
+            self._pending[b] = self.comm.all_gather(
+                self.flat.bucket(bucket), self.flat.shard(bucket), what="parameter all-gather"
+            )
         self._any_pending = True
 
     def launched(self) -> None:

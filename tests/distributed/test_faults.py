@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,6 +59,38 @@ def _run(fault: str, tmp: Path) -> dict[int, dict]:
     return results
 
 
+TAIL = "last collectives on this rank: "
+ENTRY = re.compile(r"#(\d+) (.+?) \(([^()]*)\)(?:, |$)")
+
+
+def last_collectives(error: str) -> list[tuple[str, list[tuple[int, str, str]]]]:
+    """The groups a ``CommError``'s tail names, in its order, each with its entries ``(number, what
+    and label, size)`` oldest first (``lightning_zero/comm/history.py``)."""
+    assert TAIL in error, error
+    groups = []
+    for part in error.split(TAIL, 1)[1].split("; "):
+        group, _, entries = part.partition(": ")
+        found = ENTRY.findall(entries)
+        assert found and "".join(f"#{n} {w} ({s}), " for n, w, s in found)[:-2] == entries, part
+        groups.append((group, [(int(n), w, s) for n, w, s in found]))
+    return groups
+
+
+def assert_names_the_failed_group_first(error: str, group: str, failed: tuple[str, str]) -> None:
+    """The tail's first group is the failed collective's, numbered without a gap, and holds the failed
+    collective (``(what and label, size)``)."""
+    named = last_collectives(error)
+    first, entries = named[0]
+    assert first == group, named
+    numbers = [n for n, _, _ in entries]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), named
+    assert failed in [(w, s) for _, w, s in entries], (failed, named)
+
+
+LAST_BUCKET_RS = ("gradient reduce-scatter bucket 0", "6 x float32")
+"""The collective that fails mid-step: the first bucket's reduce-scatter (6 elements of TinyNet)."""
+
+
 @pytest.mark.parametrize(
     ("fault", "operation"),
     [
@@ -84,6 +117,30 @@ def test_a_dead_or_hung_peer_ends_the_other_rank_within_the_timeout(
     assert "CommError" in survivor["chain"], survivor["chain"]  # what the recipe requeues on
     assert "rank 0 of 2" in survivor["error"], survivor["error"]
     assert survivor["seconds_after_fault"] <= TIMEOUT_S + MARGIN_S, survivor
+    # the tail: the failed collective's group first, the collectives before it in the order issued
+    error = survivor["error"]
+    if fault.endswith("_mid_step"):  # bucket 0's reduce-scatter failed, after the step's launches
+        assert_names_the_failed_group_first(error, "world group (2 ranks)", LAST_BUCKET_RS)
+        whats = [w for _, w, _ in last_collectives(error)[0][1]]
+        assert whats[-6:] == [f"parameter all-gather bucket {b}" for b in range(3)] + [
+            f"gradient reduce-scatter bucket {b}" for b in range(3)
+        ], whats  # the last step's gathers, then this step's launches
+    if fault.endswith("_mid_load"):  # the resumed step's first gather, after the load's collectives
+        assert_names_the_failed_group_first(
+            error, "world group (2 ranks)", ("parameter all-gather bucket 0", "6 x float32")
+        )
+        whats = [w for _, w, _ in last_collectives(error)[0][1]]
+        assert whats[-5:] == [
+            "gather of Python objects to rank 0",
+            "broadcast of a Python object from rank 0",
+        ] + [f"parameter all-gather bucket {b}" for b in range(3)], whats
+    if fault.endswith("_save"):  # a blocking object gather: the last one its group issued
+        group = "background group (2 ranks)" if "async" in fault else "world group (2 ranks)"
+        assert_names_the_failed_group_first(error, group, ("gather of Python objects to rank 0", "an object"))
+        assert last_collectives(error)[0][1][-1][1:] == ("gather of Python objects to rank 0", "an object")
+        if "async" in fault:  # the training thread's group after it
+            assert [g for g, _ in last_collectives(error)] == [group, "world group (2 ranks)"], error
+    assert "TORCH_NCCL" not in error  # gloo: no flight recorder
     if fault.endswith("_mid_load"):  # a failed resume reads and never writes: the checkpoint verifies
         assert survivor["checkpoint_problems"] == [], survivor["checkpoint_problems"]
     if fault.startswith("hang_"):  # the hung rank wakes up to a broken group and ends too
@@ -105,6 +162,7 @@ def test_a_dead_pipeline_stage_is_a_comm_error_its_own_failure_is_not(fault: str
     survivor = results[0]
     assert "CommError" in survivor["chain"], survivor
     assert "send or receive between pipeline stages failed" in survivor["error"], survivor["error"]
+    assert [g for g, _ in last_collectives(survivor["error"])] == ["pipeline group (2 ranks)"], survivor
     assert survivor["seconds_after_fault"] <= TIMEOUT_S + MARGIN_S, survivor
     if fault == "error_mid_pipeline":  # torch's "[Stage 1] failed to run forward", from the injected one
         assert results[1]["chain"] == ["RuntimeError", "RuntimeError"], results[1]
@@ -182,3 +240,8 @@ def test_a_peer_hung_inside_an_all_reduce_across_replica_groups_ends_every_rank_
         if rank != 3:  # the hung rank itself wakes up HANG timeouts later, to a broken group
             assert result["seconds_after_fault"] <= timeout_s + MARGIN_S, (rank, result)
     assert "across replicas" in results[1]["error"], results[1]["error"]
+    # each rank names the failed group first, then the others, the most recently used first
+    replicas = ("gradient all-reduce across replicas bucket 0", "107 x float32")
+    assert_names_the_failed_group_first(results[1]["error"], "replicas group (2 ranks)", replicas)
+    named = [g for g, _ in last_collectives(results[1]["error"])]
+    assert named == ["replicas group (2 ranks)", "shard group (2 ranks)", "world group (4 ranks)"], named
