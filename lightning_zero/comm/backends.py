@@ -356,3 +356,6 @@ def end_process_group() -> None:
     an active exception") after its work is done."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+before_any_group()  # torch imported from here (lightning_zero.comm before torch): autoregister left it to us

@@ -53,7 +53,12 @@ def _import(module: str) -> Callable[[], None]:
 
 
 def _before_any_group() -> None:
-    """Import what must come before a process group exists (see the module docstring)."""
+    """Import what must come before a process group exists (see the module docstring). When torch's
+    import came from ``lightning_zero.comm.backends`` itself (``import lightning_zero.comm`` before
+    torch), that module is half-imported here: it runs this at its own end instead."""
+    backends = sys.modules.get("lightning_zero.comm.backends")
+    if backends is not None and not hasattr(backends, "before_any_group"):
+        return
     importlib.import_module("lightning_zero.comm.backends").before_any_group()
 
 

@@ -64,6 +64,13 @@ def test_the_strategy_modules_register_when_imported_first() -> None:
     _run("from lightning_zero import ZeroFabricStrategy\n" + CHECK_REGISTERED)
 
 
+def test_the_communication_package_imported_before_torch_prepares_torch_too() -> None:
+    """``import lightning_zero.comm`` imports torch from inside ``comm/backends.py``: autoregister's
+    step after torch's import must not fail on the half-imported module (it warned "could not ...
+    prepare after torch"), and torch.distributed.nn is imported before any process group exists."""
+    _run("import sys\nimport lightning_zero.comm\nassert 'torch.distributed.nn' in sys.modules\n")
+
+
 PROCESS_GROUP_FREED = """
 import sys, tempfile
 import torch.distributed as dist
