@@ -6,7 +6,11 @@ kept apart from the training path: benchmarks, the monitor and tests read these,
 
 from __future__ import annotations
 
+import resource
+import sys
 from dataclasses import dataclass
+
+import torch
 
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups
@@ -17,6 +21,7 @@ from lightning_zero.engine.reducer import GradReducer
 from lightning_zero.engine.shard_state import ShardState
 from lightning_zero.engine.unit_gather import UnitGather
 from lightning_zero.layout.buckets import BucketPlan
+from lightning_zero.layout.flat import FlatParams
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,11 @@ class EngineMemory:
     peak_accumulating_bytes: int = 0
     """The most bytes of accumulation buffers holding gradients at once so far (full-size, all
     buckets, across ``no_sync`` micro-batches; a few buckets with ``sharded_accumulation``)."""
+    param_bytes: int = 0
+    """The trainable parameters this rank keeps: the flat buffers (stages 1 and 2: every parameter),
+    or this rank's persistent shards (stage 3)."""
+    gathered_bytes: int = 0
+    """Stage 3: the full buffers of the buckets gathered now (the units held at this moment); 0 below."""
 
 
 class EngineFigures:
@@ -50,6 +60,7 @@ class EngineFigures:
     reducer: GradReducer
     state: ShardState
     units: UnitGather | None
+    flat: FlatParams
 
     @property
     def skipped_steps(self) -> int:
@@ -82,11 +93,37 @@ class EngineFigures:
         """Seconds blocked on collectives since the counters were reset, over every group."""
         return sum(comm.stats.wait_s for comm in self._comms())
 
-    def time_device_waits(self) -> None:
+    def time_device_waits(self, on: bool = True) -> bool:
         """Measure communication waits with CUDA events (NCCL, where a host timer reads ~0); they are
-        added to :attr:`comm_stats` by :meth:`flush_timings`."""
+        added to :attr:`comm_stats` by :meth:`flush_timings`. ``on=False`` stops it (read what was
+        recorded first: :meth:`flush_timings`).
+
+        Returns:
+            whether it was on before the call.
+        """
+        before = self.comm.time_device_waits
         for comm in self._comms():
-            comm.time_device_waits = True
+            comm.time_device_waits = on
+        return before
+
+    def synchronize_device(self) -> None:
+        """Wait until this rank's device has run the work queued so far (CUDA; nothing on a CPU, where
+        work runs as it is issued): for host timers that must include it, e.g. the step profiler's
+        phase boundaries. Never called by the step itself."""
+        if self.comm.device.type == "cuda":
+            torch.cuda.synchronize(self.comm.device)
+
+    def peak_memory_bytes(self) -> tuple[int, str]:
+        """The most memory this rank has held: the device's peak of allocated bytes (CUDA), else the
+        process's peak resident set (which counts everything the process holds, Python included).
+
+        Returns:
+            the bytes and what they are: ``"cuda_max_memory_allocated"`` or ``"process_max_rss"``.
+        """
+        if self.comm.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.comm.device), "cuda_max_memory_allocated"
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak if sys.platform == "darwin" else peak * 1024, "process_max_rss"
 
     def flush_timings(self) -> None:
         """Add the device-measured waits so far to :attr:`comm_stats` (synchronises the device)."""
@@ -126,4 +163,20 @@ class EngineFigures:
             adopted=self.reducer.adopted,
             allocations_outside_pool=self.reducer.allocations_outside_pool,
             peak_accumulating_bytes=self.reducer.peak_accumulating_bytes,
+            param_bytes=self._param_bytes(),
+            gathered_bytes=self.gathered_bytes(),
         )
+
+    def gathered_bytes(self) -> int:
+        """Stage 3: the bytes of the full buffers gathered now (0 below stage 3)."""
+        if not self.flat.sharded:
+            return 0
+        return sum(_nbytes(self.flat.bucket(b)) for b in self.plan.buckets if self.flat.is_gathered(b))
+
+    def _param_bytes(self) -> int:
+        held = self.flat.shards if self.flat.sharded else list(self.flat.buffers.values())
+        return sum(_nbytes(t) for t in held)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -101,6 +101,7 @@ class ZeroArguments(TypedDict, total=False):
     pipeline_microbatches: int | None
     pipeline_virtual_stages: int
     param_init_fn: Callable[[torch.nn.Module], None] | None
+    profile_steps: tuple[int, int] | None
     accelerator: Any  # Lightning's own classes, the Trainer's or Fabric's
     parallel_devices: list[torch.device] | None
     cluster_environment: Any

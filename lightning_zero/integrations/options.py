@@ -86,6 +86,13 @@ class ZeroOptions:
     its constructor would (FSDP's ``param_init_fn``), replayed unit by unit at stage 3
     (:mod:`lightning_zero.engine.deferred_init`). Ignored for a model built with values."""
 
+    profile_steps: tuple[int, int] | None = None
+    """``(first, last)``: time the optimizer steps ``first`` to ``last`` (0-based, inclusive) on every
+    rank, split into data wait, forward, backward, optimizer and the rest, with the communication the
+    host waited on and the memory held by kind; rank 0 writes ``step_profile.json`` to the Trainer's
+    ``log_dir`` after the window and every rank logs ``zero/profile/*`` (``docs/strategy.md``). ``None``: no
+    profiler at all (Trainer only: Fabric refuses it)."""
+
     def __post_init__(self) -> None:
         for name in ("log_comm_stats", "sharded_checkpoint", "async_checkpoint", "broadcast_buffers"):
             _check_bool(name, getattr(self, name))
@@ -118,6 +125,7 @@ class ZeroOptions:
                 "sharding beside it: shard_group_size)"
             )
         self._check_pipeline()
+        self._check_profile_steps()
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise ValueError(
                 "param_init_fn must be None or a function of one module (run on each module of a model "
@@ -137,6 +145,20 @@ class ZeroOptions:
             )
         if self.async_checkpoint and not self.sharded_checkpoint:
             raise ValueError("async_checkpoint=True needs sharded_checkpoint=True (directories of shards)")
+
+    def _check_profile_steps(self) -> None:
+        window = self.profile_steps
+        if window is None:
+            return
+        pair = isinstance(window, Sequence) and not isinstance(window, str) and len(window) == 2
+        if not (pair and all(isinstance(s, int) and not isinstance(s, bool) for s in window)):
+            pair = False
+        if not pair or not 0 <= window[0] <= window[1]:
+            raise ValueError(
+                "profile_steps must be None (no profiler) or (first, last): two optimizer steps, 0-based, "
+                f"with 0 <= first <= last, got {window!r}"
+            )
+        object.__setattr__(self, "profile_steps", (window[0], window[1]))  # a YAML list, kept as a tuple
 
     def _check_pipeline(self) -> None:
         from lightning_zero.comm.pipeline import SCHEDULES

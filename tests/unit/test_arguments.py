@@ -42,6 +42,7 @@ BAD = {
     "pipeline_microbatches": 0,
     "pipeline_virtual_stages": 0,
     "param_init_fn": "normal",
+    "profile_steps": (2, 1),
     # Lightning's DDPStrategy
     "accelerator": "cpu",
     "parallel_devices": ["cpu"],

@@ -73,12 +73,13 @@ class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
             :class:`~lightning_zero.ZeroStrategy` takes (one signature, read from the same fields), with
             Fabric's ``precision`` for the Trainer's ``precision_plugin``. ``log_comm_stats`` and
             ``async_checkpoint`` are refused when ``True`` (they need the Trainer's logging and
-            end-of-fit hooks).
+            end-of-fit hooks), and so is ``profile_steps`` (it times the Trainer's hooks).
 
     Raises:
         TypeError: an argument it does not take (named, with the closest valid ones).
-        ValueError: an invalid setting (named), ``log_comm_stats``/``async_checkpoint`` set, or
-            ``pipeline_parallel_size > 1`` (the Trainer's; Fabric drives :mod:`lightning_zero.comm.pipeline`).
+        ValueError: an invalid setting (named), ``log_comm_stats``/``async_checkpoint`` set,
+            ``profile_steps`` set, or ``pipeline_parallel_size > 1`` (the Trainer's; Fabric drives
+            :mod:`lightning_zero.comm.pipeline`).
     """
 
     strategy_name = "zero"
@@ -91,6 +92,12 @@ class ZeroFabricStrategy(ZeroAccessors, FabricCheckpointing, DDPStrategy):
             "the Trainer strategy only: a Fabric loop has no end-of-fit hook to report a background "
             "save's failure, nor a logger of the strategy's own",
         )
+        if options.profile_steps is not None:
+            raise ValueError(
+                f"profile_steps={options.profile_steps!r} is the Trainer strategy's (its step profiler times "
+                "Lightning's hooks); in a Fabric loop time the steps yourself with the optimizer's figures "
+                "(optimizer.engine.comm_wait_s(), memory()); leave profile_steps=None"
+            )
         if options.pipeline_parallel_size > 1:
             raise ValueError(
                 f"pipeline_parallel_size={options.pipeline_parallel_size} is the Trainer strategy's (it runs "

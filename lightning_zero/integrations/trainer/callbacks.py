@@ -4,6 +4,8 @@
   ``setup_environment``): the engine keeps the average on its shards;
 * ``log_comm_stats=True``: :class:`CommStatsMonitor` (``zero/*`` metrics), unless the user gave one;
 * ``skip_nonfinite_steps > 0``: :class:`SkippedStepsMonitor` (``zero/skipped_steps``), likewise;
+* ``profile_steps=(first, last)``: :class:`StepProfiler` after those (its reads of the communication
+  waits follow the monitor's reset), one per fit, bound to that fit's engine; ``None`` adds nothing;
 * ``overlap_param_gather``: forward waits on the modules and :class:`ParamReadBarrier` first among
   the callbacks (:mod:`lightning_zero.integrations.trainer.param_barrier`).
 """
@@ -17,11 +19,19 @@ import lightning.pytorch as pl
 from lightning_zero.engine.engine import ShardEngine
 from lightning_zero.integrations.trainer.monitor import CommStatsMonitor, SkippedStepsMonitor
 from lightning_zero.integrations.trainer.param_barrier import ParamReadBarrier
+from lightning_zero.integrations.trainer.step_profile import StepProfiler
 from lightning_zero.integrations.trainer.weight_averaging import ShardedWeightAveraging
 
 
-def install_callbacks(trainer: pl.Trainer, engine: ShardEngine, log_comm_stats: bool) -> None:
-    """Wire the engine into ``trainer``'s callback list (in place), as the module docstring lists."""
+def install_callbacks(
+    trainer: pl.Trainer,
+    engine: ShardEngine,
+    log_comm_stats: bool,
+    profile_steps: tuple[int, int] | None = None,
+    pipeline: bool = False,
+) -> None:
+    """Wire the engine into ``trainer``'s callback list (in place), as the module docstring lists
+    (``pipeline``: the step runs a pipeline schedule, which the profiler times as one part)."""
     callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
     keep_weight_average(engine, callbacks)
     if log_comm_stats and not any(isinstance(cb, CommStatsMonitor) for cb in callbacks):
@@ -29,6 +39,9 @@ def install_callbacks(trainer: pl.Trainer, engine: ShardEngine, log_comm_stats: 
     skips = engine.config.skip_nonfinite_steps
     if skips and not any(isinstance(cb, SkippedStepsMonitor) for cb in callbacks):
         callbacks.append(SkippedStepsMonitor())
+    callbacks[:] = [cb for cb in callbacks if not isinstance(cb, StepProfiler)]  # a previous fit's
+    if profile_steps is not None:
+        callbacks.append(StepProfiler(engine, *profile_steps, pipeline=pipeline))
     if engine.config.overlap_param_gather:
         engine.install_forward_waits(trainer.lightning_module)
         callbacks[:] = [cb for cb in callbacks if not isinstance(cb, ParamReadBarrier)]

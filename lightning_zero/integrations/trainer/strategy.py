@@ -202,7 +202,10 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
             if self._pipeline is not None:  # the schedule built now: a bad micro-batch count fails here
                 self._pipeline.train(self._zero.optimizer, trainer.accumulate_grad_batches)
             self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
-            install_callbacks(trainer, engine, self._zero.options.log_comm_stats)
+            options = self._zero.options
+            install_callbacks(
+                trainer, engine, options.log_comm_stats, options.profile_steps, self._pipeline is not None
+            )
         else:
             ZeroFrontEnd.sync_module_states(self.model, comm=data)
         self.setup_precision_plugin()

@@ -1,0 +1,100 @@
+"""``ZeroStrategy(profile_steps=(1, 2))`` on 2 ranks under the Trainer, at stage 2 (accumulating 2
+micro-batches per step) and stage 3: rank 0's ``step_profile.json`` holds steps 1 and 2 for every
+rank; each step's measured time agrees with the test's own clock (the LightningModule's
+``on_train_batch_end`` of one step's last batch to the next's) within 5 %, and its parts add up to it;
+the exposed communication over the window equals the engine's wait counter's change over it; the
+memory by kind equals ``engine.memory()``'s figures. ``profile_steps=None`` installs no profiler.
+One launch of ``tests/distributed/profile_fit.py``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.launch import launch_env, run_script
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = [
+    {"stage": 2, "profile_steps": [1, 2], "accum": 2},
+    {"stage": 3, "profile_steps": [1, 2]},
+    {"stage": 2, "profile_steps": None},
+]
+PARTS = ("data_wait_s", "forward_s", "backward_s", "pipeline_s", "optimizer_s", "other_s")
+
+
+def launch(tmp: Path, module: str = "tests.distributed.profile_fit") -> list[list[dict[str, Any]]]:
+    """Every case's per-rank results (rank order), the profiled ones with rank 0's JSON as ``"profile"``."""
+    command = [sys.executable, "-m", module, "--out", str(tmp), "--cases", json.dumps(CASES)]
+    proc = run_script(command, 2, cwd=ROOT, env=launch_env(), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = []
+    for index in range(len(CASES)):
+        ranks = [json.loads((tmp / f"case{index}_rank{r}.json").read_text()) for r in range(2)]
+        profile = Path(ranks[0]["root"], "step_profile.json")
+        if profile.exists():
+            ranks[0]["profile"] = json.loads(profile.read_text())
+        results.append(ranks)
+    return results
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
+    return launch(tmp_path_factory.mktemp("step_profile"))
+
+
+def check_profile(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """The assertions of one profiled case; returns the worst figures seen (for the report)."""
+    profile = ranks[0]["profile"]
+    assert profile["steps"] == [1, 2] and profile["world_size"] == 2 and not profile["pipeline"]
+    assert [r["rank"] for r in profile["ranks"]] == [0, 1]
+    worst = {"step_vs_clock": 0.0, "parts_vs_step": 0.0, "comm_vs_counter_s": 0.0}
+    for mine, theirs in zip(profile["ranks"], ranks, strict=True):
+        assert [s["step"] for s in mine["steps"]] == [1, 2]
+        ends = theirs["step_ends"]
+        for step in mine["steps"]:
+            clock = ends[str(step["step"])] - ends[str(step["step"] - 1)]
+            off = abs(step["step_s"] - clock) / clock
+            parts = sum(step[p] for p in PARTS)
+            added = abs(parts - step["step_s"]) / step["step_s"]
+            assert off <= 0.05, (mine["rank"], step, clock)
+            assert added <= 0.05 and step["other_s"] >= -1e-9, (mine["rank"], step)  # no part overlaps
+            assert min(step[p] for p in PARTS[:3] + PARTS[4:5]) > 0 and step["pipeline_s"] == 0, step
+            worst["step_vs_clock"] = max(worst["step_vs_clock"], off)
+            worst["parts_vs_step"] = max(worst["parts_vs_step"], added)
+        counter = theirs["wait_at"]["end"] - theirs["wait_at"]["start"]
+        exposed = sum(s["comm_exposed_s"] for s in mine["steps"])
+        assert counter > 0 and abs(exposed - counter) <= 1e-9, (exposed, counter)
+        worst["comm_vs_counter_s"] = max(worst["comm_vs_counter_s"], abs(exposed - counter))
+        memory = mine["memory"]
+        for key, value in theirs["memory"].items():
+            if key in memory:
+                assert memory[key] == value, (key, memory[key], value)
+        assert memory["gathered_peak_bytes"] >= memory["gathered_bytes"]
+        assert memory["param_bytes"] > 0 and memory["state_bytes"] > 0 and memory["grad_shard_bytes"] > 0
+        assert memory["peak_bytes"] > memory["state_bytes"] and memory["peak_kind"] == "process_max_rss"
+    return worst
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["stage2_accum2", "stage3"])
+def test_the_profile_agrees_with_independent_figures(launched: list[list[dict[str, Any]]], case: int) -> None:
+    assert all(r["profilers"] == 1 for r in launched[case])
+    check_profile(launched[case])
+
+
+def test_stage3_reports_the_units_it_holds(launched: list[list[dict[str, Any]]]) -> None:
+    """Stage 3 keeps shards: its parameters are half of stage 2's (2 ranks, padding aside), and the units
+    gathered at a phase boundary are seen (no more than the whole model); stage 2 gathers nothing."""
+    stage2, stage3 = (launched[c][0]["profile"]["ranks"][0]["memory"] for c in (0, 1))
+    assert stage2["gathered_peak_bytes"] == 0
+    assert 0 < stage3["gathered_peak_bytes"] <= stage2["param_bytes"] + 64
+    assert stage3["param_bytes"] < 0.6 * stage2["param_bytes"]
+
+
+def test_off_installs_nothing(launched: list[list[dict[str, Any]]]) -> None:
+    ranks = launched[2]
+    assert all(r["profilers"] == 0 for r in ranks) and "profile" not in ranks[0]
+    assert not Path(ranks[0]["root"], "step_profile.json").exists()
