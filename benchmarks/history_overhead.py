@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not another install
 
-from local_ranks import launch_ranks  # noqa: E402  # this folder
+from local_ranks import launch_ranks, parse_or_work  # noqa: E402  # this folder
 from trace_overhead import BATCH, MODELS, SEQ, WARMUP, build, timed_step  # noqa: E402  # this folder
 
 SHAPE = MODELS["tiny"]
@@ -134,11 +134,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24, help="steps of each mode (the first 2 not counted)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=0.25)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args, args.out)
+    args = parse_or_work(parser, worker)
+    if args is None:
         return
     one = per_call_ns()
     print(

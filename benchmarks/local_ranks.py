@@ -5,12 +5,14 @@ folder is on ``sys.path`` when a benchmark runs as a script."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +39,17 @@ def launch_ranks(script: str, ranks: int, worker: list[str] | None = None, label
         if any(codes):
             raise SystemExit(f"{label + ': ' if label else ''}ranks ended with {codes}")
         return json.loads(out.read_text())
+
+
+def parse_or_work(
+    parser: argparse.ArgumentParser, worker: Callable[[argparse.Namespace, Path], None]
+) -> argparse.Namespace | None:
+    """The command line's arguments, with the worker's own (``--worker``, ``--out FILE``) added; in a
+    rank that :func:`launch_ranks` started, ``worker(args, FILE)`` runs here and ``None`` comes back."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args, args.out)
+        return None
+    return args

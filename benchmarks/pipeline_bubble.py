@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from local_ranks import launch_ranks  # this folder is on sys.path when run as a script
+from local_ranks import launch_ranks, parse_or_work  # this folder is on sys.path when run as a script
 
 RUNS = [
     ("gpipe", 2, 1),
@@ -159,11 +159,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64, help="rows per micro-batch")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args, args.out)
+    args = parse_or_work(parser, worker)
+    if args is None:
         return
     per_rank = launch(args)
     stages = args.stages

@@ -34,7 +34,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from local_ranks import launch_ranks  # this folder is on sys.path when run as a script
+from local_ranks import launch_ranks, parse_or_work  # this folder is on sys.path when run as a script
 
 RUNS = [("gpipe", 2), ("gpipe", 4), ("gpipe", 8), ("1f1b", 2), ("1f1b", 4), ("1f1b", 8)]
 """(schedule, micro-batches)."""
@@ -246,11 +246,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64, help="rows per micro-batch")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args, args.out)
+    args = parse_or_work(parser, worker)
+    if args is None:
         return
     per_rank = launch(args)
     stages = args.stages

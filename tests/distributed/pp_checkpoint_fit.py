@@ -81,6 +81,29 @@ class CheckpointModule(PipelineModule):
         self.blocks = nn.ModuleList(Block(drift * (i + 1)) for i in range(LAYERS))
 
 
+def _trainer(strategy: Any, steps: int, root: Path, *callbacks: Any, clip: float | None = CLIP) -> pl.Trainer:
+    """A 4-rank fit to ``steps`` whose ModelCheckpoint (the first callback) saves into ``root`` every 2
+    steps, accumulating ``ACCUM`` batches, clipping at ``clip``."""
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=4,
+        max_steps=steps,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=clip,
+        callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=1), *callbacks],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+
+
+def _saved(trainer: pl.Trainer) -> str:
+    """The checkpoint the fit's ModelCheckpoint saved last."""
+    return trainer.checkpoint_callback.best_model_path  # type: ignore[union-attr]
+
+
 def fit(
     name: str, pipeline: int, stage: int, steps: int, virtual: int, root: Path, resume: str | None
 ) -> dict[str, Any]:
@@ -90,21 +113,8 @@ def fit(
         options.update(pipeline_parallel_size=pipeline, pipeline_microbatches=2)
     if virtual > 1:
         options.update(pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=virtual)
-    saver = ModelCheckpoint(dirpath=root / name, every_n_train_steps=2, save_top_k=1)
     strategy = lightning_zero.ZeroStrategy(**options)
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=4,
-        max_steps=steps,
-        accumulate_grad_batches=ACCUM,
-        gradient_clip_val=CLIP,
-        callbacks=[saver],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = _trainer(strategy, steps, root / name)
     module = CheckpointModule()
     if resume is None:
         with torch.no_grad():
@@ -114,7 +124,7 @@ def fit(
     with lightning_zero.gathered(module) if stage == 3 else contextlib.nullcontext():
         params = {n: p.detach().clone() for n, p in module.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("shift")}
-    path = saver.best_model_path
+    path = _saved(trainer)
     assert path, f"fit {name}: ModelCheckpoint saved nothing"
     writer = strategy._async_writer  # its own process group exists once it wrote in the background
     background = writer is not None and writer._comm is not None
@@ -134,24 +144,12 @@ def averaged(steps: int, root: Path, resume: str | None) -> dict[str, Any]:
     strategy = lightning_zero.ZeroStrategy(
         stage=2, bucket_cap_mb=0.0001, pipeline_parallel_size=2, pipeline_microbatches=2
     )
-    saver = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=1)
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=4,
-        max_steps=steps,
-        accumulate_grad_batches=ACCUM,
-        callbacks=[saver, EMAWeightAveraging(decay=0.5)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = _trainer(strategy, steps, root, EMAWeightAveraging(decay=0.5), clip=None)
     module = CheckpointModule(drift=0.01)
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH), ckpt_path=resume)
     params = {n: p.detach().clone() for n, p in module.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("shift")}
-    return {"params": params, "buffers": buffers, "path": saver.best_model_path}
+    return {"params": params, "buffers": buffers, "path": _saved(trainer)}
 
 
 def tensor_parallel(steps: int, root: Path, resume: str | None) -> dict[str, Any]:
@@ -169,26 +167,13 @@ def tensor_parallel(steps: int, root: Path, resume: str | None) -> dict[str, Any
         pipeline_microbatches=2,
         tensor_parallel_size=2,
     )
-    saver = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=1)
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=4,
-        max_steps=steps,
-        accumulate_grad_batches=ACCUM,
-        gradient_clip_val=CLIP,
-        callbacks=[saver],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = _trainer(strategy, steps, root)
     module = pp_fit.TensorParallelBlocks()
     epoch = Subset(pp_fit.dataset(), range(2 * ACCUM * pp_fit.BATCH))  # 2 steps: it saves at an epoch's end
     trainer.fit(module, DataLoader(epoch, batch_size=pp_fit.BATCH), ckpt_path=resume)
     with lightning_zero.gathered(module):
         params = full_parameters(module)
-    return {"params": params, "path": saver.best_model_path}
+    return {"params": params, "path": _saved(trainer)}
 
 
 def validated(path: str) -> dict[str, Any]:
