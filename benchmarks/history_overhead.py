@@ -18,7 +18,6 @@ machine. Figures, not assertions.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import timeit
@@ -27,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not another install
 
-from local_ranks import launch_ranks, parse_or_work  # noqa: E402  # this folder
+from local_ranks import launch_ranks, parse_or_work, report_and_end  # noqa: E402  # this folder
 from trace_overhead import BATCH, MODELS, SEQ, WARMUP, build, timed_step  # noqa: E402  # this folder
 
 SHAPE = MODELS["tiny"]
@@ -73,7 +72,7 @@ def worker(args: argparse.Namespace, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_zero.comm import Comm, end_process_group
+    from lightning_zero.comm import Comm
     from lightning_zero.comm.history import GroupHistory
 
     torch.set_num_threads(1)
@@ -122,11 +121,7 @@ def worker(args: argparse.Namespace, out: Path) -> None:
             "ratio": statistics.median(a / b for a, b in zip(on, none, strict=True)),
         }
         del model, opt
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, report)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(everyone))
-    end_process_group()
+    report_and_end(out, report)
 
 
 def main() -> None:

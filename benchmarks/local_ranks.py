@@ -53,3 +53,17 @@ def parse_or_work(
         worker(args, args.out)
         return None
     return args
+
+
+def report_and_end(out: Path, mine: Any) -> None:
+    """In a launched rank: every rank's ``mine`` gathered, rank 0 writes them to ``out`` (JSON, what
+    :func:`launch_ranks` returns), then the process group ends. All ranks."""
+    import torch.distributed as dist
+
+    from lightning_zero.comm import end_process_group
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(everyone))
+    end_process_group()

@@ -30,13 +30,16 @@ Figures, not assertions.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from local_ranks import launch_ranks, parse_or_work  # this folder is on sys.path when run as a script
+from local_ranks import (  # this folder is on sys.path when run as a script
+    launch_ranks,
+    parse_or_work,
+    report_and_end,
+)
 
 RUNS = [
     ("gpipe", 2, 1),
@@ -58,7 +61,6 @@ def worker(args: argparse.Namespace, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_zero import ShardedAdamW, ZeroConfig
-    from lightning_zero.comm import end_process_group
     from lightning_zero.comm.pipeline import ShardedStage, schedule
 
     class TimedStage(ShardedStage):
@@ -141,11 +143,7 @@ def worker(args: argparse.Namespace, out: Path) -> None:
         idle = statistics.median([1 - b / t for b, t in zip(busy[2:], steps[2:], strict=True)])
         step = statistics.median(steps[2:])
         results.append({"schedule": kind, "M": microbatches, "V": virtual, "idle": idle, "step": step})
-    everyone: list[Any] = [None] * stages
-    dist.all_gather_object(everyone, results)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(everyone))
-    end_process_group()
+    report_and_end(out, results)
 
 
 def launch(args: argparse.Namespace) -> list[list[dict[str, Any]]]:

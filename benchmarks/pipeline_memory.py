@@ -29,12 +29,15 @@ the whole run whatever the schedule (``PipelineStage``'s ``args_recv_info`` / ``
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from local_ranks import launch_ranks, parse_or_work  # this folder is on sys.path when run as a script
+from local_ranks import (  # this folder is on sys.path when run as a script
+    launch_ranks,
+    parse_or_work,
+    report_and_end,
+)
 
 RUNS = [("gpipe", 2), ("gpipe", 4), ("gpipe", 8), ("1f1b", 2), ("1f1b", 4), ("1f1b", 8)]
 """(schedule, micro-batches)."""
@@ -130,7 +133,6 @@ def worker(args: argparse.Namespace, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_zero import ShardedAdamW, ZeroConfig
-    from lightning_zero.comm import end_process_group
     from lightning_zero.comm.pipeline import ShardedStage, schedule
 
     saved = SavedActivations()
@@ -192,11 +194,7 @@ def worker(args: argparse.Namespace, out: Path) -> None:
                 "recv": recv_buffer_nbytes(stage),
             }
         )
-    everyone: list[Any] = [None] * stages
-    dist.all_gather_object(everyone, results)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(everyone))
-    end_process_group()
+    report_and_end(out, results)
 
 
 def launch(args: argparse.Namespace) -> list[list[dict[str, Any]]]:

@@ -20,7 +20,6 @@ a loaded machine, whose noise is larger than the ranges' share). Figures, not as
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import timeit
@@ -29,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not another install
 
-from local_ranks import launch_ranks, parse_or_work  # noqa: E402  # this folder
+from local_ranks import launch_ranks, parse_or_work, report_and_end  # noqa: E402  # this folder
 
 SEQ, BATCH, WARMUP = 128, 4, 2
 MODELS = {"tiny": (2048, 128, 4), "small": (8192, 384, 6), "large": (32768, 512, 4)}
@@ -103,7 +102,6 @@ def worker(args: argparse.Namespace, out: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     import lightning_zero.comm.trace as trace
-    from lightning_zero.comm import end_process_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -154,11 +152,7 @@ def worker(args: argparse.Namespace, out: Path) -> None:
                 "ratio": statistics.median(a / b for a, b in zip(on, none, strict=True)),
             }
         del model, opt
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, report)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(everyone))
-    end_process_group()
+    report_and_end(out, report)
 
 
 def main() -> None:

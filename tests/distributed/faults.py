@@ -94,7 +94,8 @@ def _resume(opt: ShardedAdamW, path: Path, result: dict[str, Any]) -> None:
             result["checkpoint_problems"] = verify_files(path, read_meta(path))
 
 
-def run(out_dir: Path, fault: str, rank: int, world_size: int, init_file: str, timeout_s: float) -> None:
+def _join(rank: int, world_size: int, init_file: str, timeout_s: float) -> None:
+    """One thread, and the gloo process group of the ranks, with the test's timeout."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -103,6 +104,10 @@ def run(out_dir: Path, fault: str, rank: int, world_size: int, init_file: str, t
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def run(out_dir: Path, fault: str, rank: int, world_size: int, init_file: str, timeout_s: float) -> None:
+    _join(rank, world_size, init_file, timeout_s)
     torch.manual_seed(0)
     model = TinyNet()
     config = ZeroConfig(bucket_cap_mb=0.0004, first_bucket_cap_mb=0.0002)
@@ -151,14 +156,7 @@ def run_pipeline(
 
     from lightning_zero.comm.pipeline import ShardedStage, schedule, send_receive_failures
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    _join(rank, world_size, init_file, timeout_s)
     mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("pipeline", "data"))
     torch.manual_seed(rank)
     layer = nn.Linear(4, 4)
