@@ -24,7 +24,7 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -61,11 +61,18 @@ def slurm_job_id(env: Mapping[str, str] | None = None) -> str:
 
 
 def after_peer_failure(
-    marks: Path, rank: int, failure: CommError, requeues: int, env: Mapping[str, str] | None = None
+    marks: Path,
+    rank: int,
+    failure: CommError,
+    requeues: int,
+    say: Callable[[str], None],
+    env: Mapping[str, str] | None = None,
 ) -> str:
     """On a rank that saw a peer fail: requeue the SLURM job unless a rank failed with its own error in
-    this attempt, or `requeues` requeues after peer failures were already made for this job; return what
-    was done, one line for the log.
+    this attempt, or `requeues` requeues after peer failures were already made for this job; `say` what
+    is done (one line for the log) and return it. The line is said BEFORE `scontrol requeue` runs: the
+    requeue signals this job's processes, this one included, and a line printed after it can be lost
+    (seen in CI: the job requeued and resumed, its log without the line).
 
     `marks` (``<run_dir>/.requeue``, on the run's shared storage) holds one file per event, named by job
     and attempt (``SLURM_RESTART_COUNT``): ``error-<job>-<attempt>-rank<r>`` (`record_own_error`, written
@@ -76,24 +83,30 @@ def after_peer_failure(
     job, attempt = slurm_job_id(env), int(env.get("SLURM_RESTART_COUNT") or 0)
     marks.mkdir(parents=True, exist_ok=True)
     own = sorted(marks.glob(f"error-{job}-{attempt}-rank*"))
+    requeue = False
+    earlier = len(list(marks.glob(f"requeue-{job}-*")))
     if own:
         reasons = "; ".join(f"{p.name.rsplit('-', 1)[1]}: {p.read_text().strip()}" for p in own)
-        return f"not requeueing SLURM job {job}: a rank failed with its own error, not a peer's ({reasons})"
-    earlier = len(list(marks.glob(f"requeue-{job}-*")))
-    if earlier >= requeues:
-        return (
+        line = f"not requeueing SLURM job {job}: a rank failed with its own error, not a peer's ({reasons})"
+    elif earlier >= requeues:
+        line = (
             f"not requeueing SLURM job {job}: {earlier} requeue(s) after peer failures already "
             f"(cluster.peer_failure_requeues={requeues})"
         )
-    try:
-        os.close(os.open(marks / f"requeue-{job}-{attempt}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return f"another rank requeues SLURM job {job}"
-    subprocess.run(["scontrol", "requeue", job], check=False)
-    return (
-        f"requeued SLURM job {job} after a peer failure ({earlier + 1} of at most {requeues}); it resumes "
-        f"from the newest complete checkpoint of its series (rank {rank} saw: {failure})"
-    )
+    else:
+        try:
+            os.close(os.open(marks / f"requeue-{job}-{attempt}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            requeue = True
+            line = (
+                f"requeued SLURM job {job} after a peer failure ({earlier + 1} of at most {requeues}); it "
+                f"resumes from the newest complete checkpoint of its series (rank {rank} saw: {failure})"
+            )
+        except FileExistsError:
+            line = f"another rank requeues SLURM job {job}"
+    say(line)
+    if requeue:
+        subprocess.run(["scontrol", "requeue", job], check=False)
+    return line
 
 
 def record_own_error(
@@ -329,8 +342,14 @@ class SlurmRequeue(Callback):
             if failure is None:
                 record_own_error(marks, trainer.global_rank, exception)
             elif self.peer_failure_requeues > 0:
-                done = after_peer_failure(marks, trainer.global_rank, failure, self.peer_failure_requeues)
-                print(f"rank {trainer.global_rank}: {done}", flush=True)
+                rank = trainer.global_rank
+                after_peer_failure(
+                    marks,
+                    rank,
+                    failure,
+                    self.peer_failure_requeues,
+                    lambda line: print(f"rank {rank}: {line}", flush=True),
+                )
         except Exception as err:  # noqa: BLE001 - the exception being handled must stay the one raised
             print(f"rank {trainer.global_rank}: no requeue decision ({err!r})", flush=True)
 

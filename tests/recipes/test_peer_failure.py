@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,6 +41,21 @@ def requeues(calls: Path) -> list[str]:
     return calls.read_text().splitlines() if calls.exists() else []
 
 
+def ignore(line: str) -> None:
+    del line
+
+
+def said_first(calls: Path, said: list[str]) -> Callable[[str], None]:
+    """A `say` that keeps the lines in `said` and checks each is said before `scontrol requeue` runs:
+    the requeue signals the job's processes, so a line printed after it can be lost."""
+
+    def say(line: str) -> None:
+        assert requeues(calls) == [], f"scontrol ran before the line was said: {line}"
+        said.append(line)
+
+    return say
+
+
 def test_the_comm_error_is_found_behind_what_lightning_and_the_checkpoint_raise() -> None:
     try:
         try:
@@ -61,11 +77,13 @@ def test_the_comm_error_is_found_behind_what_lightning_and_the_checkpoint_raise(
 
 def test_one_rank_requeues_an_attempt_and_the_others_say_so(tmp_path: Path, scontrol: Path) -> None:
     marks = tmp_path / ".requeue"
-    first = after_peer_failure(marks, 0, FAILURE, requeues=3, env=job(0))
-    second = after_peer_failure(marks, 2, FAILURE, requeues=3, env=job(0))
+    said: list[str] = []
+    first = after_peer_failure(marks, 0, FAILURE, requeues=3, say=said_first(scontrol, said), env=job(0))
+    second = after_peer_failure(marks, 2, FAILURE, requeues=3, say=ignore, env=job(0))
     assert first.startswith("requeued SLURM job 41 after a peer failure (1 of at most 3)"), first
     assert "gradient reduce-scatter" in first
     assert second == "another rank requeues SLURM job 41"
+    assert said == [first]
     assert requeues(scontrol) == ["requeue 41"]
 
 
@@ -74,9 +92,9 @@ def test_requeues_stop_at_the_bound_and_time_limit_restarts_do_not_count(
 ) -> None:
     marks = tmp_path / ".requeue"
     # restarts 0 and 3 failed; 1, 2 were time-limit requeues (SIGUSR1), which leave no mark here
-    assert after_peer_failure(marks, 0, FAILURE, requeues=2, env=job(0)).startswith("requeued")
-    assert after_peer_failure(marks, 1, FAILURE, requeues=2, env=job(3)).startswith("requeued")
-    last = after_peer_failure(marks, 0, FAILURE, requeues=2, env=job(4))
+    assert after_peer_failure(marks, 0, FAILURE, requeues=2, say=ignore, env=job(0)).startswith("requeued")
+    assert after_peer_failure(marks, 1, FAILURE, requeues=2, say=ignore, env=job(3)).startswith("requeued")
+    last = after_peer_failure(marks, 0, FAILURE, requeues=2, say=ignore, env=job(4))
     assert last == (
         "not requeueing SLURM job 41: 2 requeue(s) after peer failures already "
         "(cluster.peer_failure_requeues=2)"
@@ -90,17 +108,19 @@ def test_a_rank_that_failed_on_its_own_error_stops_the_requeue(tmp_path: Path, s
     not affected by that attempt's record."""
     marks = tmp_path / ".requeue"
     record_own_error(marks, 1, ValueError("bad batch shape\nmore lines"), env=job(0))
-    said = after_peer_failure(marks, 0, FAILURE, requeues=3, env=job(0))
+    said = after_peer_failure(marks, 0, FAILURE, requeues=3, say=ignore, env=job(0))
     assert said == (
         "not requeueing SLURM job 41: a rank failed with its own error, not a peer's "
         "(rank1: ValueError: bad batch shape)"
     )
     assert requeues(scontrol) == []
-    assert after_peer_failure(marks, 0, FAILURE, requeues=3, env=job(1)).startswith("requeued")
+    assert after_peer_failure(marks, 0, FAILURE, requeues=3, say=ignore, env=job(1)).startswith("requeued")
 
 
 def test_an_array_task_is_requeued_by_its_own_id(tmp_path: Path, scontrol: Path) -> None:
-    assert after_peer_failure(tmp_path, 0, FAILURE, requeues=1, env=job(0, array=True)).startswith("requeued")
+    assert after_peer_failure(
+        tmp_path, 0, FAILURE, requeues=1, say=ignore, env=job(0, array=True)
+    ).startswith("requeued")
     assert requeues(scontrol) == ["requeue 40_3"]
 
 
