@@ -94,7 +94,7 @@ class Comm:
         self.time_device_waits = False
         """Measure waits with CUDA events (NCCL); off by default: it keeps two events per wait
         until :meth:`flush_timings`."""
-        self._device_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._device_waits: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []  # bool: params
         self._side_stream: torch.cuda.Stream | None = None
 
     @classmethod
@@ -211,7 +211,7 @@ class Comm:
 
         ``input_`` is scratch afterwards: its contents are undefined once the handle is waited for.
         """
-        self.stats.count(self._ring(input_.numel()), input_.dtype)
+        self.stats.count(self._ring(input_.numel()), input_.dtype, kind="reduce_scatter")
         self.stats.collectives += 1
         self._record("reduce_scatter", input_.numel(), input_.dtype, what)
         return self._watched(
@@ -226,7 +226,7 @@ class Comm:
     ) -> Any:
         """Async in-place all-reduce (``op``: ``"sum"`` or ``"max"``). ``control`` counts it apart
         from gradient traffic."""
-        self.stats.count(2 * self._ring(tensor.numel()), tensor.dtype, control)
+        self.stats.count(2 * self._ring(tensor.numel()), tensor.dtype, control, "all_reduce")
         self.stats.collectives += 1
         self._record(f"all_reduce_{op}", tensor.numel(), tensor.dtype, what)
         return self._watched(
@@ -236,15 +236,19 @@ class Comm:
             )
         )
 
-    def all_gather(self, output: Tensor, input_: Tensor, what: str = "all-gather") -> Any:
-        """Async all-gather of every rank's ``input_`` into ``output`` (may be in place)."""
-        self.stats.count(self._ring(output.numel()), output.dtype)
+    def all_gather(
+        self, output: Tensor, input_: Tensor, what: str = "all-gather", params: bool = False
+    ) -> Any:
+        """Async all-gather of every rank's ``input_`` into ``output`` (may be in place). ``params``: a
+        gather of parameters, whose wait :meth:`wait` counts in ``stats.gather_wait_s`` too."""
+        self.stats.count(self._ring(output.numel()), output.dtype, kind="all_gather")
         self.stats.collectives += 1
         self._record("all_gather", output.numel(), output.dtype, what)
         return self._watched(
             Named(
                 self._run(what, self.backend.all_gather, output, input_, blocking=False),
                 f"{what} of {output.numel()} elements",
+                params,
             )
         )
 
@@ -258,7 +262,7 @@ class Comm:
                 f"all_to_all needs equal chunks: {input_.numel()} elements in and {output.numel()} out "
                 f"over {self.world_size} ranks"
             )
-        self.stats.count(self._ring(input_.numel()), input_.dtype)
+        self.stats.count(self._ring(input_.numel()), input_.dtype, kind="all_to_all")
         self.stats.collectives += 1
         self._record("all_to_all", input_.numel(), input_.dtype, what)
         return self._watched(
@@ -278,17 +282,21 @@ class Comm:
         if self._watchdog is not None:
             self._watchdog.check()
         work, what = (handle.handle, handle.what) if isinstance(handle, Named) else (handle, "a collective")
+        params = isinstance(handle, Named) and handle.params
         if self.device.type == "cuda" and self.time_device_waits:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             self._run(what, work.wait, blocking=False)
             end.record()
-            self._device_waits.append((start, end))
+            self._device_waits.append((start, end, params))
             self._drop_work(handle)
             return
         start_s = time.perf_counter()
         self._run(what, work.wait, blocking=False)
-        self.stats.wait_s += time.perf_counter() - start_s
+        waited = time.perf_counter() - start_s
+        self.stats.wait_s += waited
+        if params:
+            self.stats.gather_wait_s += waited
         self._drop_work(handle)
 
     def _drop_work(self, handle: Any) -> None:
@@ -327,9 +335,12 @@ class Comm:
     def flush_timings(self) -> None:
         """Add the CUDA-measured waits recorded so far to ``stats.wait_s`` (synchronises with the
         device: call when the figures are read, e.g. once per logged step, not in the step)."""
-        for start, end in self._device_waits:
+        for start, end, params in self._device_waits:
             end.synchronize()
-            self.stats.wait_s += start.elapsed_time(end) / 1000.0
+            waited = start.elapsed_time(end) / 1000.0
+            self.stats.wait_s += waited
+            if params:
+                self.stats.gather_wait_s += waited
         self._device_waits.clear()
 
     def broadcast_tensors(self, tensors: list[Tensor], src: int = 0, bucket_bytes: int = 250 * 2**20) -> None:
@@ -357,7 +368,7 @@ class Comm:
     @torch.no_grad()
     def _broadcast_chunk(self, tensors: list[Tensor], src: int) -> None:
         flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(self.device)
-        self.stats.count(flat.numel() if self.rank == src else 0, flat.dtype, control=True)
+        self.stats.count(flat.numel() if self.rank == src else 0, flat.dtype, True, "broadcast")
         self._record(f"broadcast_from_{src}", flat.numel(), flat.dtype, "broadcast of tensors")
         self._run(f"broadcast of {flat.numel()} elements from rank {src}", self.backend.broadcast, flat, src)
         offset = 0
@@ -371,7 +382,7 @@ class Comm:
             return [values]
         local = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
-        self.stats.count(self._ring(out.numel()), out.dtype, control=True)
+        self.stats.count(self._ring(out.numel()), out.dtype, True, "all_gather")
         self._record("all_gather", out.numel(), out.dtype, "all-gather of integers")
         self._run("all-gather of integers", self.backend.all_gather_tensor, out, local)
         return out.view(self.world_size, len(values)).tolist()
@@ -382,7 +393,7 @@ class Comm:
             return [values]
         local = torch.tensor(values, dtype=torch.float64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.float64, device=self.device)
-        self.stats.count(self._ring(out.numel()), out.dtype, control=True)
+        self.stats.count(self._ring(out.numel()), out.dtype, True, "all_gather")
         self._record("all_gather", out.numel(), out.dtype, "all-gather of floats")
         self._run("all-gather of floats", self.backend.all_gather_tensor, out, local)
         return out.view(self.world_size, len(values)).tolist()
@@ -396,7 +407,7 @@ class Comm:
             if self.rank == dst
             else None
         )
-        self.stats.count(tensor.numel() if self.rank != dst else 0, tensor.dtype, control=True)
+        self.stats.count(tensor.numel() if self.rank != dst else 0, tensor.dtype, True, "gather")
         self._record(f"gather_to_{dst}", tensor.numel(), tensor.dtype, f"gather to rank {dst}")
         self._run(f"gather of {tensor.numel()} elements to rank {dst}", self.backend.gather, tensor, out, dst)
         return out

@@ -4,7 +4,8 @@ collectives (what the collective watchdog polls), and its counters.
   * :class:`CommError`, and :func:`collective_failures` for collectives made by other code;
   * ``Named``: a pending collective and what it is (the error names it); ``InCall`` and ``EventDone``:
     a blocking call, and a CUDA event behind a collective, as something with ``is_completed()``;
-  * :class:`CommStats`: elements and bytes sent, control traffic apart, time waited.
+  * :class:`CommStats`: elements and bytes sent, control traffic apart, time waited (the waits on
+    parameter all-gathers apart too), and, while a tally is on, the collectives and bytes by kind.
 
 A failure names this rank's last collectives per group (:mod:`lightning_zero.comm.history`), here too
 for collectives made by other code.
@@ -46,8 +47,10 @@ def collective_failures(what: str) -> Iterator[None]:
 class Named:
     """A pending collective and what it is, for the error if it fails."""
 
-    def __init__(self, handle: Any, what: str) -> None:
+    def __init__(self, handle: Any, what: str, params: bool = False) -> None:
         self.handle, self.what = handle, what
+        self.params = params
+        """A parameter all-gather: its wait is counted in :attr:`CommStats.gather_wait_s` too."""
 
     def is_completed(self) -> bool:
         done = getattr(self.handle, "is_completed", None)
@@ -110,15 +113,34 @@ class CommStats:
     """The same, in bytes."""
     wait_s: float = 0.0
     """Seconds spent blocked waiting for collectives."""
+    gather_wait_s: float = 0.0
+    """Of :attr:`wait_s`, the seconds spent waiting for parameter all-gathers (stage 3's unit gathers;
+    stages 1 and 2: the gathers after the optimizer step)."""
     collectives: int = 0
+    tally: dict[str, list[int]] | None = None
+    """``None`` (the default: nothing is done per collective but this test), or, while a step profiler
+    counts (:meth:`start_tally`), ``kind -> [collectives, bytes sent]`` since then: the kinds are
+    ``reduce_scatter``, ``all_reduce``, ``all_gather``, ``all_to_all``, ``broadcast``, ``gather``,
+    with ``_control`` appended for control traffic (masks, norms, flags, plan checks)."""
 
     def reset(self) -> None:
         self.elements_sent = self.bytes_sent = self.collectives = 0
         self.control_elements_sent = self.control_bytes_sent = 0
-        self.wait_s = 0.0
+        self.wait_s = self.gather_wait_s = 0.0
+        if self.tally is not None:
+            self.tally = {}
 
-    def count(self, numel: int, dtype: torch.dtype, control: bool = False) -> None:
-        """Add ``numel`` elements of ``dtype`` sent by this rank."""
+    def start_tally(self) -> None:
+        """Count the collectives and bytes by kind from now on (:attr:`tally`, emptied)."""
+        self.tally = {}
+
+    def stop_tally(self) -> dict[str, list[int]]:
+        """Stop counting by kind; returns what was counted since :meth:`start_tally` (empty if never)."""
+        tally, self.tally = self.tally or {}, None
+        return tally
+
+    def count(self, numel: int, dtype: torch.dtype, control: bool = False, kind: str = "") -> None:
+        """Add ``numel`` elements of ``dtype`` sent by this rank in one collective of ``kind``."""
         nbytes = numel * dtype.itemsize
         if control:
             self.control_elements_sent += numel
@@ -126,3 +148,7 @@ class CommStats:
         else:
             self.elements_sent += numel
             self.bytes_sent += nbytes
+        if self.tally is not None:
+            entry = self.tally.setdefault(f"{kind}_control" if control else kind, [0, 0])
+            entry[0] += 1
+            entry[1] += nbytes

@@ -22,6 +22,7 @@ from lightning_zero.engine.shard_state import ShardState
 from lightning_zero.engine.unit_gather import UnitGather
 from lightning_zero.layout.buckets import BucketPlan
 from lightning_zero.layout.flat import FlatParams
+from lightning_zero.layout.memory import estimate_components
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,58 @@ class EngineFigures:
     def comm_wait_s(self) -> float:
         """Seconds blocked on collectives since the counters were reset, over every group."""
         return sum(comm.stats.wait_s for comm in self._comms())
+
+    def comm_gather_wait_s(self) -> float:
+        """Of :meth:`comm_wait_s`, the seconds blocked on parameter all-gathers (stage 3's unit gathers;
+        stages 1 and 2: the gathers after the optimizer step), over every group."""
+        return sum(comm.stats.gather_wait_s for comm in self._comms())
+
+    def start_collective_tally(self) -> None:
+        """Count the collectives and bytes this rank sends, by kind and group, until
+        :meth:`stop_collective_tally` (off, the default, it costs one test per collective)."""
+        for comm in self._comms():
+            comm.stats.start_tally()
+
+    def stop_collective_tally(self) -> dict[str, tuple[int, int]]:
+        """Stop the tally; returns ``"<kind> <group>" -> (collectives, bytes sent)`` since it started,
+        bytes at the ring-algorithm cost :attr:`comm_stats` counts (kinds:
+        :attr:`~lightning_zero.comm.CommStats.tally`; groups: ``world`` (flat sharding: every
+        collective), ``shard`` and ``replicas`` (node-aware sharding))."""
+        out: dict[str, tuple[int, int]] = {}
+        for comm in self._comms():
+            for kind, (count, nbytes) in comm.stats.stop_tally().items():
+                before = out.get(f"{kind} {comm.role}", (0, 0))
+                out[f"{kind} {comm.role}"] = (before[0] + count, before[1] + nbytes)
+        return out
+
+    def estimated_memory(self, precision: str) -> dict[str, int]:
+        """What ``lightning-zero estimate`` predicts this rank holds
+        (:func:`~lightning_zero.layout.memory.estimate_components`) for this engine's parameters (this
+        rank's stage and tensor shard: the estimate's ``Ψ / (T·P)``), stage, shard group size, bucket
+        size and, at stage 3, largest unit besides the root, keyed as :meth:`memory`'s figures:
+        ``param_bytes``, ``grad_shard_bytes``, ``state_bytes``, ``peak_accumulating_bytes`` (its
+        gradient buckets in flight) and ``gathered_peak_bytes`` (its gathered units; stages 1 and 2: 0)."""
+        numel = sum(b.numel for b in self.plan.buckets)
+        by_unit: dict[int, int] = {}
+        for b in self.plan.buckets:
+            by_unit[b.unit] = by_unit.get(b.unit, 0) + b.numel
+        unit = max((n for u, n in by_unit.items() if u != 0), default=0) if self.units is not None else 0
+        parts = estimate_components(
+            numel,
+            self.comm.world_size,
+            precision,
+            self.config.bucket_cap_mb,
+            unit,
+            self.config.prefetch_units,
+        )[f"zero{self.config.stage}"]
+        kinds = {
+            "param_bytes": "parameters",
+            "grad_shard_bytes": "gradients",
+            "state_bytes": "optimizer state",
+            "peak_accumulating_bytes": "gradient buckets",
+            "gathered_peak_bytes": "gathered units",
+        }
+        return {kind: round(parts[name]) for kind, name in kinds.items()}
 
     def time_device_waits(self, on: bool = True) -> bool:
         """Measure communication waits with CUDA events (NCCL, where a host timer reads ~0); they are
@@ -172,6 +225,17 @@ class EngineFigures:
         if not self.flat.sharded:
             return 0
         return sum(_nbytes(self.flat.bucket(b)) for b in self.plan.buckets if self.flat.is_gathered(b))
+
+    def gathered_peak_bytes(self, reset: bool = False) -> int:
+        """Stage 3: the most bytes of full buffers gathered at once since the last reset (the engine's
+        high-water mark, kept at each gather; 0 below stage 3). ``reset``: then start again from what
+        is gathered now."""
+        if not self.flat.sharded:
+            return 0
+        peak = self.flat.gathered_peak_nbytes
+        if reset:
+            self.flat.reset_gathered_peak()
+        return peak
 
     def _param_bytes(self) -> int:
         held = self.flat.shards if self.flat.sharded else list(self.flat.buffers.values())

@@ -63,7 +63,7 @@ class ParamGather:
         bucket = self.plan.buckets[b]
         with self.comm.labelled(f"bucket {b}"):
             self._pending[b] = self.comm.all_gather(
-                self.flat.bucket(bucket), self.flat.shard(bucket), what="parameter all-gather"
+                self.flat.bucket(bucket), self.flat.shard(bucket), what="parameter all-gather", params=True
             )
         self._any_pending = True
 

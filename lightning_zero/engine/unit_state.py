@@ -47,12 +47,12 @@ def launch(comm: Comm, flat: FlatParams, bucket: Bucket, quantized: bool, unit: 
     signature check says."""
     if not quantized:
         what = f"parameter all-gather of unit {unit!r}"
-        handle = comm.all_gather(flat.bucket(bucket), flat.shard(bucket), what=what)
+        handle = comm.all_gather(flat.bucket(bucket), flat.shard(bucket), what=what, params=True)
         return handle, bucket, None
     row = pack(flat.shard(bucket), 1)
     rows = row.new_empty(comm.world_size, row.shape[1])  # (world_size, row bytes)
     handle = comm.all_gather(
-        rows.view(-1), row.view(-1), what=f"parameter all-gather (int8) of unit {unit!r}"
+        rows.view(-1), row.view(-1), what=f"parameter all-gather (int8) of unit {unit!r}", params=True
     )
     return handle, bucket, rows
 

@@ -102,6 +102,7 @@ class ZeroArguments(TypedDict, total=False):
     pipeline_virtual_stages: int
     param_init_fn: Callable[[torch.nn.Module], None] | None
     profile_steps: tuple[int, int] | None
+    profile_peak_tflops: float | None
     accelerator: Any  # Lightning's own classes, the Trainer's or Fabric's
     parallel_devices: list[torch.device] | None
     cluster_environment: Any

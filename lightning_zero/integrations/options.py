@@ -92,6 +92,10 @@ class ZeroOptions:
     host waited on and the memory held by kind; rank 0 writes ``step_profile.json`` to the Trainer's
     ``log_dir`` after the window and every rank logs ``zero/profile/*`` (``docs/strategy.md``). ``None``: no
     profiler at all (Trainer only: Fabric refuses it)."""
+    profile_peak_tflops: float | None = None
+    """With ``profile_steps``: one device's peak TFLOPS (dense, in the run's compute dtype) that the step
+    profile's MFU divides by; ``None``: the profiler's table by the CUDA device's name for 16-bit
+    precisions (H100 SXM and H200 989.4, A100 312, ...), else no MFU (a CPU, fp32, an unknown GPU)."""
 
     def __post_init__(self) -> None:
         for name in ("log_comm_stats", "sharded_checkpoint", "async_checkpoint", "broadcast_buffers"):
@@ -147,7 +151,13 @@ class ZeroOptions:
             raise ValueError("async_checkpoint=True needs sharded_checkpoint=True (directories of shards)")
 
     def _check_profile_steps(self) -> None:
-        window = self.profile_steps
+        peak, window = self.profile_peak_tflops, self.profile_steps
+        number = isinstance(peak, (int, float)) and not isinstance(peak, bool)
+        if peak is not None and (not number or not peak > 0 or window is None):
+            raise ValueError(
+                "profile_peak_tflops must be None (the profiler's table) or a positive number of TFLOPS, "
+                f"with profile_steps set (the step profile's), got {peak!r} with profile_steps={window!r}"
+            )
         if window is None:
             return
         pair = isinstance(window, Sequence) and not isinstance(window, str) and len(window) == 2

@@ -71,10 +71,16 @@ class FlatParams:
         self._placeholders: list[Tensor] = [torch.empty(0)] * len(self.params)
         """Stage 3: each parameter's NaN element broadcast to its shape (while its bucket is freed)."""
         self._gathered = [True] * len(plan.buckets)
+        self.gathered_nbytes = 0
+        """Stage 3: the bytes of the full buffers with storage now."""
+        self.gathered_peak_nbytes = 0
+        """Stage 3: the most :attr:`gathered_nbytes` since the last :meth:`reset_gathered_peak` (two
+        integer operations per gather: the step profiler reads it)."""
         with torch.no_grad():
             for bucket in plan.buckets:
                 if sharded:
                     self.full.append(torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=self.device))
+                    self.gathered_nbytes += self._full_nbytes(bucket)  # freed below
                     nan = torch.full(
                         (len(bucket.slots),), float("nan"), dtype=bucket.dtype, device=self.device
                     )
@@ -135,12 +141,20 @@ class FlatParams:
         if not self._gathered[bucket.index]:
             return
         self.full[bucket.index].untyped_storage().resize_(0)
+        self.gathered_nbytes -= self._full_nbytes(bucket)
         self._nan[bucket.index].fill_(float("nan"))  # undoes a write that got past the refusal
         for slot in bucket.slots:
             param = self.params[slot.param_index]
             local(param).data = self._placeholders[slot.param_index]
             refuse_writes(param)
         self._gathered[bucket.index] = False
+
+    def _full_nbytes(self, bucket: Bucket) -> int:
+        return bucket.padded_numel * self.full[bucket.index].element_size()
+
+    def reset_gathered_peak(self) -> None:
+        """:attr:`gathered_peak_nbytes` starts again from what is gathered now."""
+        self.gathered_peak_nbytes = self.gathered_nbytes
 
     def materialize(self, bucket: Bucket) -> None:
         """Stage 3: storage for the bucket's full buffer again (to be filled by an all-gather), and its
@@ -149,6 +163,8 @@ class FlatParams:
             return
         full = self.full[bucket.index]
         full.untyped_storage().resize_(full.numel() * full.element_size())
+        self.gathered_nbytes += self._full_nbytes(bucket)
+        self.gathered_peak_nbytes = max(self.gathered_peak_nbytes, self.gathered_nbytes)
         for slot in bucket.slots:
             param = self.params[slot.param_index]
             allow_writes(param)

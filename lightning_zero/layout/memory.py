@@ -7,10 +7,11 @@ sharded over ``n`` ranks (the world, or one shard group of node-aware sharding),
     parameter dtype (torch keeps Adam's state in it);
   * ``zero1`` / ``zero2``: full parameters, and ``1/n`` of the gradients (in the master dtype), of the
     moments and of the fp32 master copy that 16-bit parameters get; plus the pool of bucket-sized
-    accumulation buffers (:data:`POOL_SLOTS`), transient. Stages 1 and 2 hold the same; only what
-    they send differs;
+    accumulation buffers (:data:`POOL_SLOTS`, no more than the whole model's gradients), transient.
+    Stages 1 and 2 hold the same; only what they send differs;
   * ``zero3``: as stage 2 with the parameters sharded too, plus ``1 + prefetch_units`` gathered units
-    and the gradients of two units in the buckets (one filling, one in flight).
+    and the gradients of two units in the buckets (one filling, one in flight); of three units where a
+    unit fits in one bucket (one filling, two in flight: the engine's bound of buckets in flight).
 
 Activations, the root's parameters of stage 3 (gathered for the whole step) and allocator slack are
 not counted. This module imports neither torch nor Lightning, so that the command answers at once (its
@@ -88,16 +89,24 @@ def estimate_components(
     """
     p_bytes, g_bytes, m_bytes = PRECISION_BYTES[full_precision(precision)]
     separate_master = m_bytes > p_bytes
-    in_flight = POOL_SLOTS * bucket_cap_mb * 2**20  # buckets being filled or in flight, transient
+    # buckets being filled or in flight, transient: no more than every gradient (a model smaller than
+    # POOL_SLOTS buckets has buckets of its own size)
+    in_flight = min(POOL_SLOTS * bucket_cap_mb * 2**20, params * m_bytes)
     optimizer = 2 * m_bytes + (m_bytes if separate_master else 0)  # the moments (+ a separate master)
+
+    # stage 3: a unit's buckets launch together. A unit larger than a bucket: its gradients fill while
+    # the unit before it is in flight (2 units); one bucket or less: one unit fills while
+    # POOL_SLOTS - 1 are in flight (the engine's most buckets in flight), never more than every gradient
+    unit_bytes = unit_params * m_bytes
+    big = unit_bytes > bucket_cap_mb * 2**20
+    unit_buckets = max(in_flight, 2 * unit_bytes) if big else min(POOL_SLOTS * unit_bytes, params * m_bytes)
 
     def zero(sharded_params: bool) -> dict[str, float]:
         return {
             "parameters": params * p_bytes / (n if sharded_params else 1),
             "gradients": params * m_bytes / n,  # the gradient shard, in the master dtype
             "optimizer state": params * optimizer / n,
-            # stage 3: one unit's gradients fill while the unit before it is in flight
-            "gradient buckets": max(in_flight, 2 * unit_params * m_bytes) if sharded_params else in_flight,
+            "gradient buckets": unit_buckets if sharded_params and unit_params else in_flight,
             "gathered units": (1 + prefetch_units) * unit_params * p_bytes if sharded_params else 0.0,
         }
 

@@ -8,7 +8,9 @@ linear warmup over `optim.warmup_steps`, then a cosine from `optim.lr` down to
 `optim.lr * optim.min_lr_ratio` at the trainer's last step.
 
 Throughput and MFU are not the module's business: `recipes.training.throughput.TokenThroughput` (a
-callback in the recipe's default callbacks) measures them with Lightning's tools. The module logs
+callback in the recipe's default callbacks) measures them with Lightning's tools; the module states its
+tokens and FLOPs per token (`tokens_in_batch`, `flops_per_token`) for lightning-zero's step profile
+(`strategy.profile_steps=[first,last]`). The module logs
 `train/loss` as a device tensor without `prog_bar` (Lightning reads every `prog_bar` tensor to the host
 after every batch;
 `recipes.training.progress.RefreshProgressBar` shows it when it redraws, the loggers read it every
@@ -136,9 +138,26 @@ class PretrainModule(pl.LightningModule):
             self.val_mean_loss = MeanMetric()  # val/ppl under pipeline parallelism (module docstring)
         self._sequence_split = 1
         """Ranks the sequence is split over between the layers (sequence parallelism: `T`)."""
+        self._flops_by_seq: dict[int, float] = {}
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
+
+    def tokens_in_batch(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        """The tokens one micro-batch trains, its inputs' `B x T`: what lightning-zero's step profiler
+        (`strategy.profile_steps=[first,last]`) counts its tokens per step and per second from."""
+        return batch[0].numel()
+
+    def flops_per_token(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """The whole model's training FLOPs per token over this batch's context `T`, for the step
+        profiler's MFU: `GPT.flops_per_token`, `6 N + 12 L d T` (torchtitan's `6 (N - N_emb) + 12 l h q t`
+        for an untied model), of the configured model built on the meta device (a pipeline stage or a
+        tensor-parallel rank holds only a part of it); once per context length."""
+        seq = batch[0].shape[1]
+        if seq not in self._flops_by_seq:
+            with torch.device("meta"):
+                self._flops_by_seq[seq] = GPT(self.model_config).flops_per_token(seq)
+        return self._flops_by_seq[seq]
 
     def configure_model(self) -> None:
         """Under a strategy with a `tensor_parallel` mesh dimension of size > 1 (`parallelism.tensor=T`:

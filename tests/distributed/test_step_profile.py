@@ -15,11 +15,13 @@ from typing import Any
 
 import pytest
 
+from lightning_zero.layout.memory import estimate_components
+from tests.distributed import profile_fit
 from tests.launch import launch_env, run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [
-    {"stage": 2, "profile_steps": [1, 2], "accum": 2},
+    {"stage": 2, "profile_steps": [1, 2], "accum": 2, "given": True},
     {"stage": 3, "profile_steps": [1, 2]},
     {"stage": 2, "profile_steps": None},
 ]
@@ -46,7 +48,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, An
     return launch(tmp_path_factory.mktemp("step_profile"))
 
 
-def check_profile(ranks: list[dict[str, Any]]) -> dict[str, float]:
+def check_profile(ranks: list[dict[str, Any]], stage: int) -> dict[str, float]:
     """The assertions of one profiled case; returns the worst figures seen (for the report)."""
     profile = ranks[0]["profile"]
     assert profile["steps"] == [1, 2] and profile["world_size"] == 2 and not profile["pipeline"]
@@ -69,6 +71,12 @@ def check_profile(ranks: list[dict[str, Any]]) -> dict[str, float]:
         exposed = sum(s["comm_exposed_s"] for s in mine["steps"])
         assert counter > 0 and abs(exposed - counter) <= 1e-9, (exposed, counter)
         worst["comm_vs_counter_s"] = max(worst["comm_vs_counter_s"], abs(exposed - counter))
+        gathered = theirs["gather_wait_at"]["end"] - theirs["gather_wait_at"]["start"]
+        gather_wait = sum(s["gather_wait_s"] for s in mine["steps"])
+        assert gathered > 0 and abs(gather_wait - gathered) <= 1e-9, (gather_wait, gathered)
+        assert all(0 <= s["gather_wait_s"] <= s["comm_exposed_s"] for s in mine["steps"]), mine["steps"]
+        assert mine["mean"]["gather_wait_s"] <= mine["mean"]["comm_exposed_s"]
+        check_comm(mine["comm"], theirs["must_send"], len(mine["steps"]))
         memory = mine["memory"]
         for key, value in theirs["memory"].items():
             if key in memory:
@@ -76,13 +84,76 @@ def check_profile(ranks: list[dict[str, Any]]) -> dict[str, float]:
         assert memory["gathered_peak_bytes"] >= memory["gathered_bytes"]
         assert memory["param_bytes"] > 0 and memory["state_bytes"] > 0 and memory["grad_shard_bytes"] > 0
         assert memory["peak_bytes"] > memory["state_bytes"] and memory["peak_kind"] == "process_max_rss"
+    worst["tokens_per_s_vs_clock"] = check_throughput(profile, ranks)
+    worst["engine_vs_estimate"] = check_estimate(profile, stage)
     return worst
+
+
+PARAMS, UNIT = 4 * (64 * 64 + 64) + 65, 64 * 64 + 64  # the MLP of profile_fit; one block (a stage-3 unit)
+ESTIMATED = {  # the memory kinds of the profile, and what lightning-zero estimate calls them
+    "param_bytes": "parameters",
+    "grad_shard_bytes": "gradients",
+    "state_bytes": "optimizer state",
+    "peak_accumulating_bytes": "gradient buckets",
+    "gathered_peak_bytes": "gathered units",
+}
+
+
+def check_estimate(profile: dict[str, Any], stage: int) -> float:
+    """``estimate`` is ``lightning-zero estimate``'s arithmetic for this run (the MLP's parameters on 2
+    ranks, fp32, the default bucket size, one block per unit at stage 3), and every rank's figures are
+    within 10 % of it (a kind predicted 0 is 0)."""
+    parts = estimate_components(PARAMS, 2, "32-true", 25.0, UNIT if stage == 3 else 0)[f"zero{stage}"]
+    assert profile["estimate"] == {kind: round(parts[name]) for kind, name in ESTIMATED.items()}
+    worst = 0.0
+    for rank in profile["ranks"]:
+        for kind, predicted in profile["estimate"].items():
+            held = rank["memory"][kind]
+            off = abs(held - predicted) / predicted if predicted else float(held != 0)
+            assert off <= 0.10, (stage, kind, held, predicted)
+            worst = max(worst, off)
+    return worst
+
+
+def check_comm(comm: dict[str, dict[str, int]], must: dict[str, int], steps: int) -> None:
+    """The window's collectives by kind: the reduce-scatters every bucket must make, and all the bytes
+    the parameters and gradients must move (the engine's minimum per step), no more."""
+    scatter = comm["reduce_scatter world"]
+    assert scatter == {
+        "count": steps * must["reduce_scatters"],
+        "bytes": steps * must["reduce_scatter_bytes"],
+    }
+    moved = sum(v["bytes"] for k, v in comm.items() if "_control" not in k)
+    assert moved == steps * must["all_bytes"], (comm, must)
+    assert comm["all_gather world"]["bytes"] == steps * (must["all_bytes"] - must["reduce_scatter_bytes"])
+
+
+def check_throughput(profile: dict[str, Any], ranks: list[dict[str, Any]]) -> float:
+    """Tokens per step and per second against the test's own count and clock; TFLOPS and MFU by the
+    stated formula; FLOPs per token as given, or as Lightning's ``measure_flops`` counts them."""
+    rates = profile["throughput"]
+    given = "GivenLit" in rates["flops_formula"]
+    per_token = 1 if given else 64  # one token per sample given, else the elements of x (8, 64)
+    window = [str(s) for s in range(profile["steps"][0], profile["steps"][1] + 1)]
+    tokens = sum(r["tokens"][s] * per_token for r in ranks for s in window)
+    clock = max(sum(r["step_ends"][s] - r["step_ends"][str(int(s) - 1)] for s in window) for r in ranks)
+    assert rates["tokens_per_step"] == tokens / len(window)
+    off = abs(rates["tokens_per_s"] - tokens / clock) / (tokens / clock)
+    assert off <= 0.05, (rates, tokens, clock)
+    assert rates["tokens_per_s_per_device"] == pytest.approx(rates["tokens_per_s"] / 2, rel=1e-12)
+    flops = ranks[0]["measure_flops_per_batch"]
+    assert flops == 8 * profile_fit.FLOPS_PER_SAMPLE  # Lightning's count agrees with the stated one
+    assert rates["flops_per_token"] == pytest.approx(flops / 8 / per_token, rel=1e-12), rates
+    achieved = rates["flops_per_token"] * rates["tokens_per_s"] / 2 / 1e12
+    assert rates["achieved_tflops_per_device"] == pytest.approx(achieved, rel=1e-12)
+    assert rates["peak_tflops_per_device"] is None and rates["mfu"] is None and "cpu" in rates["peak_source"]
+    return off
 
 
 @pytest.mark.parametrize("case", [0, 1], ids=["stage2_accum2", "stage3"])
 def test_the_profile_agrees_with_independent_figures(launched: list[list[dict[str, Any]]], case: int) -> None:
     assert all(r["profilers"] == 1 for r in launched[case])
-    check_profile(launched[case])
+    check_profile(launched[case], int(CASES[case]["stage"]))
 
 
 def test_stage3_reports_the_units_it_holds(launched: list[list[dict[str, Any]]]) -> None:
@@ -98,3 +169,16 @@ def test_off_installs_nothing(launched: list[list[dict[str, Any]]]) -> None:
     ranks = launched[2]
     assert all(r["profilers"] == 0 for r in ranks) and "profile" not in ranks[0]
     assert not Path(ranks[0]["root"], "step_profile.json").exists()
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["stage2_accum2", "stage3"])
+def test_the_report_shows_the_real_profiles_figures(
+    launched: list[list[dict[str, Any]]], case: int, tmp_path: Path
+) -> None:
+    """``lightning-zero report`` on the fit's directory: the page's tables and the charts' bars hold the
+    JSON's figures (the checks of ``tests/unit/test_report.py``)."""
+    from lightning_zero import cli
+    from tests.unit.test_report import check_report
+
+    assert cli.main(["report", launched[case][0]["root"], "--out", str(tmp_path)]) == 0
+    check_report(launched[case][0]["profile"], tmp_path)

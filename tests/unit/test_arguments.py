@@ -43,6 +43,7 @@ BAD = {
     "pipeline_virtual_stages": 0,
     "param_init_fn": "normal",
     "profile_steps": (2, 1),
+    "profile_peak_tflops": 0,
     # Lightning's DDPStrategy
     "accelerator": "cpu",
     "parallel_devices": ["cpu"],

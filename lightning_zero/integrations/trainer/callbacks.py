@@ -29,9 +29,13 @@ def install_callbacks(
     log_comm_stats: bool,
     profile_steps: tuple[int, int] | None = None,
     pipeline: bool = False,
+    peak_tflops: float | None = None,
+    tensor_parallel: bool = False,
 ) -> None:
     """Wire the engine into ``trainer``'s callback list (in place), as the module docstring lists
-    (``pipeline``: the step runs a pipeline schedule, which the profiler times as one part)."""
+    (``pipeline``: the step runs a pipeline schedule, which the profiler times as one part;
+    ``peak_tflops``: ``profile_peak_tflops``; ``tensor_parallel``: a rank runs a part of each layer, so
+    the profiler does not count its FLOPs as the model's)."""
     callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
     keep_weight_average(engine, callbacks)
     if log_comm_stats and not any(isinstance(cb, CommStatsMonitor) for cb in callbacks):
@@ -41,7 +45,8 @@ def install_callbacks(
         callbacks.append(SkippedStepsMonitor())
     callbacks[:] = [cb for cb in callbacks if not isinstance(cb, StepProfiler)]  # a previous fit's
     if profile_steps is not None:
-        callbacks.append(StepProfiler(engine, *profile_steps, pipeline=pipeline))
+        parts = pipeline or tensor_parallel
+        callbacks.append(StepProfiler(engine, *profile_steps, pipeline, peak_tflops, model_parallel=parts))
     if engine.config.overlap_param_gather:
         engine.install_forward_waits(trainer.lightning_module)
         callbacks[:] = [cb for cb in callbacks if not isinstance(cb, ParamReadBarrier)]

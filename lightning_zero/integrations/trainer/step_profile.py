@@ -19,18 +19,32 @@ Lightning's ``global_step`` when the step's first batch starts) each rank times,
   * ``step_s``: the data wait before the step's first batch plus first batch start to last batch end;
   * ``comm_exposed_s`` (a share of the parts above, not one more part): the seconds the host (under
     NCCL: the compute stream, timed with CUDA events) waited on collectives during the step's batches,
-    the engine's :meth:`~lightning_zero.engine.ShardEngine.comm_wait_s`.
+    the engine's :meth:`~lightning_zero.engine.ShardEngine.comm_wait_s`;
+  * ``gather_wait_s`` (a share of ``comm_exposed_s``): of those, the waits on parameter all-gathers
+    (stage 3's unit gathers; stages 1 and 2: the gathers after the optimizer step), the engine's
+    :meth:`~lightning_zero.engine.ShardEngine.comm_gather_wait_s`.
+
+Over the window each rank also counts its micro-batches' tokens and, by kind and group, the
+collectives it issues and the bytes it sends (the engine's tally, on from the window's first batch
+start to its last batch end; off, the default, it costs one test per collective); FLOPs per token
+come from the LightningModule or are counted on the step before the window, and the peak from a
+table or ``profile_peak_tflops`` (:mod:`~lightning_zero.integrations.trainer.step_rates`). The report
+adds the rates (``throughput``) and ``lightning-zero estimate``'s prediction of the memory by kind for
+the same model, stage and layout (``estimate``: the engine's
+:meth:`~lightning_zero.engine.ShardEngine.estimated_memory`).
 
 Under CUDA each phase boundary inside the window synchronises the device first (the engine's
 ``synchronize_device``), so that a host interval holds the device work of its phase; steps outside the
-window pay one ``perf_counter`` per batch end. Each boundary also reads which stage-3 units are gathered
-(the most bytes seen is ``gathered_peak_bytes``). When the batch after the window starts (outside the
-window: in that step's data wait), every rank reads the engine's memory by kind
+window pay one ``perf_counter`` per batch end. ``gathered_peak_bytes`` is the engine's high-water
+mark of stage-3 units gathered at once over the window (kept at each gather). When the batch after
+the window starts (outside the window: in that step's data wait), every rank reads the engine's memory by kind
 (:meth:`~lightning_zero.engine.ShardEngine.memory`) and its peak (device or process), one small
 all-gather over the data-parallel ranks (under pipeline or tensor parallelism: rank 0's stage and
-tensor rank) brings their figures to each of them, rank 0 writes ``step_profile.json`` in the
-Trainer's ``log_dir`` (its fields: ``docs/strategy.md``) and every rank logs ``zero/profile/*``
-(rank 0's reach the logger). A fit that ends inside or right after the window reports at its end.
+tensor rank) brings their figures to each of them (a second one their collective tally, whose kinds
+every data-parallel rank shares: the collective sequence is the program's), rank 0 writes
+``step_profile.json`` in the Trainer's ``log_dir`` (its fields: ``docs/strategy.md``) and every rank
+logs ``zero/profile/*`` (rank 0's reach the logger). A fit that ends inside or right after the window
+reports at its end.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ import json
 import os
 import statistics
 import time
+import zlib
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -46,6 +61,13 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_zero.engine import ShardEngine
+from lightning_zero.integrations.trainer.step_rates import (
+    FlopCount,
+    batch_tokens,
+    given_flops_per_token,
+    peak_tflops,
+    rates,
+)
 
 PROFILE_FILE = "step_profile.json"
 FORMAT = 1
@@ -64,10 +86,13 @@ class StepTimes:
     other_s: float = 0.0
     step_s: float = 0.0
     comm_exposed_s: float = 0.0
+    gather_wait_s: float = 0.0
     batches: int = 0
+    tokens: int = 0
+    """This rank's tokens in the step's micro-batches; -1: unknown."""
 
 
-_TIMES = [f.name for f in fields(StepTimes) if f.name not in ("step", "batches")]
+_TIMES = [f.name for f in fields(StepTimes) if f.name not in ("step", "batches", "tokens")]
 _MEMORY = [
     "param_bytes",
     "grad_shard_bytes",
@@ -85,25 +110,36 @@ class StepProfiler(pl.Callback):
 
     reads_parameters_between_steps = False  # overlap_param_gather need not wait for it
 
-    def __init__(self, engine: ShardEngine, first: int, last: int, pipeline: bool = False) -> None:
+    def __init__(
+        self,
+        engine: ShardEngine,
+        first: int,
+        last: int,
+        pipeline: bool = False,
+        peak_tflops: float | None = None,
+        model_parallel: bool = False,
+    ) -> None:
         self.engine, self.first, self.last, self.pipeline = engine, first, last, pipeline
+        self.peak_tflops = peak_tflops  # profile_peak_tflops
+        self.model_parallel = model_parallel  # tensor or pipeline parallel: a rank runs a part of the model
         self.steps: list[StepTimes] = []
         self.report: dict[str, Any] | None = None  # rank 0's JSON once written; every rank's figures
         self._mark = 0.0  # the last batch's end (or the epoch's start)
         self._open: StepTimes | None = None
         self._first_start = 0.0  # the open step's first batch start
         self._start = self._before_backward = self._before_step = 0.0
-        self._wait_start = 0.0  # the engine's comm wait at the batch's start
+        self._wait_start = self._gather_start = 0.0  # the engine's comm waits at the batch's start
+        self._counter = FlopCount()  # the step before the window's first micro-batch, when counted
+        self._flops: tuple[float | None, str] = (None, "")  # FLOPs per token and where they come from
+        self._comm: dict[str, tuple[int, int]] | None = None  # the window's collective tally
+        self._gathered_peak = 0  # stage 3: the most bytes of units gathered at once in the window
         self._step_before = 0
         self._device_waits_before = False
         self._rank = 0  # the global rank, known at the window's end
-        self._gathered_peak = 0  # the most bytes of gathered units seen at a phase boundary
 
     def _now(self) -> float:
         self.engine.synchronize_device()  # CUDA: the phase's device work is in its interval
-        now = time.perf_counter()
-        self._gathered_peak = max(self._gathered_peak, self.engine.gathered_bytes())  # stage 3's units
-        return now
+        return time.perf_counter()
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -113,21 +149,42 @@ class StepProfiler(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        first_batch = trainer.global_step != self._step_before or batch_idx == 0
         self._step_before = trainer.global_step
         if self.report is None and self.steps and trainer.global_step > self.last:
             self._finish(trainer, pl_module)  # in the next step's data wait, outside the window
+        if trainer.global_step == self.first - 1 and first_batch and self._counter.flops_per_token is None:
+            if not self.model_parallel and given_flops_per_token(pl_module, batch) is None:
+                self._counter.start(batch_tokens(pl_module, batch))  # left in on_after_backward
         if self.report is not None or not self.first <= trainer.global_step <= self.last:
             return
         self._start = now = self._now()
         if self._open is None:
             if not self.steps:  # the window's first batch
                 self._device_waits_before = self.engine.time_device_waits()
+                self._flops = self._flops_per_token(pl_module, batch)
+                self.engine.start_collective_tally()
+                self.engine.gathered_peak_bytes(reset=True)
             self._open, self._first_start = StepTimes(step=trainer.global_step), now
             self._open.step_s = now - self._mark
         self._open.data_wait_s += now - self._mark
+        tokens = batch_tokens(pl_module, batch)
+        self._open.tokens = -1 if tokens is None or self._open.tokens < 0 else self._open.tokens + tokens
         self._before_backward = self._before_step = 0.0
         self.engine.flush_timings()
-        self._wait_start = self.engine.comm_wait_s()
+        self._wait_start, self._gather_start = self.engine.comm_wait_s(), self.engine.comm_gather_wait_s()
+
+    def _flops_per_token(self, pl_module: pl.LightningModule, batch: Any) -> tuple[float | None, str]:
+        given = given_flops_per_token(pl_module, batch)
+        if given is not None:
+            return given, f"the LightningModule's flops_per_token ({type(pl_module).__name__})"
+        if self._counter.flops_per_token is not None:
+            return self._counter.flops_per_token, (
+                "counted by torch's FlopCounterMode over the forward and backward of the first micro-batch "
+                f"of step {self.first - 1}, divided by its tokens"
+            )
+        why = "under tensor or pipeline parallelism" if self.model_parallel else "the window starts at step 0"
+        return None, f"not counted ({why}): give the LightningModule a flops_per_token"
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
@@ -136,6 +193,7 @@ class StepProfiler(pl.Callback):
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._counter.stop()  # a count started at this batch's start ends (once)
         if self._open is None:
             return
         now = self._now()
@@ -163,6 +221,7 @@ class StepProfiler(pl.Callback):
         now = self._now()
         self.engine.flush_timings()  # CUDA: the waits' events are read (the device is synchronised)
         step.comm_exposed_s += self.engine.comm_wait_s() - self._wait_start
+        step.gather_wait_s += self.engine.comm_gather_wait_s() - self._gather_start
         step.batches += 1
         if self._before_step:
             step.optimizer_s += now - self._before_step
@@ -174,6 +233,9 @@ class StepProfiler(pl.Callback):
         step.other_s = step.step_s - parts
         self.steps.append(step)
         self._open = None
+        if step.step == self.last:
+            self._comm = self.engine.stop_collective_tally()
+            self._gathered_peak = self.engine.gathered_peak_bytes()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -183,11 +245,26 @@ class StepProfiler(pl.Callback):
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule | None) -> None:
         """Every rank: gather the figures, rank 0 writes the file; all log."""
         self.engine.time_device_waits(self._device_waits_before)
+        if self._comm is None:  # the fit ended inside the window
+            self._comm = self.engine.stop_collective_tally()
+            self._gathered_peak = self.engine.gathered_peak_bytes()
         memory = self._memory()
         times = [getattr(s, name) for s in self.steps for name in _TIMES]
-        row = [float(trainer.global_rank), *times, *(float(memory[k]) for k in _MEMORY)]
+        tokens = [float(s.tokens) for s in self.steps]
+        kinds = sorted(self._comm)
+        agree = [float(len(kinds)), float(zlib.crc32("\n".join(kinds).encode()))]
+        row = [float(trainer.global_rank), *times, *tokens, *(float(memory[k]) for k in _MEMORY), *agree]
         rows = self.engine.gather_floats(row)  # every rank ran the same steps: rows of one length
-        self.report = self._report(rows, memory["peak_kind"])
+        comm: list[dict[str, dict[str, int]] | None] = [None] * len(rows)
+        if kinds and all(r[-2:] == agree for r in rows):  # the same kinds everywhere (else: null)
+            tallies = self.engine.gather_floats([float(v) for k in kinds for v in self._comm[k]])
+            comm = [
+                {k: {"count": int(t[2 * i]), "bytes": int(t[2 * i + 1])} for i, k in enumerate(kinds)}
+                for t in tallies
+            ]
+        self.report = self._report([r[:-2] for r in rows], memory["peak_kind"], comm)
+        self.report["throughput"] = self._throughput(trainer)
+        self.report["estimate"] = self.engine.estimated_memory(str(trainer.precision))
         self._rank = trainer.global_rank
         log_dir = trainer.log_dir  # a broadcast from rank 0 inside: every rank asks
         if trainer.is_global_zero and log_dir is not None:
@@ -203,17 +280,25 @@ class StepProfiler(pl.Callback):
         figures = {k: held[k] for k in _MEMORY if k in held}
         return {**figures, "gathered_peak_bytes": self._gathered_peak, "peak_bytes": peak, "peak_kind": kind}
 
-    def _report(self, rows: list[list[float]], peak_kind: str) -> dict[str, Any]:
+    def _report(
+        self, rows: list[list[float]], peak_kind: str, comm: list[dict[str, dict[str, int]] | None]
+    ) -> dict[str, Any]:
         count = len(self.steps)
         ranks: list[dict[str, Any]] = []
         width = len(_TIMES)
-        for rank, *row in rows:
+        for (rank, *row), tally in zip(rows, comm, strict=True):
             times = [dict(zip(_TIMES, row[i * width : (i + 1) * width], strict=True)) for i in range(count)]
-            steps = [{"step": s.step, **t} for s, t in zip(self.steps, times, strict=True)]
+            tokens = [int(t) for t in row[count * width : count * (width + 1)]]
+            steps = [
+                {"step": s.step, **t, "tokens": n} for s, t, n in zip(self.steps, times, tokens, strict=True)
+            ]
             mean = {name: statistics.fmean(t[name] for t in times) for name in _TIMES}
-            memory: dict[str, Any] = {k: int(v) for k, v in zip(_MEMORY, row[count * width :], strict=True)}
+            held = row[count * (width + 1) :]
+            memory: dict[str, Any] = {k: int(v) for k, v in zip(_MEMORY, held, strict=True)}
             memory["peak_kind"] = peak_kind
             ranks.append({"rank": int(rank), "mean": mean, "steps": steps, "memory": memory})
+            if tally is not None:  # absent where the ranks' kinds differed
+                ranks[-1]["comm"] = tally
         busy = [r["mean"]["step_s"] - r["mean"]["comm_exposed_s"] for r in ranks]
         slowest, fastest = busy.index(max(busy)), busy.index(min(busy))  # the first of equals
         return {
@@ -227,11 +312,20 @@ class StepProfiler(pl.Callback):
             "slowest_over_fastest": busy[slowest] / busy[fastest] if busy[fastest] > 0 else 1.0,
         }
 
+    def _throughput(self, trainer: pl.Trainer) -> dict[str, Any]:
+        assert self.report is not None
+        tokens = [[s["tokens"] for s in r["steps"]] for r in self.report["ranks"]]
+        step_s = [[s["step_s"] for s in r["steps"]] for r in self.report["ranks"]]
+        peak = peak_tflops(trainer.strategy.root_device, str(trainer.precision), self.peak_tflops)
+        return rates(tokens, step_s, *self._flops, trainer.world_size, peak)
+
     def _metrics(self) -> dict[str, float]:
         assert self.report is not None
         mine = next(r["mean"] for r in self.report["ranks"] if r["rank"] == self._rank)
+        rated = {k: self.report["throughput"][k] for k in ("tokens_per_s", "mfu")}
         return {
             **{f"zero/profile/{name}": float(mine[name]) for name in _TIMES},
+            **{f"zero/profile/{k}": float(v) for k, v in rated.items() if v is not None},
             "zero/profile/slowest_rank": float(self.report["slowest_rank"]),
             "zero/profile/slowest_over_fastest": float(self.report["slowest_over_fastest"]),
         }

@@ -204,7 +204,13 @@ class ZeroStrategy(ZeroAccessors, StepFunctions):
             self.precision_plugin.__class__ = shard_aware(type(self.precision_plugin))
             options = self._zero.options
             install_callbacks(
-                trainer, engine, options.log_comm_stats, options.profile_steps, self._pipeline is not None
+                trainer,
+                engine,
+                options.log_comm_stats,
+                options.profile_steps,
+                self._pipeline is not None,
+                options.profile_peak_tflops,
+                options.tensor_parallel_size > 1,
             )
         else:
             ZeroFrontEnd.sync_module_states(self.model, comm=data)
