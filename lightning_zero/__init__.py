@@ -54,7 +54,7 @@ _LAZY = {
     "grad_norm": "lightning_zero.integrations.trainer.grad_norm",
     "unshard": "lightning_zero.engine.parameters",
 }
-_SUBPACKAGES = ("checkpoint", "cli", "comm", "config", "engine", "integrations", "layout", "optim")
+_SUBPACKAGES = ("checkpoint", "cli", "comm", "config", "engine", "integrations", "layout", "optim", "report")
 
 
 def __getattr__(name: str) -> Any:

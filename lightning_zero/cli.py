@@ -1,4 +1,4 @@
-"""``lightning-zero``: command-line tools for checkpoints and memory planning.
+"""``lightning-zero``: command-line tools for checkpoints, memory planning and step reports.
 
     lightning-zero consolidate SRC DST [--weights-only]
                                      a checkpoint directory -> one standard Lightning checkpoint file
@@ -6,9 +6,11 @@
     lightning-zero estimate ...      model-state memory per rank for ddp / zero1 / zero2 / zero3
     lightning-zero preflight ...     launched like training (srun, torchrun, --devices N): what makes
                                      a multi-node job hang or fail late, and the bus bandwidth
+    lightning-zero report RUN_DIR    a run's step profile as a Markdown page, PNG charts and a
+                                     three-line summary (what to look at first)
 
-Exit status: 0 on success, 1 when ``verify``, ``consolidate`` or ``preflight`` finds a problem, 2 on bad
-arguments.
+Exit status: 0 on success, 1 when ``verify``, ``consolidate``, ``preflight`` or ``report`` finds a
+problem, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -102,6 +104,20 @@ def _consolidate(src: Path, dst: Path, weights_only: bool, force: bool) -> int:
         f"wrote {dst} ({size / 2**20:.1f} MiB, {'weights only' if weights_only else 'full state'}) "
         f"in {time.perf_counter() - start:.1f} s"
     )
+    return 0
+
+
+def _report(run_dir: Path, out: Path | None) -> int:
+    """Write the step report of ``run_dir`` and print its summary; 1 (printed) when it cannot."""
+    from lightning_zero.report import ReportError, write_report
+
+    try:
+        report = write_report(run_dir, out)
+    except (ReportError, ModuleNotFoundError) as err:
+        print(f"FAIL {err}")
+        return 1
+    print("\n".join(report.summary))
+    print(f"wrote {report.page} and {len(report.charts)} charts beside it (from {report.profile.path})")
     return 0
 
 
@@ -246,6 +262,15 @@ def _parser() -> argparse.ArgumentParser:
         "preflight", help="check a multi-node launch before training (run it like training)"
     )
     add_preflight_arguments(p_pre)
+    p_rep = sub.add_parser("report", help="a step profile as a Markdown page, charts and a summary")
+    p_rep.add_argument(
+        "run_dir",
+        type=Path,
+        metavar="RUN_DIR",
+        help="where step_profile.json is: the file, its directory, or a run directory holding it in a "
+        "logger's */version_N (the newest)",
+    )
+    p_rep.add_argument("--out", type=Path, help="write the report here (default: beside step_profile.json)")
     return parser
 
 
@@ -283,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_zero.integrations import preflight
 
         return preflight.run(args)
+    if args.command == "report":
+        return _report(args.run_dir, args.out)
     if args.command == "consolidate":
         return _consolidate(args.src, args.dst, args.weights_only, args.force)
     if args.command == "verify":

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 import lightning_zero
+from lightning_zero.report import PROFILE_FILE, ReportError, write_report
 from recipes.config import ConfigError, Run, build_run, validate  # registers `pretrain_schema`, resolvers
 from recipes.training import EXIT_PEER_FAILURE, LossPlot, peer_failure
 from recipes.training.tensor_parallel import is_tensor_parallel, unsplit_copy
@@ -63,8 +64,9 @@ def sample_text(run: Run, cfg: DictConfig) -> str:
     return tokenizer.decode(ids[0].tolist())
 
 
-def report(run: Run, cfg: DictConfig, sample: str) -> None:
-    """Final metrics, the text sample and the locations of the run's outputs (rank 0 only)."""
+def report(run: Run, cfg: DictConfig, sample: str, log_dir: Path) -> None:
+    """Final metrics, the text sample and the locations of the run's outputs (rank 0 only); the step
+    report when `log_dir` (the trainer's) holds a step profile (`strategy.profile_steps` was set)."""
     metrics = {k: float(v) for k, v in run.trainer.callback_metrics.items()}
     figures = ", ".join(
         f"{k}={metrics[k]:.4g}" for k in ("train/loss", "val/ppl", "tokens_per_s") if k in metrics
@@ -79,6 +81,12 @@ def report(run: Run, cfg: DictConfig, sample: str) -> None:
     plots = [c.written for c in run.trainer.callbacks if isinstance(c, LossPlot) and c.written is not None]
     for path in plots:
         print(f"loss curves: {path.resolve()}")
+    if (log_dir / PROFILE_FILE).is_file():
+        try:
+            step = write_report(log_dir / PROFILE_FILE)
+            print(f"step report: {step.page.resolve()}", *step.summary, sep="\n  ")
+        except (ReportError, ModuleNotFoundError) as error:
+            print(f"step report not written: {error}", file=sys.stderr)
     callback = run.checkpoint_callback
     if callback is not None and callback.last_model_path:
         print(f"checkpoint: {Path(callback.last_model_path).resolve()}")
@@ -110,8 +118,9 @@ def main(cfg: DictConfig) -> None:
     # every rank samples: under zero3 the model stays sharded after fit, and its forward gathers; under
     # tensor or pipeline parallelism every rank gathers the whole model (`sample_text`)
     sample = sample_text(run, cfg)
+    log_dir = Path(run.trainer.log_dir or run.run_dir)  # a broadcast inside: every rank asks
     if run.trainer.is_global_zero:
-        report(run, cfg, sample)
+        report(run, cfg, sample, log_dir)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 PAGE = ROOT / "docs" / "reference.md"
 GUIDE = ROOT / "docs" / "strategy.md"
 BLOCK = re.compile(r"(<!-- BEGIN generated (\w+) [^\n]*-->\n)(.*?)(<!-- END generated -->)", re.S)
-COMMANDS = ("consolidate", "verify", "estimate", "preflight")
+COMMANDS = ("consolidate", "verify", "estimate", "preflight", "report")
 
 
 def _role(match: re.Match[str]) -> str:

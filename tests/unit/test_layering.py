@@ -8,7 +8,8 @@ below it (``docs/architecture.md``):
     2  comm                        the only caller of ``torch.distributed``
     3  engine                      hooks, wire buffers, collectives per bucket, shard state
     4  optim | checkpoint          the optimizer protocol and update rule | the directory format
-    5  integrations                the only importer of Lightning: front end, Trainer, Fabric
+    5  integrations | report       the only importer of Lightning: front end, Trainer, Fabric |
+                                   a step profile's report (JSON in, Markdown and charts out)
     6  cli                         the command line
     7  lightning_zero (__init__)   the public names
 
@@ -37,6 +38,7 @@ LAYER = {
     "optim": 4,
     "checkpoint": 4,
     "integrations": 5,
+    "report": 5,
     "cli": 6,
     "": 7,
 }
