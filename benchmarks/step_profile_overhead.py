@@ -93,9 +93,10 @@ def hooks_per_step_s(width: int) -> float:
     All ranks (the optimizer is built on the launch's process group)."""
     from lightning_zero import ShardedAdamW, ZeroConfig
 
-    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(8)))
+    model = Mlp(width)  # no tokens_in_batch: the batch's first tensor is counted
     opt = ShardedAdamW(model.parameters(), config=ZeroConfig(stage=2))
     profiler = StepProfiler(opt.engine, 0, 10**9)
+    batch = (torch.zeros(32, width), torch.zeros(32, 1))
 
     class Trainer:
         global_step = 0
@@ -103,7 +104,7 @@ def hooks_per_step_s(width: int) -> float:
     trainer: Any = Trainer()
 
     def one_step() -> None:
-        profiler.on_train_batch_start(trainer, None, None, 0)  # type: ignore[arg-type]
+        profiler.on_train_batch_start(trainer, model, batch, 0)  # type: ignore[arg-type]
         profiler.on_before_backward(trainer, None, None)  # type: ignore[arg-type]
         profiler.on_after_backward(trainer, None)  # type: ignore[arg-type]
         profiler.on_before_optimizer_step(trainer, None, None)  # type: ignore[arg-type]

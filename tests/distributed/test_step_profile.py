@@ -138,6 +138,10 @@ def check_throughput(profile: dict[str, Any], ranks: list[dict[str, Any]]) -> fl
     tokens = sum(r["tokens"][s] * per_token for r in ranks for s in window)
     clock = max(sum(r["step_ends"][s] - r["step_ends"][str(int(s) - 1)] for s in window) for r in ranks)
     assert rates["tokens_per_step"] == tokens / len(window)
+    window_s = max(sum(s["step_s"] for s in r["steps"]) for r in profile["ranks"])  # the slowest rank's
+    assert rates["window_s"] == window_s and rates["tokens_per_s"] == pytest.approx(
+        tokens / window_s, rel=1e-12
+    )
     off = abs(rates["tokens_per_s"] - tokens / clock) / (tokens / clock)
     assert off <= 0.05, (rates, tokens, clock)
     assert rates["tokens_per_s_per_device"] == pytest.approx(rates["tokens_per_s"] / 2, rel=1e-12)
