@@ -32,6 +32,7 @@ from lightning_zero.layout.memory import (
     estimate_rows,
     microbatches_in_flight,
     pipeline_bubble,
+    units_in_buckets,
 )
 
 
@@ -187,7 +188,7 @@ def estimate(
     if "zero3" in rows:
         units = (
             f"{1 + prefetch_units} gathered units of {unit_params / 1e6:.4g}M parameters and the gradient "
-            "buckets of 2 units"
+            f"buckets of {units_in_buckets(unit_params / dims.tensor, precision, bucket_cap_mb)} units"
             if unit_params
             else "no gathered unit (--unit-params: the parameters of one block)"
         )

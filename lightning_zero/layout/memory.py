@@ -62,6 +62,15 @@ def full_precision(precision: str) -> str:
     return name
 
 
+def units_in_buckets(unit_params: float, precision: str, bucket_cap_mb: float) -> int:
+    """Stage 3: the units whose gradients the buckets hold at once at most. A unit's buckets launch
+    together: a unit larger than a bucket fills while the unit before it is in flight (2); one that
+    fits in a bucket fills while :data:`POOL_SLOTS` ``- 1`` are in flight, the engine's most buckets in
+    flight (3)."""
+    m_bytes = PRECISION_BYTES[full_precision(precision)][2]
+    return 2 if unit_params * m_bytes > bucket_cap_mb * 2**20 else POOL_SLOTS
+
+
 def estimate_components(
     params: float,
     n: int,
@@ -94,12 +103,11 @@ def estimate_components(
     in_flight = min(POOL_SLOTS * bucket_cap_mb * 2**20, params * m_bytes)
     optimizer = 2 * m_bytes + (m_bytes if separate_master else 0)  # the moments (+ a separate master)
 
-    # stage 3: a unit's buckets launch together. A unit larger than a bucket: its gradients fill while
-    # the unit before it is in flight (2 units); one bucket or less: one unit fills while
-    # POOL_SLOTS - 1 are in flight (the engine's most buckets in flight), never more than every gradient
     unit_bytes = unit_params * m_bytes
-    big = unit_bytes > bucket_cap_mb * 2**20
-    unit_buckets = max(in_flight, 2 * unit_bytes) if big else min(POOL_SLOTS * unit_bytes, params * m_bytes)
+    if units_in_buckets(unit_params, precision, bucket_cap_mb) == 2:
+        unit_buckets = max(in_flight, 2 * unit_bytes)
+    else:
+        unit_buckets = min(POOL_SLOTS * unit_bytes, params * m_bytes)  # never more than every gradient
 
     def zero(sharded_params: bool) -> dict[str, float]:
         return {
