@@ -216,6 +216,7 @@ class StepProfiler(pl.Callback):
     ) -> None:
         step = self._open
         if step is None:
+            self._counter.stop()  # a batch without a backward (manual optimization) ends a count too
             self._mark = time.perf_counter()
             return
         now = self._now()

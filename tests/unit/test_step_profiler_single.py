@@ -1,0 +1,155 @@
+"""``StepProfiler`` driven hook by hook in one process, over an engine of figures set by the test: the
+FLOP count on the step before the window (ended by the batch's end when no backward comes), tokens
+per step (unknown stays unknown), the collective tally as reported (absent where the ranks' kinds
+differ), and the report's new fields."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.throughput import measure_flops
+from torch import nn
+
+from lightning_zero.engine.figures import EngineMemory
+from lightning_zero.integrations.trainer.step_profile import PROFILE_FILE, StepProfiler
+
+
+class Engine:
+    """The engine's figures the profiler reads; two ranks, rank 1 a copy of rank 0 (or ``differ``)."""
+
+    def __init__(self, differ: bool = False) -> None:
+        self.wait = self.gather_wait = 0.0
+        self.tally: dict[str, tuple[int, int]] | None = None
+        self.differ = differ
+        self.gathers = 0
+
+    def synchronize_device(self) -> None: ...
+    def flush_timings(self) -> None: ...
+    def time_device_waits(self, on: bool = True) -> bool:
+        return False
+
+    def comm_wait_s(self) -> float:
+        return self.wait
+
+    def comm_gather_wait_s(self) -> float:
+        return self.gather_wait
+
+    def start_collective_tally(self) -> None:
+        self.tally = {}
+
+    def stop_collective_tally(self) -> dict[str, tuple[int, int]]:
+        tally, self.tally = self.tally or {}, None
+        return tally
+
+    def gathered_peak_bytes(self, reset: bool = False) -> int:
+        return 0
+
+    def memory(self) -> EngineMemory:
+        return EngineMemory(8, 4, 0, 0, 0, param_bytes=8)  # state, grad shards, pool, adopted, outside
+
+    def peak_memory_bytes(self) -> tuple[int, str]:
+        return 100, "process_max_rss"
+
+    def estimated_memory(self, precision: str) -> dict[str, int]:
+        return {"param_bytes": 8}
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        self.gathers += 1
+        other = list(values)
+        if self.differ and self.gathers == 1:
+            other[-1] += 1  # another rank's kinds
+        elif self.gathers == 1:
+            other[0] = 1.0  # its rank
+        return [values, other]
+
+
+class Module(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+        self.logged: dict[str, float] = {}
+
+    def log_dict(self, metrics: dict[str, float], **kwargs: Any) -> None:
+        self.logged = metrics
+
+
+def trainer(tmp: Path) -> Any:
+    return SimpleNamespace(
+        global_step=0,
+        global_rank=0,
+        is_global_zero=True,
+        log_dir=str(tmp),
+        world_size=2,
+        precision="32-true",
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+    )
+
+
+def run(profiler: StepProfiler, t: Any, module: Any, batches: list[Any], backward: bool = True) -> None:
+    """Steps 0..3 of one batch each; the engine waits 0.5 s (0.25 s on gathers) and, while its tally
+    is on, sends one reduce-scatter of 40 bytes per step."""
+    engine = profiler.engine
+    for step, batch in enumerate(batches):
+        t.global_step = step
+        profiler.on_train_batch_start(t, module, batch, step)
+        x = batch[0] if isinstance(batch, tuple) else batch
+        x = x if isinstance(x, torch.Tensor) else torch.randn(4, 16)
+        loss = module.net(x).sum()
+        profiler.on_before_backward(t, module, loss)
+        if backward:
+            loss.backward()
+            profiler.on_after_backward(t, module)
+        engine.wait += 0.5
+        engine.gather_wait += 0.25
+        if engine.tally is not None:
+            count, nbytes = engine.tally.get("reduce_scatter world", (0, 0))
+            engine.tally["reduce_scatter world"] = (count + 1, nbytes + 40)
+        profiler.on_before_optimizer_step(t, module, None)
+        t.global_step = step + 1
+        profiler.on_train_batch_end(t, module, None, batch, step)
+    t.global_step = len(batches)
+    profiler.on_train_batch_start(t, module, batches[0], len(batches))  # the report
+
+
+def test_a_counted_window(tmp_path: Path) -> None:
+    module = Module()
+    x = torch.randn(4, 16)
+    expected = measure_flops(module, lambda: module.net(x), lambda y: y.sum())
+    profiler = StepProfiler(Engine(), 1, 2)  # type: ignore[arg-type]
+    run(profiler, trainer(tmp_path), module, [(x, None)] * 4)
+    report = json.loads((tmp_path / PROFILE_FILE).read_text())
+    rates = report["throughput"]
+    assert rates["flops_per_token"] == expected / 64 and "FlopCounterMode" in rates["flops_formula"]
+    assert rates["tokens_per_step"] == 2 * 64 and rates["mfu"] is None
+    for rank in report["ranks"]:
+        assert [s["tokens"] for s in rank["steps"]] == [64, 64]
+        assert [s["gather_wait_s"] for s in rank["steps"]] == [0.25, 0.25]
+        assert rank["comm"] == {"reduce_scatter world": {"count": 2, "bytes": 80}}  # the window's 2 steps
+    assert report["estimate"] == {"param_bytes": 8}
+    assert (
+        module.logged["zero/profile/gather_wait_s"] == 0.25 and "zero/profile/tokens_per_s" in module.logged
+    )
+
+
+def test_a_count_without_backward_ends_with_its_batch(tmp_path: Path) -> None:
+    module = Module()
+    profiler = StepProfiler(Engine(), 1, 2)  # type: ignore[arg-type]
+    run(profiler, trainer(tmp_path), module, [(torch.randn(4, 16), None)] * 4, backward=False)
+    assert profiler._counter._mode is None  # not left counting through the window
+    forward = measure_flops(module, lambda: module.net(torch.randn(4, 16)))
+    assert profiler.report is not None and profiler.report["throughput"]["flops_per_token"] == forward / 64
+
+
+def test_unknown_tokens_and_kinds_that_differ(tmp_path: Path) -> None:
+    module = Module()
+    profiler = StepProfiler(Engine(differ=True), 1, 2)  # type: ignore[arg-type]
+    run(profiler, trainer(tmp_path), module, [torch.randn(4, 16), "text", "text", torch.randn(4, 16)])
+    report = profiler.report
+    assert report is not None
+    assert all("comm" not in rank for rank in report["ranks"])
+    assert all(s["tokens"] == -1 for rank in report["ranks"] for s in rank["steps"])
+    assert report["throughput"]["tokens_per_s"] is None and report["throughput"]["tokens_per_step"] is None
