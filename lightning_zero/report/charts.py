@@ -2,8 +2,9 @@
 
   * ``step_parts``: one stacked bar per rank, its segments the step's parts (seconds, mean over the
     window);
-  * ``comm_share``: exposed communication as a share of each rank's step (the stage-3 gather wait
-    stacked apart when measured), against the line at :data:`~lightning_zero.report.rules.COMM_SHARE`;
+  * ``comm_share``: exposed communication as a share of each rank's step (the wait for parameter
+    all-gathers stacked apart when measured), against the line at
+    :data:`~lightning_zero.report.rules.COMM_SHARE`;
   * ``memory``: the engine's bytes by kind per rank beside the estimate (when the profile has one),
     then each rank's peak beside what the engine holds;
   * ``collectives``: bytes per collective kind and group, per rank (when measured).
@@ -108,7 +109,9 @@ def comm_share(profile: Profile, path: Path) -> None:
         name = "exposed communication" + (", the rest" if any(gather) else "")
         axes.bar(labels, rest, 0.6, color=COMM_COLOR, label=name, **BAR)
         if any(gather):
-            axes.bar(labels, gather, 0.6, bottom=rest, color=GATHER_COLOR, label="stage-3 gather wait", **BAR)
+            axes.bar(
+                labels, gather, 0.6, bottom=rest, color=GATHER_COLOR, label="of it: parameter gathers", **BAR
+            )
         line = f"{COMM_SHARE:.0%} (the first rule's line)"
         axes.axhline(100 * COMM_SHARE, color=LINE_COLOR, linewidth=1, antialiased=False, label=line)
         axes.set_ylim(0, max(100 * COMM_SHARE, *comm) * 1.15)

@@ -151,9 +151,9 @@ def _step(profile: Profile) -> list[str]:
         "",
         *_table(header, rows),
         "The parts add up to the step; exposed communication is a share of them (the host waited on "
-        "collectives), the stage-3 gather wait a share of that. By busy time (step minus exposed "
-        f"communication) rank {profile.slowest_rank} is the slowest and rank {profile.fastest_rank} the "
-        f"fastest: {profile.slowest_over_fastest:.3f}x.",
+        "collectives), the wait for parameter all-gathers (stage 3: the units) a share of that. By busy "
+        f"time (step minus exposed communication) rank {profile.slowest_rank} is the slowest and rank "
+        f"{profile.fastest_rank} the fastest: {profile.slowest_over_fastest:.3f}x.",
         "",
         "![where the step goes](step_parts.png)",
         "",
@@ -178,7 +178,11 @@ def _value(value: object) -> str:
 def _communication(profile: Profile, drawn: bool) -> list[str]:
     ranks = profile.shown_ranks()
     rows = [
-        [str(r.rank), _ms(r.mean["comm_exposed_s"]), pct(r.mean["comm_exposed_s"] / r.mean["step_s"])]
+        [
+            str(r.rank),
+            _ms(r.mean["comm_exposed_s"]),
+            pct(r.mean["comm_exposed_s"] / (r.mean["step_s"] or 1.0)),
+        ]
         for r in ranks
     ]
     text = [

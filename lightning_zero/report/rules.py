@@ -33,7 +33,9 @@ def _comm(p: Profile) -> str | None:
     if share <= COMM_SHARE:
         return None
     gather = p.mean("gather_wait_s")
-    of_it = f" (the stage-3 gather wait {pct(p.share('gather_wait_s'))} of the step)" if gather else ""
+    of_it = (
+        f" ({pct(p.share('gather_wait_s'))} of the step waiting for parameter all-gathers)" if gather else ""
+    )
     return f"exposed communication is {pct(share)} of the step{of_it}"
 
 
