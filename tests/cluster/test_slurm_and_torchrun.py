@@ -247,7 +247,7 @@ def test_requeue_resumes_from_its_checkpoint_and_finishes(slurm: None, tmp_path:
     no step trained twice, every sample of the uninterrupted order trained once, the series pruned
     to its newest step checkpoint plus `last`, and the same parameters and optimizer state as an
     uninterrupted run of the same command (run locally while SLURM holds the requeued job)."""
-    steps, every = 20, 5
+    steps, every = 16, 4
     common = [
         "trainer.devices=2",
         f"trainer.max_steps={steps}",
@@ -316,7 +316,7 @@ def test_a_killed_rank_requeues_the_job_which_resumes_and_finishes(slurm: None, 
     rank 0 ends on the broken connection at once (`CommError`), requeues the job itself (one requeue, the
     first of `cluster.peer_failure_requeues`; srun runs with --kill-on-bad-exit=0 so it may), and the
     requeued job resumes from the newest complete checkpoint of the series and ends at max_steps."""
-    steps, every = 20, 5
+    steps, every = 16, 4
     overrides = [
         *SLURM_TWO_TASKS,
         f"trainer.max_steps={steps}",
