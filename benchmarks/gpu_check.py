@@ -25,7 +25,10 @@ with its error and the next one runs):
      model and optimizer were released, collected and the cache emptied) against each strategy's
      per-parameter formula and against ``lightning-zero estimate``'s figure for the same model
      (``model_state_estimate_gib``), communication wait from CUDA events, then
-     ``trainer.test(ckpt_path="best")`` after ``fit``.
+     ``trainer.test(ckpt_path="best")`` after ``fit``; ``zero`` and ``zero3`` with
+     ``profile_steps=(1, steps - 2)``: the step profile's tokens/s and MFU (its peak table by the CUDA
+     device's name), exposed communication and gather wait, memory by kind over its estimate
+     (``step_profile``).
   3. ``two_processes``: 2 processes on the one GPU with gloo (NCCL refuses two ranks on one GPU):
      the sharded optimizer's parameters against AdamW on the global batch after 6 steps, fp32, at
      stage 2 and at stage 3 (``zero3``), and stage 3 on the int8 wires (``zero3_int8``, loosely; an
@@ -196,18 +199,39 @@ def _module(size: str, seq: int, vocab_size: int) -> Any:
     return Module(config, OptimConfig(lr=3e-4, warmup_steps=5))
 
 
-def _strategy(name: str, quick: bool) -> Any:
+def _strategy(name: str, quick: bool, window: tuple[int, int] | None) -> Any:
     import lightning_zero
 
     if name == "ddp":
         return "ddp"
     if name == "zero":
-        return lightning_zero.ZeroStrategy(log_comm_stats=True)
+        return lightning_zero.ZeroStrategy(log_comm_stats=True, profile_steps=window)
     # units: every block (the tied embedding, held by the embedding and the output layer, and the final
     # norm stay in the root unit); quick: a lower threshold gives the tiny model the same units
     return lightning_zero.ZeroStrategy(
-        stage=3, log_comm_stats=True, min_unit_numel=1_000 if quick else 100_000
+        stage=3, log_comm_stats=True, min_unit_numel=1_000 if quick else 100_000, profile_steps=window
     )
+
+
+def _profile(root: Path) -> dict[str, Any] | None:
+    """The step profile's figures (``step_profile.json`` in the fit's root): its tokens/s and MFU (the
+    peak from its table by the device's name), the exposed communication and the gather wait, and each
+    memory kind over ``lightning-zero estimate``'s for the same run."""
+    path = root / "step_profile.json"
+    if not path.exists():
+        return None
+    report = json.loads(path.read_text())
+    rank = report["ranks"][0]
+    rates = report["throughput"]
+    held = {k: v for k, v in rank["memory"].items() if k in report["estimate"]}
+    return {
+        **{k: rates[k] for k in ("tokens_per_s", "achieved_tflops_per_device", "mfu", "peak_source")},
+        **{k: rank["mean"][k] for k in ("step_s", "comm_exposed_s", "gather_wait_s")},
+        "memory_over_estimate": {
+            k: v / report["estimate"][k] for k, v in held.items() if report["estimate"][k]
+        },
+        "peak_kind": rank["memory"]["peak_kind"],
+    }
 
 
 def _release_device_memory(device: str) -> float | None:
@@ -243,7 +267,7 @@ def _train_one(
     trainer = L.Trainer(
         accelerator=args.device,
         devices=1,
-        strategy=_strategy(strategy_name, args.quick),
+        strategy=_strategy(strategy_name, args.quick, (1, args.steps - 2) if args.steps >= 3 else None),
         precision=precision,
         max_steps=args.steps,
         limit_val_batches=2,
@@ -274,6 +298,7 @@ def _train_one(
         "comm_wait_s_last_step": metrics.get("zero/comm_wait_s"),
         "test_after_fit_best": tested[0] if tested else None,
         "best_checkpoint": Path(checkpoint.best_model_path).name,
+        "step_profile": _profile(root),
     }
 
 

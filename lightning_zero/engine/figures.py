@@ -22,7 +22,7 @@ from lightning_zero.engine.shard_state import ShardState
 from lightning_zero.engine.unit_gather import UnitGather
 from lightning_zero.layout.buckets import BucketPlan
 from lightning_zero.layout.flat import FlatParams
-from lightning_zero.layout.memory import estimate_components
+from lightning_zero.layout.memory import PRECISION_BYTES, estimate_components, full_precision
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,9 @@ class EngineFigures:
         rank's stage and tensor shard: the estimate's ``Ψ / (T·P)``), stage, shard group size, bucket
         size and, at stage 3, largest unit besides the root, keyed as :meth:`memory`'s figures:
         ``param_bytes``, ``grad_shard_bytes``, ``state_bytes``, ``peak_accumulating_bytes`` (its
-        gradient buckets in flight) and ``gathered_peak_bytes`` (its gathered units; stages 1 and 2: 0)."""
+        gradient buckets in flight) and ``gathered_peak_bytes`` (its gathered units, plus the root unit,
+        which the command leaves out, not knowing it, and stage 3 holds for the whole step; stages 1
+        and 2: 0)."""
         numel = sum(b.numel for b in self.plan.buckets)
         by_unit: dict[int, int] = {}
         for b in self.plan.buckets:
@@ -144,7 +146,12 @@ class EngineFigures:
             "peak_accumulating_bytes": "gradient buckets",
             "gathered_peak_bytes": "gathered units",
         }
-        return {kind: round(parts[name]) for kind, name in kinds.items()}
+        estimate = {kind: round(parts[name]) for kind, name in kinds.items()}
+        if self.units is not None:
+            estimate["gathered_peak_bytes"] += (
+                by_unit.get(0, 0) * PRECISION_BYTES[full_precision(precision)][0]
+            )
+        return estimate
 
     def time_device_waits(self, on: bool = True) -> bool:
         """Measure communication waits with CUDA events (NCCL, where a host timer reads ~0); they are

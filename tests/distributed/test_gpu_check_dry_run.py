@@ -66,6 +66,18 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
     )
     assert abs(ddp / zero - 10 / 18) < 1e-12 and zero3 == zero, (ddp, zero, zero3)
 
+    # the step profile of the zero strategies' fits: rates, no peak on a CPU, the gather wait a share
+    # of the exposed waits, and every memory kind within 10 % of the estimate (stage 3: the root unit,
+    # the tied embedding here, counted beside the estimate's gathered units)
+    for precision in ("bf16-mixed", "bf16-true"):
+        for strategy in ("zero", "zero3"):
+            profile = train[f"tiny/{precision}/{strategy}"]["step_profile"]
+            assert _finite_positive(profile["tokens_per_s"]) and profile["mfu"] is None, profile
+            assert 0 <= profile["gather_wait_s"] <= profile["comm_exposed_s"], profile
+            ratios = profile["memory_over_estimate"]
+            assert ("gathered_peak_bytes" in ratios) == (strategy == "zero3"), ratios
+            assert all(0.9 <= r <= 1.1 for r in ratios.values()), (precision, strategy, ratios)
+
     two = report["two_processes"]
     for stage in ("zero", "zero3"):
         for rank in (0, 1):
