@@ -162,7 +162,6 @@ class StepProfiler(pl.Callback):
         if self._open is None:
             if not self.steps:  # the window's first batch
                 self._device_waits_before = self.engine.time_device_waits()
-                self._flops = self._flops_per_token(pl_module, batch)
                 self.engine.start_collective_tally()
                 self.engine.gathered_peak_bytes(reset=True)
             self._open, self._first_start = StepTimes(step=trainer.global_step), now
@@ -226,6 +225,8 @@ class StepProfiler(pl.Callback):
         step.batches += 1
         if self._before_step:
             step.optimizer_s += now - self._before_step
+        if not self._flops[1]:  # the window's first batch: between two timed intervals (a model built)
+            self._flops = self._flops_per_token(pl_module, batch)
         self._mark = time.perf_counter()
         if trainer.global_step == self._step_before:  # a micro-batch that only accumulates
             return
