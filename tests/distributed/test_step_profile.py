@@ -102,13 +102,17 @@ ESTIMATED = {  # the memory kinds of the profile, and what lightning-zero estima
 def check_estimate(profile: dict[str, Any], stage: int) -> float:
     """``estimate`` is ``lightning-zero estimate``'s arithmetic for this run (the MLP's parameters on 2
     ranks, fp32, the default bucket size, one block per unit at stage 3), and every rank's figures are
-    within 10 % of it (a kind predicted 0 is 0)."""
+    within 10 % of it (a kind predicted 0 is 0); but stage 3's gradient buckets, a bound (3 units: one
+    filling, two in flight), of which a rank holds fewer when its reduce-scatters are collected early."""
     parts = estimate_components(PARAMS, 2, "32-true", 25.0, UNIT if stage == 3 else 0)[f"zero{stage}"]
     assert profile["estimate"] == {kind: round(parts[name]) for kind, name in ESTIMATED.items()}
     worst = 0.0
     for rank in profile["ranks"]:
         for kind, predicted in profile["estimate"].items():
             held = rank["memory"][kind]
+            if stage == 3 and kind == "peak_accumulating_bytes":
+                assert 4 * UNIT <= held <= predicted, (kind, held, predicted)  # one unit filling, at least
+                continue
             off = abs(held - predicted) / predicted if predicted else float(held != 0)
             assert off <= 0.10, (stage, kind, held, predicted)
             worst = max(worst, off)
