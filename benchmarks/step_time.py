@@ -26,6 +26,10 @@ writes its figures; this script prints them side by side:
     gathers the full model back, comes after), the analogue of ``torch.cuda.max_memory_allocated``: RSS also
     counts memory glibc keeps after a free, which depends on the allocation history, not on what
     the strategy holds. Its saving against ddp over the same theoretical one is printed too.
+With ``--profile`` the ``zero*`` rows also run the strategy's step profiler
+(``profile_steps``) over the steps the step time is the median of, and the last (its report is made at
+the fit's end, outside those steps); ``benchmarks/step_time_profile.py`` prints its figures against
+this script's own.
 A row whose launch fails (or whose library is missing: DeepSpeed is optional, ``pip install
 deepspeed==0.19.8``) is printed as "not run: <reason>" and the other rows still run; "n/c" marks a
 figure not counted for that row.
@@ -53,6 +57,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from peers import CPUDeepSpeedStrategy, CPUFSDPStrategy, count_collectives  # noqa: E402  # this folder
 from step_time_model import GPT, Block, HeapPeak  # noqa: E402  # this folder
+from step_time_profile import agreement, profile_figures  # noqa: E402  # this folder
 from step_time_report import WARMUP_STEPS, figures_path, report  # noqa: E402  # this folder
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -139,6 +144,7 @@ def make_strategy(name: str, args: argparse.Namespace) -> Any:
         cap = 5.0 if name.endswith("5MB") else args.bucket_cap_mb
         wire = {"bf16": "bf16", "int8": "int8"}.get(name.rsplit("-", 1)[-1])
         stage3 = {"reshard_after_forward": not name.endswith("keep")}  # units: blocks, embedding, head
+        window = (WARMUP_STEPS, args.steps - 1) if args.profile else None  # the timed steps, and the last
         return lightning_zero.ZeroStrategy(
             stage=int(name[4]),
             shard_group_size=2 if name.endswith("2x2") else None,  # 4 ranks: 2 groups of 2
@@ -147,6 +153,7 @@ def make_strategy(name: str, args: argparse.Namespace) -> Any:
             skip_nonfinite_steps=3 if name.endswith("nonfinite") else 0,
             reduce_dtype=wire,
             gather_dtype="int8" if name == "zero3-int8" else None,
+            profile_steps=window,
             **(stage3 if name.startswith("zero3") else {}),
         )
     if name.startswith("fsdp2"):
@@ -223,6 +230,7 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        default_root_dir=Path(args.out, f"{args.model}.{name}.round{args.round}"),  # step_profile.json
     )
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     state_b, grad_b, sent = model.figures
@@ -241,6 +249,7 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         "setup_rss_mb": model.setup_rss_mb,
         "peak_heap_mb": model.train_heap_mb,
         "params": params,
+        "profile": profile_figures(trainer),
     }
     figures_path(args, name, args.round, trainer.global_rank).write_text(json.dumps(figures))
 
@@ -269,10 +278,17 @@ def main() -> None:
         "--json", type=Path, help="also write every rank's raw figures, by model and row, to this file"
     )
     parser.add_argument("--rounds", type=int, default=2, help="runs of every strategy, interleaved")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="zero rows: run the step profiler over the timed steps and print its figures against these",
+    )
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
     parser.add_argument("--only", choices=STRATEGIES, help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.profile and args.steps < WARMUP_STEPS + 2:
+        parser.error(f"--profile needs --steps >= {WARMUP_STEPS + 2}: timed steps from {WARMUP_STEPS} on")
     if args.only:
         run_one(args.only, args)
         return
@@ -299,6 +315,8 @@ def main() -> None:
     for model in models:
         args.model = model
         raw[model] = {"rows": report(args, not_run[model]), "not_run": not_run[model]}
+        if args.profile:
+            raw[model]["profile_agreement"] = agreement(raw[model]["rows"])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(raw, indent=1) + "\n")

@@ -92,6 +92,7 @@ class GPT(L.LightningModule):
         self.step_s: list[float] = []
         self.wait_s: list[float] = []
         self.counted = {"elements": 0}
+        self.batch_marks: dict[str, float] = {}  # the engine's counters at the last batch start
 
     def configure_model(self) -> None:
         if self.fsdp2_reshard is None:
@@ -152,11 +153,11 @@ class GPT(L.LightningModule):
             self.step_s.append(now - started)
             if opt is not None:
                 opt.engine.flush_timings()
-                self.wait_s.append(opt.engine.comm_wait_s())
+                self.wait_s.append(opt.engine.comm_wait_s() - self.batch_marks["wait_s"])
         self._t0 = now
         self.counted["elements"] = 0
-        if opt is not None:
-            opt.engine.reset_comm_stats()
+        if opt is not None:  # not reset: a step profiler reads the same counters across this hook
+            self.batch_marks = comm_marks(opt.engine)
 
     def on_train_start(self) -> None:
         self.setup_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -165,15 +166,14 @@ class GPT(L.LightningModule):
         self.train_heap_mb = self.heap.peak_mb if self.heap is not None else None  # training only
         self.figures = optimizer_and_grad_bytes(self.trainer, self)
         opt = getattr(self.trainer.strategy, "sharded_optimizer", None)
-        self.inter = (  # hybrid sharding: sent across the replica groups in the last step, and the formula's
-            (opt.engine.replica_comm_stats.elements_sent, opt.engine.min_replica_elements_per_step())
-            if opt is not None
-            else None
-        )  # read before collectives_alone_s sends more
         engine = None if opt is None else opt.engine
-        self.bytes_sent = None if engine is None else engine.comm_stats.bytes_sent
-        if engine is not None:
-            self.bytes_sent += engine.replica_comm_stats.bytes_sent
+        last = (
+            None if engine is None else last_step_sent(engine, self.batch_marks)
+        )  # before collectives_alone_s
+        self.inter = (  # hybrid sharding: sent across the replica groups in the last step, and the formula's
+            (last["replica_elements"], engine.min_replica_elements_per_step()) if last is not None else None
+        )
+        self.bytes_sent = None if last is None else last["bytes"] + last["replica_bytes"]
         quantized = opt is not None and "int8" in (opt.config.reduce_dtype, opt.config.gather_dtype)
         # the int8 wire's collectives (all-to-all, byte rows) are not the ones timed alone: no "exposed"
         self.alone_s = collectives_alone_s(opt) if opt is not None and not quantized else None
@@ -186,7 +186,8 @@ def optimizer_and_grad_bytes(trainer: L.Trainer, model: GPT) -> tuple[int, int |
     opt = getattr(trainer.strategy, "sharded_optimizer", None)
     if opt is not None:
         grads = sum(g.numel() * g.element_size() for g in opt.engine.reducer.grad_shards)
-        return opt.engine.memory().state_bytes, grads, opt.engine.comm_stats.elements_sent
+        sent = last_step_sent(opt.engine, model.batch_marks)["elements"]
+        return opt.engine.memory().state_bytes, grads, sent
     inner = trainer.optimizers[0]
     inner = getattr(inner, "optim", inner)  # ZeroRedundancyOptimizer keeps the local optimizer in .optim
     inner = getattr(inner, "optimizer", inner)  # DeepSpeed's ZeRO optimizers wrap the model's
@@ -200,6 +201,26 @@ def optimizer_and_grad_bytes(trainer: L.Trainer, model: GPT) -> tuple[int, int |
     if isinstance(trainer.strategy, DeepSpeedStrategy):  # its gradients live in its own buffers
         return state, None, model.counted["elements"]
     return state, grads, model.counted["elements"]
+
+
+def comm_marks(engine: Any) -> dict[str, float]:
+    """The engine's communication counters now. The model reads its figures as differences from the
+    marks of the last batch start instead of resetting the counters there: a reset inside a profiled
+    step (a LightningModule's batch-start hook runs after the callbacks') would cut the step profile's
+    wait and collective tally short."""
+    stats, replicas = engine.comm_stats, engine.replica_comm_stats
+    return {
+        "wait_s": engine.comm_wait_s(),
+        "elements": stats.elements_sent,
+        "bytes": stats.bytes_sent,
+        "replica_elements": replicas.elements_sent,
+        "replica_bytes": replicas.bytes_sent,
+    }
+
+
+def last_step_sent(engine: Any, marks: dict[str, float]) -> dict[str, float]:
+    """What the engine's counters grew by since ``marks`` (:func:`comm_marks` at the last batch start)."""
+    return {k: v - marks[k] for k, v in comm_marks(engine).items()}
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
