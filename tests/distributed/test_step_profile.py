@@ -84,12 +84,16 @@ def check_profile(ranks: list[dict[str, Any]], stage: int) -> dict[str, float]:
         assert memory["gathered_peak_bytes"] >= memory["gathered_bytes"]
         assert memory["param_bytes"] > 0 and memory["state_bytes"] > 0 and memory["grad_shard_bytes"] > 0
         assert memory["peak_bytes"] > memory["state_bytes"] and memory["peak_kind"] == "process_max_rss"
+        assert memory["activation_bytes"] == SAVED, memory  # stage 3's unit gathers save nothing more
     worst["tokens_per_s_vs_clock"] = check_throughput(profile, ranks)
     worst["engine_vs_estimate"] = check_estimate(profile, stage)
     return worst
 
 
 PARAMS, UNIT = 4 * (64 * 64 + 64) + 65, 64 * 64 + 64  # the MLP of profile_fit; one block (a stage-3 unit)
+SAVED = 4 * 8 * (64 + 4 * 64 + 1 + 1)
+"""What the MLP's forward saves for one micro-batch of 8 samples, float32: its input, the 4 Tanh outputs
+(each also the next Linear's input), the head's output and the target (``mse_loss``); no weight."""
 ESTIMATED = {  # the memory kinds of the profile, and what lightning-zero estimate calls them
     "param_bytes": "parameters",
     "grad_shard_bytes": "gradients",

@@ -153,3 +153,32 @@ def test_unknown_tokens_and_kinds_that_differ(tmp_path: Path) -> None:
     assert all("comm" not in rank for rank in report["ranks"])
     assert all(s["tokens"] == -1 for rank in report["ranks"] for s in rank["steps"])
     assert report["throughput"]["tokens_per_s"] is None and report["throughput"]["tokens_per_step"] is None
+
+
+class Halves(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h[:, :16] * h[:, 16:]  # the product saves both halves: two views of one storage
+
+
+def test_the_activations_of_the_step_before_the_window(tmp_path: Path) -> None:
+    """What autograd saves in the forward of step 0's micro-batch, each storage once: the input (read
+    by the first weight's gradient), the Tanh's output (its own backward; the product's two halves are
+    views of it) and the product (the last Linear's input); not the weights nor their transposed views.
+    The count ends before the backward."""
+    module = Module()
+    module.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), Halves(), nn.Linear(16, 1))
+    x = torch.randn(4, 16)
+    profiler = StepProfiler(Engine(), 1, 2)  # type: ignore[arg-type]
+    run(profiler, trainer(tmp_path), module, [(x, None)] * 4)
+    assert not profiler._activations.counting
+    report = json.loads((tmp_path / PROFILE_FILE).read_text())
+    hidden, product = 4 * 32 * 4, 4 * 16 * 4  # float32
+    assert [r["memory"]["activation_bytes"] for r in report["ranks"]] == [x.nbytes + hidden + product] * 2
+
+
+def test_no_activations_are_counted_from_step_0_or_under_a_pipeline(tmp_path: Path) -> None:
+    for first, pipeline in ((0, False), (1, True)):
+        profiler = StepProfiler(Engine(), first, 2, pipeline=pipeline)  # type: ignore[arg-type]
+        run(profiler, trainer(tmp_path), Module(), [(torch.randn(4, 16), None)] * 4)
+        assert profiler.report is not None
+        assert all("activation_bytes" not in r["memory"] for r in profiler.report["ranks"]), (first, pipeline)

@@ -27,7 +27,10 @@ Lightning's ``global_step`` when the step's first batch starts) each rank times,
 Over the window each rank also counts its micro-batches' tokens and, by kind and group, the
 collectives it issues and the bytes it sends (the engine's tally, on from the window's first batch
 start to its last batch end; off, the default, it costs one test per collective); FLOPs per token
-come from the LightningModule or are counted on the step before the window, and the peak from a
+come from the LightningModule or are counted on the step before the window (as are the bytes autograd
+saves in the forward of its first micro-batch, ``activation_bytes``:
+:mod:`~lightning_zero.integrations.trainer.saved_activations`; not under a pipeline schedule, whose
+micro-batches' forwards and backwards interleave), and the peak from a
 table or ``profile_peak_tflops`` (:mod:`~lightning_zero.integrations.trainer.step_rates`). The report
 adds the rates (``throughput``) and ``lightning-zero estimate``'s prediction of the memory by kind for
 the same model, stage and layout (``estimate``: the engine's
@@ -61,6 +64,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_zero.engine import ShardEngine
+from lightning_zero.integrations.trainer.saved_activations import SavedActivations
 from lightning_zero.integrations.trainer.step_rates import (
     FlopCount,
     batch_tokens,
@@ -101,6 +105,7 @@ _MEMORY = [
     "gathered_peak_bytes",
     "pool_bytes",
     "peak_accumulating_bytes",
+    "activation_bytes",
     "peak_bytes",
 ]
 
@@ -130,6 +135,7 @@ class StepProfiler(pl.Callback):
         self._start = self._before_backward = self._before_step = 0.0
         self._wait_start = self._gather_start = 0.0  # the engine's comm waits at the batch's start
         self._counter = FlopCount()  # the step before the window's first micro-batch, when counted
+        self._activations = SavedActivations()  # that micro-batch's forward too (not under a pipeline)
         self._flops: tuple[float | None, str] = (None, "")  # FLOPs per token and where they come from
         self._comm: dict[str, tuple[int, int]] | None = None  # the window's collective tally
         self._gathered_peak = 0  # stage 3: the most bytes of units gathered at once in the window
@@ -156,6 +162,9 @@ class StepProfiler(pl.Callback):
         if trainer.global_step == self.first - 1 and first_batch and self._counter.flops_per_token is None:
             if not self.model_parallel and given_flops_per_token(pl_module, batch) is None:
                 self._counter.start(batch_tokens(pl_module, batch))  # left in on_after_backward
+        if trainer.global_step == self.first - 1 and first_batch and self._activations.bytes is None:
+            if not self.pipeline and not self._activations.counting:
+                self._activations.start()  # left before its backward
         if self.report is not None or not self.first <= trainer.global_step <= self.last:
             return
         self._start = now = self._now()
@@ -187,6 +196,7 @@ class StepProfiler(pl.Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self._activations.stop()  # a count started at this batch's start ends (once)
         if self._open is not None:
             self._before_backward = self._now()
 
@@ -216,6 +226,7 @@ class StepProfiler(pl.Callback):
         step = self._open
         if step is None:
             self._counter.stop()  # a batch without a backward (manual optimization) ends a count too
+            self._activations.stop()
             self._mark = time.perf_counter()
             return
         now = self._now()
@@ -280,7 +291,14 @@ class StepProfiler(pl.Callback):
         held = asdict(self.engine.memory())
         peak, kind = self.engine.peak_memory_bytes()
         figures = {k: held[k] for k in _MEMORY if k in held}
-        return {**figures, "gathered_peak_bytes": self._gathered_peak, "peak_bytes": peak, "peak_kind": kind}
+        saved = -1 if self._activations.bytes is None else self._activations.bytes  # -1: not counted
+        return {
+            **figures,
+            "gathered_peak_bytes": self._gathered_peak,
+            "activation_bytes": saved,
+            "peak_bytes": peak,
+            "peak_kind": kind,
+        }
 
     def _report(
         self, rows: list[list[float]], peak_kind: str, comm: list[dict[str, dict[str, int]] | None]
@@ -296,7 +314,7 @@ class StepProfiler(pl.Callback):
             ]
             mean = {name: statistics.fmean(t[name] for t in times) for name in _TIMES}
             held = row[count * (width + 1) :]
-            memory: dict[str, Any] = {k: int(v) for k, v in zip(_MEMORY, held, strict=True)}
+            memory: dict[str, Any] = {k: int(v) for k, v in zip(_MEMORY, held, strict=True) if v >= 0}
             memory["peak_kind"] = peak_kind
             ranks.append({"rank": int(rank), "mean": mean, "steps": steps, "memory": memory})
             if tally is not None:  # absent where the ranks' kinds differed
