@@ -8,7 +8,6 @@ callbacks are refused before training. (Sharded runs against ``"ddp"``: the conf
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
 
 from lightning_zero.engine.averaging import average_into
+from tests.launch import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,13 +115,10 @@ print("DONE")
 
 
 def _run(tmp_path: Path, what: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT), str(tmp_path), what],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """SCRIPT in a process of its own (a warm interpreter's fork: ``tests/zygote.py``)."""
+    script = tmp_path / "averaging.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    result = run_script([sys.executable, str(script), str(tmp_path), what], 1, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
