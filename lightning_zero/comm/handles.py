@@ -124,11 +124,11 @@ class CommStats:
     with ``_control`` appended for control traffic (masks, norms, flags, plan checks)."""
 
     def reset(self) -> None:
+        """Zero the counters; the :attr:`tally` runs on (it has its own start and stop: the
+        ``log_comm_stats`` monitor resets between logs, inside a step profiler's window)."""
         self.elements_sent = self.bytes_sent = self.collectives = 0
         self.control_elements_sent = self.control_bytes_sent = 0
         self.wait_s = self.gather_wait_s = 0.0
-        if self.tally is not None:
-            self.tally = {}
 
     def start_tally(self) -> None:
         """Count the collectives and bytes by kind from now on (:attr:`tally`, emptied)."""
