@@ -293,10 +293,7 @@ class Comm:
             return
         start_s = time.perf_counter()
         self._run(what, work.wait, blocking=False)
-        waited = time.perf_counter() - start_s
-        self.stats.wait_s += waited
-        if params:
-            self.stats.gather_wait_s += waited
+        self.stats.add_wait(time.perf_counter() - start_s, params)
         self._drop_work(handle)
 
     def _drop_work(self, handle: Any) -> None:
@@ -337,10 +334,7 @@ class Comm:
         device: call when the figures are read, e.g. once per logged step, not in the step)."""
         for start, end, params in self._device_waits:
             end.synchronize()
-            waited = start.elapsed_time(end) / 1000.0
-            self.stats.wait_s += waited
-            if params:
-                self.stats.gather_wait_s += waited
+            self.stats.add_wait(start.elapsed_time(end) / 1000.0, params)
         self._device_waits.clear()
 
     def broadcast_tensors(self, tensors: list[Tensor], src: int = 0, bucket_bytes: int = 250 * 2**20) -> None:

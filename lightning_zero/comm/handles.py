@@ -116,6 +116,9 @@ class CommStats:
     gather_wait_s: float = 0.0
     """Of :attr:`wait_s`, the seconds spent waiting for parameter all-gathers (stage 3's unit gathers;
     stages 1 and 2: the gathers after the optimizer step)."""
+    waits_since_start_s: tuple[float, float] = (0.0, 0.0)
+    """:attr:`wait_s` and :attr:`gather_wait_s` since this communicator was made, never reset: what a
+    step profiler reads across the ``log_comm_stats`` monitor's resets, which fall inside its window."""
     collectives: int = 0
     tally: dict[str, list[int]] | None = None
     """``None`` (the default: nothing is done per collective but this test), or, while a step profiler
@@ -129,6 +132,14 @@ class CommStats:
         self.elements_sent = self.bytes_sent = self.collectives = 0
         self.control_elements_sent = self.control_bytes_sent = 0
         self.wait_s = self.gather_wait_s = 0.0
+
+    def add_wait(self, seconds: float, params: bool) -> None:
+        """Count ``seconds`` blocked on a collective; ``params``: a parameter all-gather's wait."""
+        gathered = seconds if params else 0.0
+        self.wait_s += seconds
+        self.gather_wait_s += gathered
+        waited, gathers = self.waits_since_start_s
+        self.waits_since_start_s = (waited + seconds, gathers + gathered)
 
     def start_tally(self) -> None:
         """Count the collectives and bytes by kind from now on (:attr:`tally`, emptied)."""

@@ -90,13 +90,19 @@ class EngineFigures:
         for comm in self._comms():
             comm.stats.reset()
 
-    def comm_wait_s(self) -> float:
-        """Seconds blocked on collectives since the counters were reset, over every group."""
+    def comm_wait_s(self, since_start: bool = False) -> float:
+        """Seconds blocked on collectives since the counters were reset (:meth:`reset_comm_stats`), over
+        every group; ``since_start``: since the engine was built, whatever was reset (what a reader of
+        differences over a window reads: another reader may reset the counters inside it)."""
+        if since_start:
+            return sum(comm.stats.waits_since_start_s[0] for comm in self._comms())
         return sum(comm.stats.wait_s for comm in self._comms())
 
-    def comm_gather_wait_s(self) -> float:
-        """Of :meth:`comm_wait_s`, the seconds blocked on parameter all-gathers (stage 3's unit gathers;
-        stages 1 and 2: the gathers after the optimizer step), over every group."""
+    def comm_gather_wait_s(self, since_start: bool = False) -> float:
+        """Of :meth:`comm_wait_s` (with the same ``since_start``), the seconds blocked on parameter
+        all-gathers (stage 3's unit gathers; stages 1 and 2: the gathers after the optimizer step)."""
+        if since_start:
+            return sum(comm.stats.waits_since_start_s[1] for comm in self._comms())
         return sum(comm.stats.gather_wait_s for comm in self._comms())
 
     def start_collective_tally(self) -> None:

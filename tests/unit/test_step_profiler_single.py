@@ -23,6 +23,7 @@ class Engine:
 
     def __init__(self, differ: bool = False) -> None:
         self.wait = self.gather_wait = 0.0
+        self.reset_at = (0.0, 0.0)  # the waits when the counters were last reset
         self.tally: dict[str, tuple[int, int]] | None = None
         self.differ = differ
         self.gathers = 0
@@ -32,11 +33,14 @@ class Engine:
     def time_device_waits(self, on: bool = True) -> bool:
         return False
 
-    def comm_wait_s(self) -> float:
-        return self.wait
+    def comm_wait_s(self, since_start: bool = False) -> float:
+        return self.wait - (0.0 if since_start else self.reset_at[0])
 
-    def comm_gather_wait_s(self) -> float:
-        return self.gather_wait
+    def comm_gather_wait_s(self, since_start: bool = False) -> float:
+        return self.gather_wait - (0.0 if since_start else self.reset_at[1])
+
+    def reset_comm_stats(self) -> None:
+        self.reset_at = (self.wait, self.gather_wait)
 
     def start_collective_tally(self) -> None:
         self.tally = {}
@@ -96,6 +100,7 @@ def run(profiler: StepProfiler, t: Any, module: Any, batches: list[Any], backwar
     for step, batch in enumerate(batches):
         t.global_step = step
         profiler.on_train_batch_start(t, module, batch, step)
+        engine.reset_comm_stats()  # as the log_comm_stats monitor's batch start may, after the profiler's
         x = batch[0] if isinstance(batch, tuple) else batch
         x = x if isinstance(x, torch.Tensor) else torch.randn(4, 16)
         loss = module.net(x).sum()

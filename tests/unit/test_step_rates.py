@@ -159,8 +159,10 @@ def test_parameter_gather_waits_are_counted_apart() -> None:
     comm.wait(comm.all_gather(out, shard))  # not parameters: a wait, not a gather wait
     comm.wait(comm.all_reduce(out))
     assert comm.stats.gather_wait_s == gathered < comm.stats.wait_s
+    waited = comm.stats.wait_s
     comm.stats.reset()
-    assert comm.stats.gather_wait_s == 0.0
+    assert comm.stats.gather_wait_s == 0.0 == comm.stats.wait_s
+    assert comm.stats.waits_since_start_s == (waited, gathered)  # no reset clears them
 
 
 def test_the_estimate_bounds_buckets_by_the_model() -> None:

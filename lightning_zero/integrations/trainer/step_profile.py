@@ -180,7 +180,9 @@ class StepProfiler(pl.Callback):
         self._open.tokens = -1 if tokens is None or self._open.tokens < 0 else self._open.tokens + tokens
         self._before_backward = self._before_step = 0.0
         self.engine.flush_timings()
-        self._wait_start, self._gather_start = self.engine.comm_wait_s(), self.engine.comm_gather_wait_s()
+        # counters no reset clears: the log_comm_stats monitor resets its own inside the window
+        self._wait_start = self.engine.comm_wait_s(since_start=True)
+        self._gather_start = self.engine.comm_gather_wait_s(since_start=True)
 
     def _flops_per_token(self, pl_module: pl.LightningModule, batch: Any) -> tuple[float | None, str]:
         given = given_flops_per_token(pl_module, batch)
@@ -231,8 +233,8 @@ class StepProfiler(pl.Callback):
             return
         now = self._now()
         self.engine.flush_timings()  # CUDA: the waits' events are read (the device is synchronised)
-        step.comm_exposed_s += self.engine.comm_wait_s() - self._wait_start
-        step.gather_wait_s += self.engine.comm_gather_wait_s() - self._gather_start
+        step.comm_exposed_s += self.engine.comm_wait_s(since_start=True) - self._wait_start
+        step.gather_wait_s += self.engine.comm_gather_wait_s(since_start=True) - self._gather_start
         step.batches += 1
         if self._before_step:
             step.optimizer_s += now - self._before_step
