@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 import lightning_zero
+from lightning_zero.comm import end_process_group
 from lightning_zero.report import PROFILE_FILE, ReportError, write_report
 from recipes.config import ConfigError, Run, build_run, validate  # registers `pretrain_schema`, resolvers
 from recipes.training import EXIT_PEER_FAILURE, LossPlot, peer_failure
@@ -121,6 +122,10 @@ def main(cfg: DictConfig) -> None:
     log_dir = Path(run.trainer.log_dir or run.run_dir)  # a broadcast inside: every rank asks
     if run.trainer.is_global_zero:
         report(run, cfg, sample, log_dir)
+    # every rank, its work done: a gloo group left to the interpreter's exit-time destructors can abort
+    # a finished run ("terminate called without an active exception", exit status -6; seen once in a
+    # docs session of the demo's resume, after its report)
+    end_process_group()
 
 
 if __name__ == "__main__":
