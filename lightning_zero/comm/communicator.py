@@ -35,6 +35,7 @@ from lightning_zero.comm.handles import (
     process_watchdog,
 )
 from lightning_zero.comm.history import group_history, last_collectives
+from lightning_zero.comm.host_clock import CLOCK
 from lightning_zero.comm.recorder import Recorder, recorder_for
 from lightning_zero.comm.signatures import SignatureCheck
 from lightning_zero.comm.trace import span
@@ -294,7 +295,9 @@ class Comm(ControlCollectives):
             return
         start_s = time.perf_counter()
         self._run(what, work.wait, blocking=False)
-        self.stats.add_wait(time.perf_counter() - start_s, params)
+        waited = time.perf_counter() - start_s
+        self.stats.add_wait(waited, params)
+        CLOCK.waited(waited)  # not our code's host time (a profiled window's host_s)
         self._drop_work(handle)
 
     def _drop_work(self, handle: Any) -> None:

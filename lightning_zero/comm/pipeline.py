@@ -42,6 +42,7 @@ from torch.distributed.pipelining import (
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.handles import CommError
 from lightning_zero.comm.history import last_collectives
+from lightning_zero.comm.host_clock import STAGE_CLOCK
 
 SCHEDULES: dict[str, Any] = {
     "gpipe": ScheduleGPipe,
@@ -130,7 +131,7 @@ class ShardedStage(PipelineStage):
             self.kept.put_back()
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
-        with _stage_work():
+        with _stage_work(), STAGE_CLOCK.timing(self.device):
             return super().forward_maybe_with_nosync(*args, **kwargs)
 
     def backward_maybe_with_nosync(
@@ -141,9 +142,9 @@ class ShardedStage(PipelineStage):
         if all(s._finished for s in self.siblings):  # the step's reduction, bucket by bucket in this backward
             for stage in self.siblings:
                 stage._finished = False
-            with _stage_work():
+            with _stage_work(), STAGE_CLOCK.timing(self.device):
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        with _stage_work(), self._no_sync():
+        with _stage_work(), self._no_sync(), STAGE_CLOCK.timing(self.device):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
@@ -264,7 +265,7 @@ def schedule(
         )
 
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        with _stage_work():
+        with _stage_work(), STAGE_CLOCK.timing(output.device):
             return loss_fn(output, target) / microbatches
 
     chosen = list(stages) if several else stages  # type: ignore[arg-type]

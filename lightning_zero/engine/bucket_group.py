@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.host_clock import timed
 from lightning_zero.comm.trace import span
 from lightning_zero.config import ZeroConfig, master_dtype
 from lightning_zero.engine.codecs import InFlight, WireCodec, codec_for
@@ -209,6 +210,7 @@ class BucketGroup:
         # weakly: a hook the parameter holds must not keep the group alive once the optimizer is gone
         owner, param = weakref.ref(self), weakref.ref(params[index])
 
+        @timed
         def check(grad: Tensor) -> None:
             group, p = owner(), param()
             if group is not None and p is not None:

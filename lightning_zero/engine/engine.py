@@ -44,6 +44,7 @@ import lightning_zero.comm.signatures as signatures
 import lightning_zero.engine.grad_math as grad_math
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups
+from lightning_zero.comm.host_clock import timed
 from lightning_zero.comm.trace import span
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.averaging import ShardAveraging
@@ -289,15 +290,18 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         or a step in progress)."""
         return not self.reducer.idle
 
+    @timed
     def finish_grad_sync(self) -> list[bool] | None:
         """Complete this step's gradient communication (idempotent; all ranks). Returns which
         parameters some rank used when unused parameters are tracked, else ``None``."""
         return self.reducer.finalize()
 
+    @timed
     def zero_grad(self) -> None:
         """Drop this step's gradients (all ranks: it may wait for collectives in flight)."""
         self.reducer.reset()
 
+    @timed
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the global gradient norm over all shards; returns the norm before clipping. All ranks."""
         self.finish_grad_sync()
@@ -313,6 +317,7 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         tensor = None if self.tensor is None else self.tensor.comm
         return [c for c in (tensor, self.pipeline) if c is not None]
 
+    @timed
     def unscale_(self, scale: float | Tensor) -> bool:
         """Divide the shard gradients by a loss scale; True on every rank if any rank has inf/NaN."""
         self.finish_grad_sync()
@@ -323,6 +328,7 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
             self.guard.known_finite()  # every shard was checked: the non-finite guard need not ask
         return found_inf
 
+    @timed
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]`` (local: no communication)."""
@@ -330,6 +336,7 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         for g in self.reducer.grad_shards:
             g.clamp_(-clip_value, clip_value)
 
+    @timed
     def grad_norms(self, norm_type: float) -> tuple[list[torch.nn.Parameter], Tensor, list[bool] | None]:
         """Per-parameter gradient norms: the parameters in plan order, ``(num_params,)`` float64 norms,
         and the used mask of :meth:`finish_grad_sync`. All ranks (one all-reduce), after backward."""
@@ -343,6 +350,7 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
 
     # ---- the step ---------------------------------------------------------------------------
 
+    @timed
     @torch.no_grad()
     def step(self) -> None:
         """Collect the gradient rounds, update the owned shards, launch each bucket's all-gather.

@@ -15,6 +15,7 @@ import torch
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups
 from lightning_zero.comm.handles import CommStats
+from lightning_zero.comm.host_clock import CLOCK
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.nonfinite import NonFiniteGuard
 from lightning_zero.engine.reducer import GradReducer
@@ -171,6 +172,24 @@ class EngineFigures:
         for comm in self._comms():
             comm.time_device_waits = on
         return before
+
+    def time_host(self, on: bool = True) -> bool:
+        """Time the host in lightning-zero's code on this thread (the process's clock, shared by every
+        engine: :mod:`lightning_zero.comm.host_clock`), read by :meth:`host_s`; ``on=False`` stops it.
+
+        Returns:
+            whether it was on before the call.
+        """
+        if on:
+            return CLOCK.start()
+        was = CLOCK.on
+        CLOCK.stop()
+        return was
+
+    def host_s(self) -> float:
+        """Seconds the host spent in lightning-zero's code, less its waits on collectives, while
+        :meth:`time_host` was on (never reset: read differences)."""
+        return CLOCK.seconds
 
     def synchronize_device(self) -> None:
         """Wait until this rank's device has run the work queued so far (CUDA; nothing on a CPU, where

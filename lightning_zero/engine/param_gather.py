@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.host_clock import timed
 from lightning_zero.layout.buckets import BucketPlan
 from lightning_zero.layout.flat import FlatParams
 
@@ -122,6 +123,7 @@ class ParamGather:
     def _waiter(self, buckets: tuple[int, ...]):  # noqa: ANN202 - a closure over the bucket indices
         # never traced: a compiled block would bake "nothing pending" into its graph and skip the wait
         @torch.compiler.disable
+        @timed
         def hook(module: torch.nn.Module, args: object) -> None:
             if self._any_pending:
                 self.wait(buckets)

@@ -76,6 +76,7 @@ from torch import Tensor
 
 from lightning_zero.comm.communicator import Comm
 from lightning_zero.comm.groups import CommGroups
+from lightning_zero.comm.host_clock import timed
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.backward_end import EndOfBackward
 from lightning_zero.engine.bucket_group import BucketGroup, RoundState
@@ -176,6 +177,7 @@ class GradReducer:
         # optimizer is gone (the parameter's hooks are invisible to the garbage collector)
         owner = weakref.ref(self)
 
+        @timed
         def hook(param: torch.nn.Parameter) -> None:
             reducer = owner()
             if reducer is not None and param.grad is not None:

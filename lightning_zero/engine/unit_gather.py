@@ -92,6 +92,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_zero.comm.communicator import Comm
+from lightning_zero.comm.host_clock import timed
 from lightning_zero.engine.backward_end import EndOfBackward
 from lightning_zero.engine.gathered_units import GatheredUnits
 from lightning_zero.engine.grad_outputs import grad_outputs
@@ -152,6 +153,7 @@ class UnitGather(GatheredUnits):
 
     def _pre_forward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
         @torch.compiler.disable
+        @timed
         def hook(module: torch.nn.Module, args: object) -> None:
             if module is not self.layout.modules[unit]:
                 return  # a copy of the unit (copy.deepcopy copies hooks): its parameters are its own
@@ -176,6 +178,7 @@ class UnitGather(GatheredUnits):
         return hook
 
     @torch.compiler.disable
+    @timed
     def _root_holder_pre_forward(self, module: torch.nn.Module, args: object) -> None:
         """A module holding root parameters runs: the root is gathered (it stays so until a step, or
         :meth:`free_all`, frees it). In a training forward it is gathered already: kept as it is."""
@@ -183,6 +186,7 @@ class UnitGather(GatheredUnits):
 
     def _post_forward(self, unit: int):  # noqa: ANN202 - a closure over the unit index
         @torch.compiler.disable
+        @timed
         def hook(module: torch.nn.Module, args: object, output: object) -> None:
             if _in_backward() or module is not self.layout.modules[unit]:
                 return  # a recomputation for activation checkpointing (its backward follows), a copy
@@ -209,6 +213,7 @@ class UnitGather(GatheredUnits):
         return hook
 
     def _pre_backward(self, unit: int, quantized: bool, ended: int):  # noqa: ANN202 - a closure
+        @timed
         def hook(grad: torch.Tensor) -> None:
             self._end.queue()
             self._reduce_done(ended)
@@ -221,6 +226,7 @@ class UnitGather(GatheredUnits):
     def _arrival(self, index: int):  # noqa: ANN202 - a closure over the parameter index
         owner = weakref.ref(self)  # weakly: the parameter's hooks are invisible to the garbage collector
 
+        @timed
         def hook(param: torch.nn.Parameter) -> None:
             units = owner()
             if units is not None:

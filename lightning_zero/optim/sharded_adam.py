@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm.groups import CommGroups
+from lightning_zero.comm.host_clock import timed
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine.averaging import AvgFn, MultiAvgFn
 from lightning_zero.engine.deferred_init import DeferredInit
@@ -238,6 +239,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         Lightning's teardown on a GPU gives parameters new storage)."""
         return self.engine.is_bound()
 
+    @timed
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop this step's gradients (on every rank: it may wait for collectives in flight); nothing
         once after :meth:`keep_next_zero_grad`."""
@@ -256,6 +258,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Backward passes inside accumulate locally and send nothing (gradient accumulation)."""
         return self.engine.no_sync()
 
+    @timed
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the global gradient norm over all shards; returns the norm before clipping.
 
@@ -263,6 +266,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         """
         return self.engine.clip_grad_norm_(max_norm, norm_type)
 
+    @timed
     def unscale_(self, scale: float | Tensor) -> bool:
         """Divide the shard gradients by a loss scale; True if any rank's gradients hold inf/NaN.
 
@@ -271,6 +275,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         """
         return self.engine.unscale_(scale)
 
+    @timed
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]`` (local: no communication)."""
         self.engine.clip_grad_value_(clip_value)
@@ -286,9 +291,15 @@ class ShardedAdamW(torch.optim.Optimizer):
             RuntimeError: after ``lightning_zero.unshard(model)`` ended stage 3 for the model.
         """
         loss = None
-        if closure is not None:
+        if closure is not None:  # the training step: not our code (its hooks into ours time themselves)
             with torch.enable_grad():
                 loss = closure()
+        self._update()
+        return loss
+
+    @timed
+    def _update(self) -> None:
+        """The step after its closure: check the trainable parameters, update the shards."""
         if self.trainable_changed():
             raise RuntimeError(
                 "the trainable parameters changed after the last backward (requires_grad flipped or a "
@@ -297,7 +308,6 @@ class ShardedAdamW(torch.optim.Optimizer):
             )
         self._opt_called = True  # what LR schedulers check to warn about call order
         self.engine.step()
-        return loss
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # LR schedulers rebound to us check it
 

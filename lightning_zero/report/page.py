@@ -140,10 +140,20 @@ def _mib(nbytes: int | None) -> str:
     return NOT_MEASURED if nbytes is None else f"{nbytes / charts.MIB:.3f}"
 
 
+SHARES = {
+    "comm_exposed_s": "exposed communication",
+    "gather_wait_s": "gather wait",
+    "pipeline_idle_s": "pipeline idle",
+    "host_s": "host in our code",
+}
+"""Figures that are shares of the parts, not parts, and their columns (pipeline idle: under a pipeline)."""
+
+
 def _step(profile: Profile) -> list[str]:
-    header = ["rank", "step", *(label(p) for p in PARTS), "exposed communication", "gather wait"]
+    shares = [k for k in SHARES if k != "pipeline_idle_s" or profile.pipeline]
+    header = ["rank", "step", *(label(p) for p in PARTS), *(SHARES[k] for k in shares)]
     rows = [
-        [str(r.rank), *(_ms(r.mean.get(k)) for k in ("step_s", *PARTS, "comm_exposed_s", "gather_wait_s"))]
+        [str(r.rank), *(_ms(r.mean.get(k)) for k in ("step_s", *PARTS, *shares))]
         for r in profile.shown_ranks()
     ]
     return [
@@ -151,7 +161,14 @@ def _step(profile: Profile) -> list[str]:
         "",
         *_table(header, rows),
         "The parts add up to the step; exposed communication is a share of them (the host waited on "
-        "collectives), the wait for parameter all-gathers (stage 3: the units) a share of that. By busy "
+        "collectives), the wait for parameter all-gathers (stage 3: the units) a share of that. "
+        + (
+            "Pipeline idle is the share of `pipeline` outside this rank's stages' own work. "
+            if profile.pipeline
+            else ""
+        )
+        + "Host in our code is the host's time in lightning-zero's code, its waits apart (on a CPU with the "
+        "work that code runs; on CUDA the Python and the launches). By busy "
         f"time (step minus exposed communication) rank {profile.slowest_rank} is the slowest and rank "
         f"{profile.fastest_rank} the fastest: {profile.slowest_over_fastest:.3f}x.",
         "",

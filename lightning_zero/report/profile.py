@@ -3,8 +3,9 @@
 ``ZeroStrategy(profile_steps=(first, last))`` makes rank 0 write ``step_profile.json`` (format 1; its
 fields: ``docs/strategy.md``, "Step profile") in the Trainer's ``log_dir``. :func:`find_profile` finds
 it under a run directory; :class:`Profile` holds the figures a report shows. Every field past those of
-format 1 (``throughput``, ``estimate``, ``ranks[i].comm``, ``gather_wait_s``) is optional: absent, its
-figure is ``None`` (or empty) and the report says "not measured".
+format 1 (``throughput``, ``estimate``, ``ranks[i].comm``, ``gather_wait_s``, ``host_s``,
+``pipeline_idle_s``) is optional: absent, its figure is ``None`` (or empty) and the report says "not
+measured".
 
 "The step" is the mean over the ranks of each rank's mean over the window: under data parallelism
 every rank's step includes the wait for the slowest, so the ranks' steps are nearly equal.
@@ -87,7 +88,8 @@ class RankFigures:
 
     rank: int
     mean: dict[str, float]
-    """``step_s``, the parts, ``comm_exposed_s`` and, when measured, ``gather_wait_s``."""
+    """``step_s``, the parts, ``comm_exposed_s`` and, when measured, ``gather_wait_s``, ``host_s`` and
+    ``pipeline_idle_s``."""
     memory: dict[str, int]
     """Bytes by kind (the engine's, in the file's order) and ``peak_bytes``."""
     peak_kind: str

@@ -17,6 +17,10 @@ COMM_SHARE = 0.30
 """Exposed communication above this share of the step is the first thing to look at."""
 DATA_SHARE = 0.10
 IMBALANCE = 1.1
+BUBBLE_SHARE = 0.20
+"""A pipeline stage idle above this share of the step (the bubble, the waits for its neighbours)."""
+HOST_SHARE = 0.30
+"""On CUDA, the host in lightning-zero's code above this share of the step: the device waits for it."""
 MEMORY_FACTOR = 2.0
 DEVICE_PEAK = "cuda_max_memory_allocated"
 """The one peak kind compared with the engine's figures: a process's resident set holds Python, torch
@@ -56,9 +60,26 @@ def _imbalance(p: Profile) -> str | None:
 def _bubble(p: Profile) -> str | None:
     if not p.pipeline:
         return None
+    if p.mean("pipeline_idle_s") is None:  # a profile from before the stages' own work was timed
+        return (
+            f"the step runs a pipeline schedule ({pct(p.share('pipeline_s'))} of it), whose bubble is idle "
+            "time (not measured in this profile)"
+        )
+    share = p.share("pipeline_idle_s")
+    if share <= BUBBLE_SHARE:
+        return None
     return (
-        f"the step runs a pipeline schedule ({pct(p.share('pipeline_s'))} of it), whose bubble is idle time"
+        f"the pipeline stages are idle {pct(share)} of the step (the bubble, the waits for their neighbours)"
     )
+
+
+def _host(p: Profile) -> str | None:
+    if not p.ranks or any(r.peak_kind != DEVICE_PEAK for r in p.ranks):  # a CPU runs its kernels itself
+        return None
+    share = p.share("host_s")
+    if share <= HOST_SHARE:
+        return None
+    return f"the host spends {pct(share)} of the step in lightning-zero's code (its waits apart)"
 
 
 def _memory(p: Profile) -> str | None:
@@ -106,10 +127,19 @@ RULES = (
     ),
     Rule(
         "pipeline bubble",
-        "`pipeline` is true",
+        f"`pipeline` is true and `pipeline_idle_s` > {BUBBLE_SHARE:.0%} of `step_s` (any share in a "
+        "profile without `pipeline_idle_s`)",
         "the bubble, (P-1)/(M+P-1) of the step (`lightning-zero estimate --pipeline-parallel P "
         '--microbatches M`): more `pipeline_microbatches`, `pipeline_schedule="interleaved_1f1b"`',
         _bubble,
+    ),
+    Rule(
+        "host-bound",
+        f"`host_s` > {HOST_SHARE:.0%} of `step_s` on CUDA (`peak_kind` {DEVICE_PEAK} on every rank)",
+        "the device waits for the host's launches: fewer, larger buckets (`bucket_cap_mb`), at stage 3 "
+        "fewer, larger units (`min_unit_numel`), a larger micro-batch (more work per launch), "
+        "`torch.compile` for the model's own launches",
+        _host,
     ),
     Rule(
         "activations",

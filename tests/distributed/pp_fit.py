@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
+from lightning_zero.integrations.trainer.step_profile import StepProfiler
 from tests.distributed.workers_tp import full_parameters
 
 WIDTH, LAYERS, SAMPLES, BATCH, STEPS, ACCUM, CLIP, LR = 8, 4, 64, 4, 3, 2, 0.5, 0.05
@@ -153,14 +155,16 @@ def _strategy(case: dict[str, Any]) -> lightning_zero.ZeroStrategy:
         bucket_cap_mb=0.0002,
         reduce_dtype=case.get("wire"),
         gather_dtype=case.get("wire") if stage == 3 else None,
+        profile_steps=(1, 2) if case.get("profile") else None,
     )
 
 
-def fit(case: dict[str, Any]) -> dict[str, Any]:
-    """One fit, then (``evaluate``) a validation and a prediction through the pipeline."""
+def fit(case: dict[str, Any], root: str) -> dict[str, Any]:
+    """One fit, then (``evaluate``) a validation and a prediction through the pipeline; ``root``: the
+    Trainer's directory (a profile's file goes there)."""
     strategy = _strategy(case)
     averaging = [EMAWeightAveraging(decay=case["ema"])] if "ema" in case else []
-    trainer = _trainer(strategy, callbacks=averaging)
+    trainer = _trainer(strategy, callbacks=averaging, default_root_dir=root)
     kind = TensorParallelBlocks if case.get("tensor", 1) > 1 else PipelineModule
     kind = GroupedLayers if case.get("grouped") else kind
     torch.manual_seed(0)  # where a deferred build's initialization starts (init_module's entry)
@@ -184,6 +188,8 @@ def fit(case: dict[str, Any]) -> dict[str, Any]:
         "sent": sent,
         "padded": sum(b.padded_numel for b in engine.plan.buckets),
     }
+    if case.get("profile"):  # every rank's report (no logger: no file)
+        out["profile"] = next(c for c in trainer.callbacks if isinstance(c, StepProfiler)).report
     if case.get("evaluate"):
         trainer.validate(module, held, verbose=False)
         out["val_losses"], out["val_before"] = module.val_losses, before
@@ -220,7 +226,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
     cases = json.loads(args.cases)
-    results: dict[str, Any] = {case["name"]: fit(case) for case in cases if "refuse" not in case}
+    root = os.path.dirname(os.path.abspath(args.out))
+    results: dict[str, Any] = {case["name"]: fit(case, root) for case in cases if "refuse" not in case}
     results.update({case["name"]: refused(case["refuse"]) for case in cases if "refuse" in case})
     import torch.distributed as dist
 

@@ -42,6 +42,7 @@ class ProfiledLit(L.LightningModule):
         self.step_ends: dict[int, float] = {}  # step -> this hook's clock at its last batch's end
         self.wait_at: dict[str, float] = {}
         self.gather_wait_at: dict[str, float] = {}
+        self.host_at: dict[str, float] = {}  # the engine's host seconds in our code (the profiler's clock)
         self.memory: dict[str, int] = {}
         self.tokens: dict[int, int] = {}  # step -> samples and elements of x trained in it, counted here
         self._step_before = 0
@@ -59,6 +60,7 @@ class ProfiledLit(L.LightningModule):
         if self.window and self.global_step == self.window[0] and "start" not in self.wait_at:
             self.wait_at["start"] = self._engine().comm_wait_s()
             self.gather_wait_at["start"] = self._engine().comm_gather_wait_s()
+            self.host_at["start"] = self._engine().host_s()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
@@ -68,6 +70,7 @@ class ProfiledLit(L.LightningModule):
         if self.window and self._step_before == self.window[1]:
             self.wait_at["end"] = self._engine().comm_wait_s()
             self.gather_wait_at["end"] = self._engine().comm_gather_wait_s()
+            self.host_at["end"] = self._engine().host_s()
             self.memory = dataclasses.asdict(self._engine().memory())
 
     def train_dataloader(self) -> DataLoader:
@@ -154,6 +157,7 @@ def fit(
         "step_ends": {str(k): v for k, v in model.step_ends.items()},
         "wait_at": model.wait_at,
         "gather_wait_at": model.gather_wait_at,
+        "host_at": model.host_at,
         "memory": model.memory,
         "tokens": {str(k): v for k, v in model.tokens.items()},
         "must_send": must_send(model._engine()),

@@ -2,9 +2,9 @@
 micro-batches per step) and stage 3: rank 0's ``step_profile.json`` holds steps 1 and 2 for every
 rank; each step's measured time agrees with the test's own clock (the LightningModule's
 ``on_train_batch_end`` of one step's last batch to the next's) within 5 %, and its parts add up to it;
-the exposed communication over the window equals the engine's wait counter's change over it; the
-memory by kind equals ``engine.memory()``'s figures. ``profile_steps=None`` installs no profiler.
-One launch of ``tests/distributed/profile_fit.py``."""
+the exposed communication and the host's time in our code over the window equal the engine's counters'
+changes over it; the memory by kind equals ``engine.memory()``'s figures. ``profile_steps=None``
+installs no profiler. One launch of ``tests/distributed/profile_fit.py``."""
 
 from __future__ import annotations
 
@@ -76,6 +76,10 @@ def check_profile(ranks: list[dict[str, Any]], stage: int) -> dict[str, float]:
         assert gathered > 0 and abs(gather_wait - gathered) <= 1e-9, (gather_wait, gathered)
         assert all(0 <= s["gather_wait_s"] <= s["comm_exposed_s"] for s in mine["steps"]), mine["steps"]
         assert mine["mean"]["gather_wait_s"] <= mine["mean"]["comm_exposed_s"]
+        host = sum(s["host_s"] for s in mine["steps"])  # the clock runs only in the window, between its edges
+        assert host > 0 and abs(host - (theirs["host_at"]["end"] - theirs["host_at"]["start"])) <= 1e-9, host
+        assert all(s["host_s"] <= s["step_s"] - s["comm_exposed_s"] for s in mine["steps"]), mine["steps"]
+        assert all(s["pipeline_idle_s"] == 0 for s in mine["steps"]), mine["steps"]
         check_comm(mine["comm"], theirs["must_send"], len(mine["steps"]))
         memory = mine["memory"]
         for key, value in theirs["memory"].items():

@@ -90,6 +90,7 @@ def with_optional(data: dict[str, Any]) -> dict[str, Any]:
     }
     for index, rank in enumerate(data["ranks"]):
         rank["mean"]["gather_wait_s"] = rank["mean"]["comm_exposed_s"] * (0.4 + 0.2 * (index % 2))
+        rank["mean"]["host_s"] = 0.0625 * (index + 1)
         rank["comm"] = {
             "reduce_scatter data": {"count": 8, "bytes": (40 + index) * MIB},
             "all_gather data": {"count": 8, "bytes": 20 * MIB},
@@ -276,6 +277,8 @@ def check_page(data: dict[str, Any], out: Path) -> None:
             *((p, p[:-2].replace("_", " ")) for p in PARTS),
             ("comm_exposed_s", "exposed communication"),
             ("gather_wait_s", "gather wait"),
+            ("host_s", "host in our code"),
+            *([("pipeline_idle_s", "pipeline idle")] if data["pipeline"] else []),
         ]:
             if key in rank["mean"]:
                 assert abs(float(row[header]) - 1e3 * rank["mean"][key]) <= 5e-4, (key, row)
@@ -381,11 +384,22 @@ def shares(comm: float = 0.05, data_wait: float = 0.02) -> list[dict[str, Any]]:
     return ranks
 
 
-def device_peak(factor: float) -> list[dict[str, Any]]:
+def device_peak(factor: float, **mean: float) -> list[dict[str, Any]]:
+    """Two ranks on CUDA whose device peak is ``factor`` x what their engines hold; ``mean`` laid over
+    their means."""
     ranks = shares()
     for rank in ranks:
         held = engine_bytes(rank)
         rank["memory"].update(peak_bytes=int(factor * held), peak_kind="cuda_max_memory_allocated")
+        rank["mean"].update(mean)
+    return ranks
+
+
+def idle(share: float) -> list[dict[str, Any]]:
+    """Two ranks whose step is a pipeline schedule, idle ``share`` of the step."""
+    ranks = shares()
+    for rank in ranks:
+        rank["mean"].update(forward_s=0.0, backward_s=0.0, pipeline_s=0.8, pipeline_idle_s=share)
     return ranks
 
 
@@ -397,8 +411,16 @@ CASES = {
         "rank 1's busy time is 1.25x rank 0's",
     ),
     "pipeline bubble": (
+        {"ranks": idle(0.25), "slowest_over_fastest": 1.0, "pipeline": True},
+        "the pipeline stages are idle 25.0 % of the step",
+    ),
+    "pipeline bubble: a profile without the idle time": (
         {"ranks": shares(), "slowest_over_fastest": 1.0, "pipeline": True},
-        "pipeline schedule",
+        "the step runs a pipeline schedule (0.0 % of it), whose bubble is idle time (not measured",
+    ),
+    "host-bound": (
+        {"ranks": device_peak(3.0, host_s=0.35), "slowest_over_fastest": 1.0},
+        "the host spends 35.0 % of the step in lightning-zero's code",
     ),
     "activations": (
         {"ranks": device_peak(3.0), "slowest_over_fastest": 1.0},
@@ -412,6 +434,7 @@ CASES = {
 def test_the_summary_names_the_first_rule_that_fires(tmp_path: Path, rule: str) -> None:
     top, finding = CASES[rule]
     lines = summary_of(tmp_path, profile_json(**top))
+    rule = rule.split(":")[0]
     look = next(r.look for r in RULES if r.name == rule)
     assert len(lines) == 3 and lines[0].startswith("step 1 s (mean of 2 ranks, steps 1-2)")
     assert lines[2].startswith("look at first: ") and finding in lines[2] and lines[2].endswith(look)
@@ -424,10 +447,12 @@ def test_the_summary_names_the_first_rule_that_fires(tmp_path: Path, rule: str) 
 def test_rules_are_checked_in_order_and_a_process_peak_is_not_activations(tmp_path: Path) -> None:
     both = profile_json(ranks=shares(comm=0.35, data_wait=0.2), slowest_over_fastest=1.3)
     assert "exposed communication is 35.0 %" in summary_of(tmp_path / "a", both)[2]
-    rss = profile_json(ranks=device_peak(10.0), slowest_over_fastest=1.0)
+    rss = profile_json(ranks=device_peak(10.0, host_s=0.9), slowest_over_fastest=1.0)
     for rank in rss["ranks"]:
         rank["memory"]["peak_kind"] = "process_max_rss"  # Python and torch are in it: not compared
-    assert "compute-bound" in summary_of(tmp_path / "b", rss)[2]
+    assert "compute-bound" in summary_of(tmp_path / "b", rss)[2]  # nor a CPU's host time (its kernels)
+    small = profile_json(ranks=idle(0.2), slowest_over_fastest=1.0, pipeline=True)  # at the line: fine
+    assert "compute-bound" in summary_of(tmp_path / "c", small)[2]
 
 
 def test_the_first_two_lines(tmp_path: Path) -> None:

@@ -1,19 +1,22 @@
 """``StepProfiler`` driven hook by hook in one process, over an engine of figures set by the test: the
 FLOP count on the step before the window (ended by the batch's end when no backward comes), tokens
 per step (unknown stays unknown), the collective tally as reported (absent where the ranks' kinds
-differ), and the report's new fields."""
+differ), the host's time in our code and a pipeline stage's idle time, and the report's new fields."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 from lightning.fabric.utilities.throughput import measure_flops
 from torch import nn
 
+from lightning_zero.comm.host_clock import STAGE_CLOCK
 from lightning_zero.engine.figures import EngineMemory
 from lightning_zero.integrations.trainer.step_profile import PROFILE_FILE, StepProfiler
 
@@ -27,6 +30,14 @@ class Engine:
         self.tally: dict[str, tuple[int, int]] | None = None
         self.differ = differ
         self.gathers = 0
+        self.host, self.host_on = 0.0, False  # seconds in our code; whether its clock is on
+
+    def time_host(self, on: bool = True) -> bool:
+        was, self.host_on = self.host_on, on
+        return was
+
+    def host_s(self) -> float:
+        return self.host
 
     def synchronize_device(self) -> None: ...
     def flush_timings(self) -> None: ...
@@ -110,6 +121,7 @@ def run(profiler: StepProfiler, t: Any, module: Any, batches: list[Any], backwar
             profiler.on_after_backward(t, module)
         engine.wait += 0.5
         engine.gather_wait += 0.25
+        engine.host += 0.125 if engine.host_on else 1.0  # counted only while the profiler has it on
         if engine.tally is not None:
             count, nbytes = engine.tally.get("reduce_scatter world", (0, 0))
             engine.tally["reduce_scatter world"] = (count + 1, nbytes + 40)
@@ -133,11 +145,14 @@ def test_a_counted_window(tmp_path: Path) -> None:
     for rank in report["ranks"]:
         assert [s["tokens"] for s in rank["steps"]] == [64, 64]
         assert [s["gather_wait_s"] for s in rank["steps"]] == [0.25, 0.25]
+        assert [s["host_s"] for s in rank["steps"]] == [0.125, 0.125]
         assert rank["comm"] == {"reduce_scatter world": {"count": 2, "bytes": 80}}  # the window's 2 steps
     assert report["estimate"] == {"param_bytes": 8}
     assert (
         module.logged["zero/profile/gather_wait_s"] == 0.25 and "zero/profile/tokens_per_s" in module.logged
     )
+    assert module.logged["zero/profile/host_s"] == 0.125
+    assert not profiler.engine.host_on  # off again after the window's last step (it was off before)
 
 
 def test_a_count_without_backward_ends_with_its_batch(tmp_path: Path) -> None:
@@ -187,3 +202,44 @@ def test_no_activations_are_counted_from_step_0_or_under_a_pipeline(tmp_path: Pa
         run(profiler, trainer(tmp_path), Module(), [(torch.randn(4, 16), None)] * 4)
         assert profiler.report is not None
         assert all("activation_bytes" not in r["memory"] for r in profiler.report["ranks"]), (first, pipeline)
+
+
+class FakeClock:
+    """``time.perf_counter`` advanced only by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_pipeline_stages_idle_time_is_its_schedule_outside_its_own_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a pipeline the schedule (in the training step) takes 1 s per step, of which the stage's
+    own work (timed by the stage clock) 0.75 s: 0.25 s idle. Outside the window the stage clock is off."""
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    profiler = StepProfiler(Engine(), 1, 2, pipeline=True)  # type: ignore[arg-type]
+    t, module = trainer(tmp_path), Module()
+    clocked = []
+    for step in range(4):
+        t.global_step = step
+        profiler.on_train_batch_start(t, module, None, step)
+        clocked.append(STAGE_CLOCK.on)
+        with STAGE_CLOCK.timing(torch.device("cpu")):  # a micro-batch's forward and backward
+            clock.now += 0.75
+        clock.now += 0.25  # waiting for a neighbour
+        profiler.on_after_backward(t, module)
+        profiler.on_before_optimizer_step(t, module, None)
+        clock.now += 0.5
+        t.global_step = step + 1
+        profiler.on_train_batch_end(t, module, None, None, step)
+    profiler.on_train_batch_start(t, module, None, 4)
+    assert profiler.report is not None
+    assert clocked == [False, True, True, False] and not STAGE_CLOCK.on
+    for rank in profiler.report["ranks"]:
+        for step in rank["steps"]:
+            assert (step["pipeline_s"], step["pipeline_idle_s"]) == (1.0, 0.25), step
+            assert (step["forward_s"], step["backward_s"], step["optimizer_s"]) == (0.0, 0.0, 0.5), step

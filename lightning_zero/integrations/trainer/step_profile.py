@@ -12,6 +12,10 @@ Lightning's ``global_step`` when the step's first batch starts) each rank times,
     collection of the gradient buckets);
   * under pipeline parallelism the schedule runs every micro-batch's forward and backward inside
     ``training_step``: ``pipeline_s`` (batch start to ``on_after_backward``) in place of both (0), not split;
+    ``pipeline_idle_s``, a share of it, is its time outside this rank's stages' own work (each
+    micro-batch's forward, loss and backward: :data:`~lightning_zero.comm.host_clock.STAGE_CLOCK`, on
+    CUDA the device's time between events): the bubble, the waits for the neighbours' activations and
+    gradients, the schedule's own Python;
   * ``optimizer_s``: ``on_before_optimizer_step`` to the batch's end (clipping, the sharded step, its
     parameter all-gathers, Lightning's bookkeeping after the step);
   * ``other_s``: the step's time minus the parts above (between ``on_after_backward`` and the optimizer
@@ -22,7 +26,12 @@ Lightning's ``global_step`` when the step's first batch starts) each rank times,
     the engine's :meth:`~lightning_zero.engine.ShardEngine.comm_wait_s`;
   * ``gather_wait_s`` (a share of ``comm_exposed_s``): of those, the waits on parameter all-gathers
     (stage 3's unit gathers; stages 1 and 2: the gathers after the optimizer step), the engine's
-    :meth:`~lightning_zero.engine.ShardEngine.comm_gather_wait_s`.
+    :meth:`~lightning_zero.engine.ShardEngine.comm_gather_wait_s`;
+  * ``host_s`` (a share of the parts too): the seconds the host spent in lightning-zero's code during
+    the step's batches (its hooks and the methods the optimizer and Lightning call), less its waits on
+    collectives (:mod:`lightning_zero.comm.host_clock`, on only in the window). On a CPU that includes
+    the work our code runs (the shards' update, the gradients' copies into buckets); on CUDA, where
+    kernels are queued, it is the Python and the launches: a large share there is a launch-bound step.
 
 Over the window each rank also counts its micro-batches' tokens and, by kind and group, the
 collectives it issues and the bytes it sends (the engine's tally, on from the window's first batch
@@ -63,6 +72,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lightning_zero.comm.host_clock import STAGE_CLOCK
 from lightning_zero.engine import ShardEngine
 from lightning_zero.integrations.trainer.saved_activations import SavedActivations
 from lightning_zero.integrations.trainer.step_rates import (
@@ -86,11 +96,13 @@ class StepTimes:
     forward_s: float = 0.0
     backward_s: float = 0.0
     pipeline_s: float = 0.0
+    pipeline_idle_s: float = 0.0
     optimizer_s: float = 0.0
     other_s: float = 0.0
     step_s: float = 0.0
     comm_exposed_s: float = 0.0
     gather_wait_s: float = 0.0
+    host_s: float = 0.0
     batches: int = 0
     tokens: int = 0
     """This rank's tokens in the step's micro-batches; -1: unknown."""
@@ -134,6 +146,12 @@ class StepProfiler(pl.Callback):
         self._first_start = 0.0  # the open step's first batch start
         self._start = self._before_backward = self._before_step = 0.0
         self._wait_start = self._gather_start = 0.0  # the engine's comm waits at the batch's start
+        self._host_start = 0.0  # the host's seconds in our code at the batch's start
+        self._host_before: bool | None = None  # whether the host clock was on before the window
+        self._stage_start = (
+            0.0  # under a pipeline: the stages' seconds in their own work at the batch's start
+        )
+        self._stage_before: bool | None = None  # whether the stage clock was on before the window
         self._counter = FlopCount()  # the step before the window's first micro-batch, when counted
         self._activations = SavedActivations()  # that micro-batch's forward too (not under a pipeline)
         self._flops: tuple[float | None, str] = (None, "")  # FLOPs per token and where they come from
@@ -171,6 +189,9 @@ class StepProfiler(pl.Callback):
         if self._open is None:
             if not self.steps:  # the window's first batch
                 self._device_waits_before = self.engine.time_device_waits()
+                self._host_before = self.engine.time_host()
+                if self.pipeline:
+                    self._stage_before = STAGE_CLOCK.start()
                 self.engine.start_collective_tally()
                 self.engine.gathered_peak_bytes(reset=True)
             self._open, self._first_start = StepTimes(step=trainer.global_step), now
@@ -183,6 +204,9 @@ class StepProfiler(pl.Callback):
         # counters no reset clears: the log_comm_stats monitor resets its own inside the window
         self._wait_start = self.engine.comm_wait_s(since_start=True)
         self._gather_start = self.engine.comm_gather_wait_s(since_start=True)
+        self._host_start = self.engine.host_s()
+        STAGE_CLOCK.flush()
+        self._stage_start = STAGE_CLOCK.seconds
 
     def _flops_per_token(self, pl_module: pl.LightningModule, batch: Any) -> tuple[float | None, str]:
         given = given_flops_per_token(pl_module, batch)
@@ -210,6 +234,8 @@ class StepProfiler(pl.Callback):
         now = self._now()
         if self.pipeline:  # the schedule ran forward and backward inside training_step
             self._open.pipeline_s += now - self._start
+            STAGE_CLOCK.flush()  # CUDA: the device ran them (synchronised by _now)
+            self._open.pipeline_idle_s += now - self._start - (STAGE_CLOCK.seconds - self._stage_start)
         else:
             self._open.forward_s += self._before_backward - self._start
             self._open.backward_s += now - self._before_backward
@@ -235,6 +261,7 @@ class StepProfiler(pl.Callback):
         self.engine.flush_timings()  # CUDA: the waits' events are read (the device is synchronised)
         step.comm_exposed_s += self.engine.comm_wait_s(since_start=True) - self._wait_start
         step.gather_wait_s += self.engine.comm_gather_wait_s(since_start=True) - self._gather_start
+        step.host_s += self.engine.host_s() - self._host_start
         step.batches += 1
         if self._before_step:
             step.optimizer_s += now - self._before_step
@@ -249,8 +276,20 @@ class StepProfiler(pl.Callback):
         self.steps.append(step)
         self._open = None
         if step.step == self.last:
-            self._comm = self.engine.stop_collective_tally()
-            self._gathered_peak = self.engine.gathered_peak_bytes()
+            self._stop_counting()
+
+    def _stop_counting(self) -> None:
+        """The window's last batch has ended (or the fit, inside the window): the counters that run only
+        in the window stop."""
+        self._comm = self.engine.stop_collective_tally()
+        self._gathered_peak = self.engine.gathered_peak_bytes()
+        if self._host_before is not None:
+            self.engine.time_host(self._host_before)
+            self._host_before = None
+        if self._stage_before is not None:
+            STAGE_CLOCK.flush()
+            STAGE_CLOCK.stop(keep=self._stage_before)
+            self._stage_before = None
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -261,8 +300,8 @@ class StepProfiler(pl.Callback):
         """Every rank: gather the figures, rank 0 writes the file; all log."""
         self.engine.time_device_waits(self._device_waits_before)
         if self._comm is None:  # the fit ended inside the window
-            self._comm = self.engine.stop_collective_tally()
-            self._gathered_peak = self.engine.gathered_peak_bytes()
+            self._stop_counting()
+        assert self._comm is not None
         memory = self._memory()
         times = [getattr(s, name) for s in self.steps for name in _TIMES]
         tokens = [float(s.tokens) for s in self.steps]
