@@ -22,13 +22,14 @@ import time
 from pathlib import Path
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.integrations.estimate_args import add_arguments as add_estimate_arguments
+from lightning_zero.integrations.estimate_args import check_arguments as check_estimate_arguments
 from lightning_zero.integrations.preflight_args import add_arguments as add_preflight_arguments
+from lightning_zero.layout.activations import ActivationSpec, activation_bytes, layer_bytes, outer_bytes
 from lightning_zero.layout.dims import ParallelDims
 from lightning_zero.layout.memory import (
     POOL_SLOTS,
     PRECISION_ALIASES,
-    PRECISION_BYTES,
-    activation_bytes,
     estimate_rows,
     microbatches_in_flight,
     pipeline_bubble,
@@ -130,13 +131,14 @@ def estimate(
     stage: int | None = None,
     unit_params: float = 0.0,
     prefetch_units: int = ZeroConfig.prefetch_units,
-    activations: tuple[int, int, int, int] | None = None,
+    activations: ActivationSpec | None = None,
     pipeline: tuple[int, int, str, int] = (1, 1, "1f1b", 1),
 ) -> None:
     """Print :func:`estimate_rows` (``stage``: that one only, beside ``ddp``) for the ranks of ``dims``:
     under node-aware sharding the state is split over one shard group's ranks, not all; under tensor
     parallelism each rank holds ``1/T`` of every layer, sharded over the data-parallel ranks.
-    ``activations``: ``(seq_len, micro_batch, d_model, layers)``, printed per rank too.
+    ``activations``: what one micro-batch saves for backward per rank
+    (:mod:`~lightning_zero.layout.activations`), printed too.
     ``pipeline``: ``(P, M, schedule, V)``: ``P`` stages of equal shares of the parameters and layers
     (``dims`` the ranks of one stage), ``M`` micro-batches per step; the bubble and the micro-batches
     whose activations the first stage holds."""
@@ -172,18 +174,8 @@ def estimate(
             "layers, embedding and output layer on top of the first and last stage)"
         )
     if activations is not None:
-        seq, batch, width, layers = activations
-        held = microbatches_in_flight(schedule, stages, microbatches, virtual) if stages > 1 else 1.0
-        nbytes = activation_bytes(seq, batch, width, layers, tensor) / stages * held
-        split = f", sequence parallel over {tensor}" if tensor > 1 else ""
-        staged = (
-            f"; {layers / stages:g} layers per stage, {held:g} micro-batches in flight" if stages > 1 else ""
-        )
-        unit = "at the first stage's peak" if stages > 1 else "per micro-batch"
-        print(
-            f"  activations {nbytes / 2**30:5.2f} GiB {unit} of {batch} x {seq} tokens "
-            f"({layers} layers x 34 bytes per token and width {width}{split}{staged}; 16-bit, flash "
-            "attention, no recomputation; embedding and logits on top)"
+        _print_activations(
+            activations, stages, microbatches_in_flight(schedule, stages, microbatches, virtual)
         )
     if "zero3" in rows:
         units = (
@@ -199,6 +191,28 @@ def estimate(
         )
 
 
+def _print_activations(spec: ActivationSpec, stages: int, held: float) -> None:
+    """One line: the activations per rank of one micro-batch; with ``stages`` > 1, those of the first
+    stage's layers for the ``held`` micro-batches in flight at its peak (the head and the logits are the
+    last stage's)."""
+    layer = layer_bytes(spec)
+    if stages == 1:
+        nbytes, unit = activation_bytes(spec), "per micro-batch"
+        logits = f"fp32 logits of {spec.vocab_size}" if spec.vocab_size else "no logits (--vocab-size)"
+        outside = f"; {outer_bytes(spec) / 2**30:.2f} GiB outside the layers: final norm, head, {logits}"
+    else:
+        nbytes, unit = layer * spec.layers / stages * held, "at the first stage's peak"
+        outside = f"; {spec.layers / stages:g} layers per stage, {held:g} micro-batches in flight"
+    kept = "checkpointed blocks: their inputs" if spec.checkpointing else "no recomputation"
+    split = f", sequence parallel over {spec.tensor}" if spec.tensor > 1 else ""
+    print(
+        f"  activations {nbytes / 2**30:5.2f} GiB {unit} of {spec.micro_batch} x {spec.seq_len} tokens "
+        f"({spec.layers} layers x {layer / spec.tokens:.0f} bytes per token: Llama-style, width "
+        f"{spec.d_model}, MLP {spec.hidden}, {spec.heads} heads; {spec.precision}, {spec.attention} "
+        f"attention, {kept}{split}{outside})"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-zero", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -212,53 +226,7 @@ def _parser() -> argparse.ArgumentParser:
     p_verify = sub.add_parser("verify", help="check a checkpoint directory")
     p_verify.add_argument("src", type=Path)
     p_est = sub.add_parser("estimate", help="memory per rank of model states")
-    p_est.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 1.3e9")
-    p_est.add_argument("--world-size", type=int, required=True)
-    p_est.add_argument(
-        "--precision",
-        choices=[*PRECISION_BYTES, *PRECISION_ALIASES],
-        default="bf16-true",
-        metavar="PRECISION",
-        help=f"as the Trainer's: one of {', '.join(PRECISION_BYTES)} (or {', '.join(PRECISION_ALIASES)})",
-    )
-    p_est.add_argument("--bucket-cap-mb", type=float, default=ZeroConfig.bucket_cap_mb)
-    p_est.add_argument("--stage", type=int, choices=(1, 2, 3), help="only this stage's row (besides ddp)")
-    p_est.add_argument("--unit-params", type=float, default=0.0, help="stage 3: parameters of one block")
-    p_est.add_argument(
-        "--prefetch-units", type=int, default=ZeroConfig.prefetch_units, help="stage 3: units gathered ahead"
-    )
-    p_est.add_argument(
-        "--shard-group-size",
-        help="node-aware sharding, as the strategy's shard_group_size: ranks per shard group, or auto "
-        "(the ranks of one node: --devices)",
-    )
-    p_est.add_argument("--devices", type=int, help="ranks per node, as the Trainer's devices")
-    p_est.add_argument(
-        "--tensor-parallel",
-        type=int,
-        default=1,
-        metavar="T",
-        help="as the strategy's tensor_parallel_size: ranks per tensor-parallel group (inside a node)",
-    )
-    p_est.add_argument(
-        "--pipeline-parallel",
-        type=int,
-        default=1,
-        metavar="P",
-        help="pipeline stages (outermost: --world-size / P ranks per stage); with --microbatches",
-    )
-    p_est.add_argument("--microbatches", type=int, metavar="M", help="micro-batches per pipeline step")
-    p_est.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), default="1f1b")
-    p_est.add_argument(
-        "--virtual-stages", type=int, default=1, metavar="V", help="interleaved_1f1b: stages per rank"
-    )
-    for flag, what in (
-        ("--seq-len", "tokens per sequence"),
-        ("--micro-batch", "sequences per micro-batch and data-parallel rank"),
-        ("--d-model", "the model's width"),
-        ("--layers", "transformer layers"),
-    ):
-        p_est.add_argument(flag, type=int, help=f"activations (all four or none): {what}")
+    add_estimate_arguments(p_est)
     p_pre = sub.add_parser(
         "preflight", help="check a multi-node launch before training (run it like training)"
     )
@@ -273,33 +241,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p_rep.add_argument("--out", type=Path, help="write the report here (default: beside step_profile.json)")
     return parser
-
-
-def _layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ParallelDims:
-    """The ranks' layout from ``--world-size`` and ``--shard-group-size`` (``auto``: ``--devices``)."""
-    size, devices = args.shard_group_size, args.devices
-    if devices is not None and (devices < 1 or args.world_size % devices):
-        parser.error(f"--devices {devices} must be a positive divisor of --world-size {args.world_size}")
-    if size == "auto" and devices is None:
-        parser.error(
-            "--shard-group-size auto shards within one node: give the ranks of one node "
-            "with --devices (the Trainer's devices, e.g. 8)"
-        )
-    group = int(size) if size is not None and size.isdigit() else size
-    if args.tensor_parallel != 1:
-        if size is not None:
-            parser.error(
-                "--tensor-parallel works with flat sharding over the data-parallel ranks: "
-                "drop --shard-group-size"
-            )
-        try:
-            return ParallelDims.with_tensor(args.world_size, args.tensor_parallel, devices)
-        except ValueError as err:
-            parser.error(f"--tensor-parallel: {err}")
-    try:
-        return ParallelDims.of(args.world_size, group, devices)
-    except ValueError as err:
-        parser.error(f"--shard-group-size: {err}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,22 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAIL {args.src} is not a directory (a lightning-zero checkpoint is one)")
             return 1
         return verify(args.src)
-    if args.world_size < 1 or args.params <= 0:
-        parser.error(f"--world-size must be >= 1 and --params > 0, got {args.world_size} and {args.params}")
-    pipeline = _pipeline(parser, args)
-    args.world_size //= pipeline[0]  # the ranks of one stage
-    dims = _layout(parser, args)
-    if args.unit_params < 0 or args.prefetch_units < 0:
-        parser.error(
-            "--unit-params and --prefetch-units must be >= 0, "
-            f"got {args.unit_params} and {args.prefetch_units}"
-        )
-    shape = (args.seq_len, args.micro_batch, args.d_model, args.layers)
-    given = [v is not None for v in shape]
-    if any(given) and not all(given):
-        parser.error("activations need all four of --seq-len, --micro-batch, --d-model and --layers")
-    if all(given) and min(shape) < 1:
-        parser.error(f"--seq-len, --micro-batch, --d-model and --layers must be >= 1, got {shape}")
+    dims, pipeline, activations = check_estimate_arguments(parser, args)
     estimate(
         args.params,
         dims,
@@ -342,37 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         args.stage,
         args.unit_params,
         args.prefetch_units,
-        shape if all(given) else None,  # type: ignore[arg-type]
+        activations,
         pipeline,
     )
     return 0
-
-
-def _pipeline(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, int, str, int]:
-    """``(P, M, schedule, V)`` from the pipeline arguments, checked against ``--world-size``."""
-    stages, microbatches, schedule, virtual = (
-        args.pipeline_parallel,
-        args.microbatches,
-        args.schedule,
-        args.virtual_stages,
-    )
-    if stages < 1 or args.world_size % stages:
-        divisors = [p for p in range(1, args.world_size + 1) if args.world_size % p == 0]
-        parser.error(
-            f"--pipeline-parallel {stages} must divide --world-size {args.world_size}: one of {divisors}"
-        )
-    if stages == 1:
-        if microbatches is not None or virtual != 1:
-            parser.error("--microbatches and --virtual-stages need --pipeline-parallel P > 1")
-        return 1, 1, schedule, 1
-    if microbatches is None or microbatches < 1:
-        parser.error(f"--pipeline-parallel {stages} needs --microbatches M >= 1 (micro-batches per step)")
-    if (virtual > 1) != (schedule == "interleaved_1f1b") or virtual < 1:
-        parser.error(
-            f"--virtual-stages {virtual}: interleaved_1f1b takes V >= 2 stages per rank, "
-            "the other schedules 1"
-        )
-    return stages, microbatches, schedule, virtual
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ sharded over ``n`` ranks (the world, or one shard group of node-aware sharding),
     and the gradients of two units in the buckets (one filling, one in flight); of three units where a
     unit fits in one bucket (one filling, two in flight: the engine's bound of buckets in flight).
 
-Activations, the root's parameters of stage 3 (gathered for the whole step) and allocator slack are
-not counted. This module imports neither torch nor Lightning, so that the command answers at once (its
-defaults are :class:`~lightning_zero.config.ZeroConfig`'s, which imports neither).
+Activations (:mod:`~lightning_zero.layout.activations`), the root's parameters of stage 3 (gathered
+for the whole step) and allocator slack are not counted. This module imports neither torch nor
+Lightning, so that the command answers at once (its defaults are
+:class:`~lightning_zero.config.ZeroConfig`'s, which imports neither).
 """
 
 from __future__ import annotations
@@ -131,21 +132,6 @@ def estimate_components(
         "zero2": zero(False),
         "zero3": zero(True),
     }
-
-
-ACTIVATION_BYTES_PER_TOKEN_AND_WIDTH = 34
-"""Bytes of activations a transformer layer saves for backward per token and unit of model width in
-16-bit training, with flash attention (no ``seq x seq`` scores kept) and no recomputation: ``34 s b h``
-(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2
-without its ``5 a s / h`` attention-score term). Tensor parallelism with sequence parallelism divides
-all of it by ``T`` (their eq. 5)."""
-
-
-def activation_bytes(seq_len: int, micro_batch: int, d_model: int, layers: int, tensor: int = 1) -> float:
-    """Activations per rank saved for backward by ``layers`` transformer layers for one micro-batch,
-    ``tensor`` ranks per tensor-parallel group with sequence parallelism
-    (:data:`ACTIVATION_BYTES_PER_TOKEN_AND_WIDTH`; the embedding and the logits come on top)."""
-    return layers * seq_len * micro_batch * d_model * ACTIVATION_BYTES_PER_TOKEN_AND_WIDTH / tensor
 
 
 def pipeline_bubble(stages: int, microbatches: int, virtual: int = 1) -> float:

@@ -9,8 +9,8 @@ linear warmup over `optim.warmup_steps`, then a cosine from `optim.lr` down to
 
 Throughput and MFU are not the module's business: `recipes.training.throughput.TokenThroughput` (a
 callback in the recipe's default callbacks) measures them with Lightning's tools; the module states its
-tokens and FLOPs per token (`tokens_in_batch`, `flops_per_token`) for lightning-zero's step profile
-(`strategy.profile_steps=[first,last]`). The module logs
+tokens, FLOPs per token and activation bytes (`tokens_in_batch`, `flops_per_token`, `activation_bytes`)
+for lightning-zero's step profile (`strategy.profile_steps=[first,last]`). The module logs
 `train/loss` as a device tensor without `prog_bar` (Lightning reads every `prog_bar` tensor to the host
 after every batch;
 `recipes.training.progress.RefreshProgressBar` shows it when it redraws, the loggers read it every
@@ -38,10 +38,13 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
 import lightning_zero  # noqa: F401  (load_from_checkpoint reads sharded checkpoint directories)
+from lightning_zero.layout.activations import ActivationSpec, activation_bytes
+from lightning_zero.layout.memory import full_precision
 from recipes.training.model import GPT, GPTConfig
 
 
@@ -98,6 +101,30 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool) 
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+QUERY_DTYPES = {
+    "64-true": torch.float64,
+    "32-true": torch.float32,
+    "16-mixed": torch.float16,
+    "16-true": torch.float16,
+    "transformer-engine-float16": torch.float16,
+}
+"""The dtype attention's inputs have under a precision (Lightning's full name); bf16 under the others."""
+
+
+def attention_kernel(device: torch.device, precision: str, heads: int, seq_len: int, head_dim: int) -> str:
+    """Which kernel `F.scaled_dot_product_attention(is_causal=True)` runs for the recipe's training
+    forward on `device` under `precision` (`heads` query heads of `head_dim` over `seq_len` positions):
+    "flash" for any fused one (flash, memory-efficient, cuDNN; a CPU's flash), "math" where torch falls
+    back to the softmax of every pair (torch's own choice, `torch._fused_sdp_choice`, honouring an
+    enclosing `torch.nn.attention.sdpa_kernel`). A torch without that function: "flash"."""
+    dtype = QUERY_DTYPES.get(full_precision(precision), torch.bfloat16)
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return "flash"
+    query = torch.empty(1, heads, seq_len, head_dim, device=device, dtype=dtype, requires_grad=True)
+    return "math" if choose(query, query, query, is_causal=True) == SDPBackend.MATH.value else "flash"
 
 
 class PretrainModule(pl.LightningModule):
@@ -158,6 +185,39 @@ class PretrainModule(pl.LightningModule):
             with torch.device("meta"):
                 self._flops_by_seq[seq] = GPT(self.model_config).flops_per_token(seq)
         return self._flops_by_seq[seq]
+
+    def activation_bytes(
+        self, batch: tuple[torch.Tensor, torch.Tensor], precision: str | None = None
+    ) -> int | None:
+        """What one micro-batch's forward and loss save for backward on this rank, estimated: the
+        arithmetic of `lightning_zero.layout.activations` for this model, the batch's `B x T`, the
+        Trainer's precision (or `precision`), the attention kernel SDPA picks here (`attention_kernel`),
+        activation checkpointing and the sequence-parallel split; plus the rotary tables, of which every
+        block keeps a slice. What lightning-zero's step profiler puts beside the bytes it measures
+        (`estimate.activation_bytes`). None where the arithmetic does not hold: compiled blocks (the
+        compiler chooses what they keep) and pipeline stages."""
+        config = self.model_config
+        if config.compile_blocks or self.pipelined:
+            return None
+        precision = str(self.trainer.precision) if precision is None else precision
+        micro_batch, seq = batch[0].shape
+        split = self._sequence_split
+        spec = ActivationSpec(
+            seq_len=seq,
+            micro_batch=micro_batch,
+            d_model=config.d_model,
+            layers=config.n_layer,
+            heads=config.n_head,
+            kv_heads=config.kv_heads,
+            mlp_hidden=config.hidden_dim,
+            vocab_size=config.vocab_size,
+            precision=precision,
+            attention=attention_kernel(self.device, precision, config.n_head // split, seq, config.head_dim),
+            checkpointing=config.activation_checkpointing,
+            tensor=split,
+        )
+        tables = sum(t.untyped_storage().nbytes() for t in (self.model.rope_cos, self.model.rope_sin))
+        return round(activation_bytes(spec)) + tables
 
     def configure_model(self) -> None:
         """Under a strategy with a `tensor_parallel` mesh dimension of size > 1 (`parallelism.tensor=T`:

@@ -4,6 +4,7 @@ taking every precision and layout the strategy takes."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import subprocess
 import sys
@@ -12,11 +13,11 @@ from typing import get_args
 import pytest
 
 from lightning_zero.cli import main
+from lightning_zero.layout.activations import ACTIVATION_DTYPES, ActivationSpec, activation_bytes, layer_bytes
 from lightning_zero.layout.memory import (
     POOL_SLOTS,
     PRECISION_ALIASES,
     PRECISION_BYTES,
-    activation_bytes,
     estimate_rows,
     full_precision,
     microbatches_in_flight,
@@ -25,6 +26,19 @@ from lightning_zero.layout.memory import (
 from tests.docs.scripts import ROOT
 
 ESTIMATE = ["estimate", "--params", "1e9", "--world-size", "32"]
+SHAPE = ["--seq-len", "4096", "--micro-batch", "1", "--d-model", "4096", "--layers", "32"]
+SHAPE_70B = [
+    "--seq-len",
+    "4096",
+    "--micro-batch",
+    "1",
+    "--d-model",
+    "8192",
+    "--layers",
+    "80",
+    "--heads",
+    "64",
+]
 HEAVY = ("lightning", "lightning.pytorch", "lightning.fabric", "torch", "torch.distributed")
 """Seconds of imports each, where the arithmetic takes milliseconds."""
 
@@ -66,7 +80,7 @@ def test_every_precision_lightning_takes_is_estimated() -> None:
         _PRECISION_INPUT_STR_ALIAS_CONVERSION,
     )
 
-    assert set(PRECISION_BYTES) == set(get_args(_PRECISION_INPUT_STR))
+    assert set(PRECISION_BYTES) == set(get_args(_PRECISION_INPUT_STR)) == set(ACTIVATION_DTYPES)
     assert PRECISION_ALIASES == _PRECISION_INPUT_STR_ALIAS_CONVERSION
     for precision in [*PRECISION_BYTES, *PRECISION_ALIASES]:
         assert main([*ESTIMATE, "--precision", precision]) == 0, precision
@@ -98,9 +112,8 @@ def test_tensor_parallelism_splits_every_layer_and_the_activations(
 ) -> None:
     """70B on 8 x 8 ranks: under T = 8 each rank holds 1/8 of every layer sharded over the 8 data-
     parallel ranks (ZeRO's fully sharded state is 1/64 either way); sequence parallelism divides the
-    activations by T."""
-    shape = ["--seq-len", "4096", "--micro-batch", "1", "--d-model", "8192", "--layers", "80"]
-    base = ["estimate", "--params", "69e9", "--world-size", "64", "--devices", "8", *shape]
+    activations by T but the inputs of the column-parallel projections, gathered whole."""
+    base = ["estimate", "--params", "69e9", "--world-size", "64", "--devices", "8", *SHAPE_70B]
     assert main([*base, "--tensor-parallel", "8"]) == 0
     split = capsys.readouterr().out
     assert main(base) == 0
@@ -116,8 +129,15 @@ def test_tensor_parallelism_splits_every_layer_and_the_activations(
     ]
     assert rows[0]["zero3"] == rows[1]["zero3"]  # 16 Psi / 64 per rank either way
     assert float(rows[0]["ddp"]) == pytest.approx(float(rows[1]["ddp"]) / 8, rel=1e-3)
-    assert activation_bytes(4096, 1, 8192, 80) == 80 * 4096 * 8192 * 34  # 85 GiB
-    assert "activations 85.00 GiB" in whole and "activations 10.62 GiB" in split
+    h, f, a = 8192, 21888, 64  # f: 8/3 h rounded up to 64
+    whole_spec = ActivationSpec(seq_len=4096, micro_batch=1, d_model=h, layers=80, heads=a)
+    split_spec = dataclasses.replace(whole_spec, tensor=8)
+    per_token = 26 * h + 8 * f + 4 * a + 8  # bf16: norms 2 (4h + 4 + 2h), inputs 4h, attention 8h + 4a,
+    assert layer_bytes(whole_spec) == 4096 * per_token  # the output projection's input 2h, the MLP 8f
+    assert layer_bytes(split_spec) == 4096 * ((per_token - 4 * h) / 8 + 4 * h)  # the inputs 2 x 2h whole
+    for spec, out in ((whole_spec, whole), (split_spec, split)):
+        assert f"activations {activation_bytes(spec) / 2**30:5.2f} GiB per micro-batch of 1 x 4096" in out
+    assert "activations 118.77 GiB" in whole and "activations 23.65 GiB" in split
 
 
 def test_tensor_parallel_sizes_and_activation_arguments_are_checked(
@@ -127,11 +147,43 @@ def test_tensor_parallel_sizes_and_activation_arguments_are_checked(
         (["--tensor-parallel", "3"], "tensor_parallel_size=3 must divide the world's 32 ranks"),
         (["--tensor-parallel", "8", "--devices", "4"], "tensor_parallel_size=8 must divide a node's 4 ranks"),
         (["--tensor-parallel", "2", "--shard-group-size", "8"], "drop --shard-group-size"),
-        (["--seq-len", "4096"], "activations need all four of --seq-len"),
+        (["--seq-len", "4096"], "activations need all five of --seq-len"),
+        (["--vocab-size", "32000"], "activations need all five of --seq-len"),
+        ([*SHAPE, "--heads", "5"], "--heads 5 must divide --d-model 4096"),
+        ([*SHAPE, "--heads", "32", "--kv-heads", "5"], "--kv-heads 5 must divide --heads 32"),
+        ([*SHAPE, "--heads", "32", "--vocab-size", "-1"], "--vocab-size -1 must be >= 0"),
+        ([*SHAPE, "--heads", "32", "--attention", "sparse"], "invalid choice: 'sparse'"),
     ):
         with pytest.raises(SystemExit):
             main([*ESTIMATE, *extra])
         assert message in capsys.readouterr().err, extra
+
+
+def test_the_activation_options_reach_the_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    """Llama 2 7B's shape, 4096 tokens: the math kernel adds the softmax of every pair (4 bytes per
+    head, pair and layer: fp32), checkpointing keeps a block's input only, the vocabulary adds the fp32
+    logits, bf16-mixed keeps fp32 norms and 16-bit copies of every input and weight."""
+    shape = [*SHAPE, "--heads", "32", "--mlp-hidden", "11008"]
+    base = ActivationSpec(seq_len=4096, micro_batch=1, d_model=4096, layers=32, heads=32, mlp_hidden=11008)
+    for extra, spec in (
+        ([], base),
+        (["--attention", "math"], dataclasses.replace(base, attention="math")),
+        (["--activation-checkpointing"], dataclasses.replace(base, checkpointing=True)),
+        (["--vocab-size", "32000"], dataclasses.replace(base, vocab_size=32000)),
+        (
+            ["--precision", "bf16-mixed", "--kv-heads", "8"],
+            dataclasses.replace(base, precision="bf16-mixed", kv_heads=8),
+        ),
+    ):
+        assert main([*ESTIMATE, *shape, *extra]) == 0
+        out = capsys.readouterr().out
+        assert f"activations {activation_bytes(spec) / 2**30:5.2f} GiB" in out, (extra, out)
+    math = dataclasses.replace(base, attention="math")
+    # the softmax and fp32 q, k, v (3 x 4h) in place of 16-bit q, k, v and the output (4 x 2h), the lse (4a)
+    assert layer_bytes(math) - layer_bytes(base) == 4096 * (4 * 32 * 4096 + 4 * 4096 - 4 * 32)
+    assert layer_bytes(dataclasses.replace(base, checkpointing=True)) == 4096 * 2 * 4096  # the block's input
+    logits = dataclasses.replace(base, vocab_size=32000)
+    assert activation_bytes(logits) - activation_bytes(base) == 4096 * 4 * 32000
 
 
 def test_pipeline_parallel_divides_the_state_and_reports_the_bubble_and_the_activations_held(
@@ -140,8 +192,7 @@ def test_pipeline_parallel_divides_the_state_and_reports_the_bubble_and_the_acti
     """70B on 128 ranks, pipeline 2 x tensor 8 x data 8: each stage holds half the parameters; the
     bubble is (P-1)/(M+P-1) (over V for interleaved); the first stage holds M micro-batches of its
     half of the layers under GPipe, min(M, P) under 1F1B."""
-    shape = ["--seq-len", "4096", "--micro-batch", "1", "--d-model", "8192", "--layers", "80"]
-    base = ["estimate", "--params", "69e9", "--devices", "8", "--tensor-parallel", "8", *shape]
+    base = ["estimate", "--params", "69e9", "--devices", "8", "--tensor-parallel", "8", *SHAPE_70B]
     assert main([*base, "--world-size", "64"]) == 0
     flat = capsys.readouterr().out
     outs = {}
@@ -165,7 +216,8 @@ def test_pipeline_parallel_divides_the_state_and_reports_the_bubble_and_the_acti
     assert zero3[1] == pytest.approx(zero3[0] / 2, rel=1e-2)  # all but the buckets in flight halve
     assert pipeline_bubble(2, 8) == pytest.approx(1 / 9) and "bubble (P-1)/(M+P-1) = 11.1%" in outs["1f1b"]
     assert "= 5.6% of a step" in outs["interleaved_1f1b"]
-    per_microbatch = activation_bytes(4096, 1, 8192, 80, 8) / 2 / 2**30  # half the layers, 10.62 / 2 GiB
+    spec = ActivationSpec(seq_len=4096, micro_batch=1, d_model=8192, layers=80, heads=64, tensor=8)
+    per_microbatch = layer_bytes(spec) * 40 / 2**30  # half the layers
     assert f"activations {per_microbatch * 8:5.2f} GiB" in outs["gpipe"]  # all 8 in flight
     assert f"activations {per_microbatch * 2:5.2f} GiB" in outs["1f1b"]  # min(M, P)
     assert (
