@@ -27,8 +27,9 @@ with its error and the next one runs):
      (``model_state_estimate_gib``), communication wait from CUDA events, then
      ``trainer.test(ckpt_path="best")`` after ``fit``; ``zero`` and ``zero3`` with
      ``profile_steps=(1, steps - 2)``: the step profile's tokens/s and MFU (its peak table by the CUDA
-     device's name), exposed communication and gather wait, memory by kind over its estimate
-     (``step_profile``).
+     device's name), exposed communication and gather wait, memory by kind over its estimate, the
+     activations included (the recipe module's estimate over the bytes autograd saved:
+     ``step_profile``).
   3. ``two_processes``: 2 processes on the one GPU with gloo (NCCL refuses two ranks on one GPU):
      the sharded optimizer's parameters against AdamW on the global batch after 6 steps, fp32, at
      stage 2 and at stage 3 (``zero3``), and stage 3 on the int8 wires (``zero3_int8``, loosely; an

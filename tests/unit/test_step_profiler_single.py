@@ -204,6 +204,27 @@ def test_no_activations_are_counted_from_step_0_or_under_a_pipeline(tmp_path: Pa
         assert all("activation_bytes" not in r["memory"] for r in profiler.report["ranks"]), (first, pipeline)
 
 
+class Stating(Module):
+    """States its activation bytes: 100 per input element, so that the report shows which micro-batch
+    it was asked about."""
+
+    def activation_bytes(self, batch: tuple[torch.Tensor, None]) -> int:
+        return 100 * batch[0].numel()
+
+
+def test_the_estimate_holds_the_modules_activation_bytes_of_the_micro_batch_measured(tmp_path: Path) -> None:
+    """A LightningModule that states ``activation_bytes`` (the recipe's) has it in ``estimate`` beside the
+    engine's kinds, for the micro-batch whose activations are measured (step 0's); a window from step 0
+    measures none and states none, nor does a module without the method (``test_a_counted_window``)."""
+    batches = [(torch.randn(rows, 16), None) for rows in (3, 4, 5, 6)]
+    for first, stated in ((1, 100 * 3 * 16), (0, None)):
+        profiler = StepProfiler(Engine(), first, 2)  # type: ignore[arg-type]
+        run(profiler, trainer(tmp_path), Stating(), batches)
+        assert profiler.report is not None
+        assert profiler.report["estimate"].get("activation_bytes") == stated, first
+        assert profiler.report["estimate"]["param_bytes"] == 8  # the engine's kinds still there
+
+
 class FakeClock:
     """``time.perf_counter`` advanced only by the test."""
 

@@ -20,6 +20,7 @@ from lightning_zero.integrations.trainer import step_rates
 from lightning_zero.integrations.trainer.step_rates import (
     FlopCount,
     batch_tokens,
+    given_activation_bytes,
     given_flops_per_token,
     peak_tflops,
     rates,
@@ -82,6 +83,9 @@ class Stated(pl.LightningModule):
     def flops_per_token(self, batch: Any) -> float:
         return 6.0 * len(batch)
 
+    def activation_bytes(self, batch: Any) -> float:
+        return 1024.0 * len(batch)
+
 
 def test_tokens_of_a_batch() -> None:
     ids = torch.zeros(4, 16, dtype=torch.long)
@@ -98,6 +102,16 @@ def test_flops_per_token_given() -> None:
     module = Plain()
     module.flops_per_token = 3  # a number
     assert given_flops_per_token(module, None) == 3.0
+
+
+def test_activation_bytes_given() -> None:
+    assert given_activation_bytes(Plain(), (1, 2)) is None
+    assert given_activation_bytes(Stated(), (1, 2, 3)) == 3072 and isinstance(
+        given_activation_bytes(Stated(), (1,)), int
+    )
+    module = Plain()
+    module.activation_bytes = 5.0  # a number
+    assert given_activation_bytes(module, None) == 5
 
 
 def test_the_flop_count_is_lightnings_measure_flops() -> None:

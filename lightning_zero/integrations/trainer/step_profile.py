@@ -43,7 +43,8 @@ micro-batches' forwards and backwards interleave), and the peak from a
 table or ``profile_peak_tflops`` (:mod:`~lightning_zero.integrations.trainer.step_rates`). The report
 adds the rates (``throughput``) and ``lightning-zero estimate``'s prediction of the memory by kind for
 the same model, stage and layout (``estimate``: the engine's
-:meth:`~lightning_zero.engine.ShardEngine.estimated_memory`).
+:meth:`~lightning_zero.engine.ShardEngine.estimated_memory`; and ``activation_bytes``, the
+LightningModule's ``activation_bytes`` of the micro-batch measured, where it states one).
 
 Under CUDA each phase boundary inside the window synchronises the device first (the engine's
 ``synchronize_device``), so that a host interval holds the device work of its phase; steps outside the
@@ -78,6 +79,7 @@ from lightning_zero.integrations.trainer.saved_activations import SavedActivatio
 from lightning_zero.integrations.trainer.step_rates import (
     FlopCount,
     batch_tokens,
+    given_activation_bytes,
     given_flops_per_token,
     peak_tflops,
     rates,
@@ -154,6 +156,7 @@ class StepProfiler(pl.Callback):
         self._stage_before: bool | None = None  # whether the stage clock was on before the window
         self._counter = FlopCount()  # the step before the window's first micro-batch, when counted
         self._activations = SavedActivations()  # that micro-batch's forward too (not under a pipeline)
+        self._activations_estimate: int | None = None  # the LightningModule's, for that micro-batch
         self._flops: tuple[float | None, str] = (None, "")  # FLOPs per token and where they come from
         self._comm: dict[str, tuple[int, int]] | None = None  # the window's collective tally
         self._gathered_peak = 0  # stage 3: the most bytes of units gathered at once in the window
@@ -182,6 +185,7 @@ class StepProfiler(pl.Callback):
                 self._counter.start(batch_tokens(pl_module, batch))  # left in on_after_backward
         if trainer.global_step == self.first - 1 and first_batch and self._activations.bytes is None:
             if not self.pipeline and not self._activations.counting:
+                self._activations_estimate = given_activation_bytes(pl_module, batch)
                 self._activations.start()  # left before its backward
         if self.report is not None or not self.first <= trainer.global_step <= self.last:
             return
@@ -319,6 +323,8 @@ class StepProfiler(pl.Callback):
         self.report = self._report([r[:-2] for r in rows], memory["peak_kind"], comm)
         self.report["throughput"] = self._throughput(trainer)
         self.report["estimate"] = self.engine.estimated_memory(str(trainer.precision))
+        if self._activations_estimate is not None:
+            self.report["estimate"]["activation_bytes"] = self._activations_estimate
         self._rank = trainer.global_rank
         log_dir = trainer.log_dir  # a broadcast from rank 0 inside: every rank asks
         if trainer.is_global_zero and log_dir is not None:

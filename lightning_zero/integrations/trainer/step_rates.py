@@ -1,4 +1,5 @@
-"""The step profiler's rates: tokens per second, achieved TFLOPS and MFU, and where their inputs come from.
+"""The step profiler's rates: tokens per second, achieved TFLOPS and MFU, and where their inputs come from;
+and the activation bytes the LightningModule estimates.
 
 Read by :class:`~lightning_zero.integrations.trainer.step_profile.StepProfiler` (this module holds no
 state of a fit):
@@ -16,7 +17,10 @@ state of a fit):
     rank then runs a part of the model: give ``flops_per_token``) nor when the window starts at step 0;
   * **peak**: ``profile_peak_tflops`` when set; else :data:`PEAK_TFLOPS` by the CUDA device's name,
     for 16-bit precisions (dense tensor-core rates: the datasheets' figures "with sparsity" halved);
-    else none, and ``mfu`` is ``null`` with ``peak_source`` saying why (a CPU, fp32, an unknown GPU).
+    else none, and ``mfu`` is ``null`` with ``peak_source`` saying why (a CPU, fp32, an unknown GPU);
+  * **activation bytes** (the report's ``estimate.activation_bytes``, beside the bytes measured on the
+    same micro-batch): ``pl_module.activation_bytes`` (a number, or a function of the batch) when
+    defined (the recipe's: :mod:`lightning_zero.layout.activations` for its GPT); else none.
 
 The formula (``docs/strategy.md``, "Step profile"): over the window, ``tokens_per_s`` = the tokens
 every data-parallel rank trained in the window's steps / the window's time (the slowest rank's sum of
@@ -79,12 +83,23 @@ def batch_tokens(pl_module: pl.LightningModule, batch: Any) -> int | None:
     return batch.numel() if isinstance(batch, torch.Tensor) else None
 
 
+def _stated(pl_module: pl.LightningModule, name: str, batch: Any) -> Any:
+    """``pl_module.<name>``: a value, or what it returns for the batch; ``None`` when not defined."""
+    given = getattr(pl_module, name, None)
+    return given(batch) if callable(given) else given
+
+
 def given_flops_per_token(pl_module: pl.LightningModule, batch: Any) -> float | None:
     """``pl_module.flops_per_token`` (a number, or called with the batch), or ``None``."""
-    given = getattr(pl_module, "flops_per_token", None)
-    if callable(given):
-        given = given(batch)
+    given = _stated(pl_module, "flops_per_token", batch)
     return None if given is None else float(given)
+
+
+def given_activation_bytes(pl_module: pl.LightningModule, batch: Any) -> int | None:
+    """``pl_module.activation_bytes`` (a number, or called with the batch: what one micro-batch's
+    forward saves for backward on this rank, as the module estimates it), or ``None``."""
+    given = _stated(pl_module, "activation_bytes", batch)
+    return None if given is None else int(given)
 
 
 class FlopCount:
