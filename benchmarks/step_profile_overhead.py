@@ -9,8 +9,9 @@ load from elsewhere falls on both. Each fit's step times come from a clock of th
 callback's ``on_train_batch_end``, installed before the strategy's); the steps inside the window are
 compared with the same steps of the fit before it. Printed: the median step time off and on, the median
 of the paired ratios, and the profiler's own work per step timed alone (its hooks' calls on an open
-step, ``timeit``) over the step time, which is steadier than the ratio on a loaded machine. Figures,
-not assertions.
+step, ``timeit``) over the step time, which is steadier than the ratio on a loaded machine; and the host
+clock's (``host_s``): the timed entry points one step of the MLP enters (counted), times what one costs
+on and off over a bare call (``timeit``). Figures, not assertions.
 """
 
 from __future__ import annotations
@@ -112,7 +113,51 @@ def hooks_per_step_s(width: int) -> float:
         profiler.on_train_batch_end(trainer, None, None, None, 0)  # type: ignore[arg-type]
 
     n = 20_000
-    return min(timeit.repeat(one_step, number=n, repeat=3)) / n
+    seconds = min(timeit.repeat(one_step, number=n, repeat=3)) / n
+    opt.engine.time_host(False)  # the window never closed: its host clock off again
+    return seconds
+
+
+def host_clock_per_step(width: int, stage: int) -> tuple[int, float, float]:
+    """The timed entry points one optimizer step of the MLP enters (a real step, counted), and what one
+    costs over a bare call with the host clock on and off (``timeit`` of a timed no-op). All ranks."""
+    from lightning_zero import ShardedAdamW, ZeroConfig
+    from lightning_zero.comm.host_clock import CLOCK, timed
+
+    model = Mlp(width)
+    config = ZeroConfig(stage=stage, **({"min_unit_numel": 1} if stage == 3 else {}))
+    opt = ShardedAdamW(model.parameters(), config=config, module=model if stage == 3 else None)
+    entries = 0
+    enter = CLOCK.enter
+
+    def counted() -> bool:
+        nonlocal entries
+        entries += 1
+        return enter()
+
+    CLOCK.enter = counted  # type: ignore[method-assign]
+    was = CLOCK.start()
+    try:
+        for _ in range(2):  # the second one counted: the first builds buffers
+            entries = 0
+            x, y = torch.zeros(32, width), torch.zeros(32, 1)
+            nn.functional.mse_loss(model.head(model.blocks(x)), y).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        CLOCK.enter = enter  # type: ignore[method-assign]
+        CLOCK.stop(keep=was)
+
+    def bare() -> None: ...
+
+    wrapped = timed(bare)
+    n = 200_000
+    plain_s = min(timeit.repeat(bare, number=n, repeat=5)) / n
+    off_s = min(timeit.repeat(wrapped, number=n, repeat=5)) / n - plain_s
+    CLOCK.start()
+    on_s = min(timeit.repeat(wrapped, number=n, repeat=5)) / n - plain_s
+    CLOCK.stop(keep=was)
+    return entries, on_s, off_s
 
 
 def main() -> None:
@@ -133,6 +178,7 @@ def main() -> None:
         ons += on
         ratios.append(statistics.median(on) / statistics.median(off))
     hooks_s = hooks_per_step_s(args.width)  # every rank: the optimizer checks its plan with the other
+    entries, entry_on_s, entry_off_s = host_clock_per_step(args.width, args.stage)
     if rank != 0:
         return
     step_s = statistics.median(offs)
@@ -143,6 +189,12 @@ def main() -> None:
         f"  median paired ratio on/off {statistics.median(ratios):.4f} (each: {[f'{r:.3f}' for r in ratios]})"
     )
     print(f"  the profiler's calls per step alone {hooks_s * 1e6:.1f} us = {hooks_s / step_s:.2%} of a step")
+    on, off = entries * entry_on_s, entries * entry_off_s
+    print(
+        f"  the host clock: {entries} timed entry points per step; each costs {entry_on_s * 1e9:.0f} ns on, "
+        f"{entry_off_s * 1e9:.0f} ns off over a bare call: {on * 1e6:.1f} us = {on / step_s:.2%} of a step "
+        f"on, {off * 1e6:.1f} us = {off / step_s:.3%} off"
+    )
 
 
 if __name__ == "__main__":
