@@ -27,7 +27,7 @@ micro-batches' activations held), ``"1f1b"`` (at most ``P`` in flight), ``"inter
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from typing import Any
 
 import torch
@@ -85,6 +85,9 @@ class ShardedStage(PipelineStage):
         state: the module whose buffers torch's shape-inference forward (the first micro-batch of a new
             schedule, :class:`_Kept`) must leave as they were: ``module`` by default; a stage
             that calls the model's layers without registering them passes the model.
+        inputs_only: the optimizer's ``inputs_only`` (``ShardedAdamW.inputs_only``), around torch's
+            shape-inference backward, which computes the stage's input gradients alone: at stage 3 its
+            unit hooks would otherwise launch a round of zero gradients (and warn that each got none).
     """
 
     def __init__(
@@ -96,11 +99,13 @@ class ShardedStage(PipelineStage):
         group: Any,
         no_sync: Callable[[], AbstractContextManager[Any]],
         state: torch.nn.Module | None = None,
+        inputs_only: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> None:
         if isinstance(group, DeviceMesh):
             group = group.get_group()
         super().__init__(module, stage_index, num_stages, device, group=group)
         self._no_sync = no_sync
+        self._inputs_only = inputs_only
         self._state = module if state is None else state
         self.kept = _Kept()
         """The buffers put back after torch's shape inference (shared by the stages of one rank)."""
@@ -115,7 +120,7 @@ class ShardedStage(PipelineStage):
             return super()._forward_metadata_inference(*args, **kwargs)
 
     def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        with _stage_work():
+        with _stage_work(), self._inputs_only():  # torch.autograd.grad for the inputs: no bucket launches
             return super()._backward_metadata_inference(*args, **kwargs)
 
     def _post_metadata_inference_cleanup(self) -> None:

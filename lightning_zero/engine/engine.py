@@ -279,6 +279,10 @@ class ShardEngine(ParameterAccess, EngineFigures, ShardAveraging):
         """Backward passes inside accumulate locally and send nothing."""
         return self.reducer.no_sync()
 
+    def inputs_only(self) -> AbstractContextManager[None]:
+        """A backward inside computes input gradients only: nothing is launched for it."""
+        return self.reducer.inputs_only()
+
     @property
     def syncing(self) -> bool:
         """False inside :meth:`no_sync`."""

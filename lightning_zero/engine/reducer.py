@@ -131,6 +131,7 @@ class GradReducer:
         self._arrived = [False] * len(self.params)  # arrived in this round's backward
         self._by_unit = config.stage == 3  # buckets launch when their unit's backward is done, not from hooks
         self._round_open = False
+        self._inputs_only = False  # inside inputs_only(): a backward that computes no parameter gradient
         self._end = EndOfBackward(self._end_of_backward, abandoned=self._after_raised_backward)
         self._warned_unused = False
         self._hooks = [
@@ -167,6 +168,18 @@ class GradReducer:
         """False inside :meth:`no_sync`."""
         return self.round.syncing
 
+    @contextmanager
+    def inputs_only(self) -> Iterator[None]:
+        """A backward inside computes input gradients only (``torch.autograd.grad(..., inputs=...)``:
+        torch's shape inference of a pipeline stage), so no parameter gets a gradient: stage 3's unit
+        hooks, which still fire in it, launch no bucket and open no round (else a round of zeros, with
+        a warning that each parameter got none)."""
+        previous, self._inputs_only = self._inputs_only, True
+        try:
+            yield
+        finally:
+            self._inputs_only = previous
+
     @property
     def idle(self) -> bool:
         """Nothing accumulated or in flight since the last :meth:`reset` (an optimizer-step boundary)."""
@@ -202,7 +215,7 @@ class GradReducer:
         gradient. Which buckets launch where is so a function of which units ran, never of which
         parameters received a gradient (the collective order). The rest launches at the end of the
         backward."""
-        if not (self.round.syncing or self._sharded_accumulation):
+        if self._inputs_only or not (self.round.syncing or self._sharded_accumulation):
             return  # inside no_sync without sharded accumulation nothing is sent
         self._end.queue()
         self._round_open = True

@@ -258,6 +258,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Backward passes inside accumulate locally and send nothing (gradient accumulation)."""
         return self.engine.no_sync()
 
+    def inputs_only(self) -> AbstractContextManager[None]:
+        """A backward inside computes input gradients only (``torch.autograd.grad(..., inputs=...)``, as
+        torch's shape inference of a pipeline stage does): no parameter gets a gradient, nothing is sent."""
+        return self.engine.inputs_only()
+
     @timed
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the global gradient norm over all shards; returns the norm before clipping.

@@ -164,7 +164,8 @@ def fit(case: dict[str, Any], root: str) -> dict[str, Any]:
     Trainer's directory (a profile's file goes there)."""
     strategy = _strategy(case)
     averaging = [EMAWeightAveraging(decay=case["ema"])] if "ema" in case else []
-    trainer = _trainer(strategy, callbacks=averaging, default_root_dir=root)
+    accumulate = {"accumulate_grad_batches": case["accum"]} if "accum" in case else {}
+    trainer = _trainer(strategy, callbacks=averaging, default_root_dir=root, **accumulate)
     kind = TensorParallelBlocks if case.get("tensor", 1) > 1 else PipelineModule
     kind = GroupedLayers if case.get("grouped") else kind
     torch.manual_seed(0)  # where a deferred build's initialization starts (init_module's entry)

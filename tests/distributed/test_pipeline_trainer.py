@@ -39,6 +39,8 @@ FITS = [
     {"name": "stage3-1f1b", "stage": 3, "evaluate": True},
     {"name": "stage2-gpipe", "stage": 2, "schedule": "gpipe", "profile": True},  # profile_steps=(1, 2)
     {"name": "stage3-gpipe", "stage": 3, "schedule": "gpipe"},
+    # a step per batch: torch's shape inference runs in the first step's syncing backward, not in no_sync
+    {"name": "stage3-1f1b-accum1", "stage": 3, "accum": 1},
     # two stages per rank: blocks 0 and 2 on the first pipeline rank, 1 and 3 on the second
     {"name": "stage2-interleaved", "stage": 2, "schedule": "interleaved_1f1b", "virtual": 2},
     # tensor parallelism inside each stage (configure_model on the "tensor_parallel" mesh dimension)
@@ -109,13 +111,14 @@ def unsplit(case: dict[str, Any], seen: list[torch.Tensor]) -> tuple[PipelineMod
         inputs, targets, _ = dataset().tensors
         losses: list[list[float]] = [[] for _ in seen]
         average: list[torch.Tensor] = []  # EMAWeightAveraging: after every optimizer step, the first a copy
-        for window in range(len(seen[0]) // ACCUM):
-            for micro in range(ACCUM):
+        accum = case.get("accum", ACCUM)
+        for window in range(len(seen[0]) // accum):
+            for micro in range(accum):
                 for d, samples in enumerate(seen):
-                    rows = samples[window * ACCUM + micro]
+                    rows = samples[window * accum + micro]
                     loss = F.mse_loss(model(inputs[rows]), targets[rows])
                     losses[d].append(float(loss))
-                    (loss / (ACCUM * len(seen))).backward()
+                    (loss / (accum * len(seen))).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
             opt.zero_grad()
@@ -151,7 +154,7 @@ def test_the_pipelined_fit_equals_the_unsplit_model(case: dict[str, Any], launch
             held[name] = held.get(name, 0) + 1
         # the strategy's loss: the last stage's, on every rank of the pipeline, per data-parallel rank;
         # Lightning hands on_train_batch_end the loss divided by accumulate_grad_batches, as under "ddp"
-        expected = [loss / ACCUM for loss in losses[_data_rank(rank, case)]]
+        expected = [loss / case.get("accum", ACCUM) for loss in losses[_data_rank(rank, case)]]
         assert result["losses"] == pytest.approx(expected, rel=1e-10, abs=0)
     assert held == {name: data * tensor for name in whole}, (
         "every parameter on exactly one stage's data-parallel (and tensor-parallel) ranks"
@@ -230,14 +233,16 @@ def test_what_a_pipeline_cannot_run_is_refused_by_name(name: str, launched: list
         assert REFUSALS[name] in everyone[f"refuse-{name}"]
 
 
-@pytest.mark.parametrize("name", ["stage2-1f1b", "stage3-1f1b", "stage3-gpipe"])
+@pytest.mark.parametrize("name", ["stage2-1f1b", "stage3-1f1b", "stage3-gpipe", "stage3-1f1b-accum1"])
 def test_one_reduction_and_at_stage_3_one_gather_per_step_whatever_the_microbatches(
     name: str, launched: list[dict]
 ) -> None:
-    """Per optimizer step (2 batches of 4 micro-batches each): one reduce-scatter and one all-gather of
-    every bucket over the stage's 2 data-parallel ranks, each sending half: the padded size in all. At
-    stage 3 the units gathered in a step stay so until the optimizer step (a gather per micro-batch's
-    forward and backward would send 8 to 16 times as much)."""
+    """Per optimizer step (2 batches of 4 micro-batches each, or 1 batch): one reduce-scatter and one
+    all-gather of every bucket over the stage's 2 data-parallel ranks, each sending half: the padded size
+    in all. At stage 3 the units gathered in a step stay so until the optimizer step (a gather per
+    micro-batch's forward and backward would send 8 to 16 times as much), and torch's shape-inference
+    backward of the first step (input gradients only) sends nothing (it sent a round of zeros when it
+    fell outside no_sync: with a step per batch)."""
     for everyone in launched:
         result = everyone[name]
         assert result["sent"] == STEPS * result["padded"], (result["sent"], result["padded"])

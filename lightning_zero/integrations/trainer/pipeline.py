@@ -143,8 +143,11 @@ class TrainerPipeline:
         key = (mode, shapes)
         if key not in self._runs:
             no_sync = self._no_sync if mode == "train" else contextlib.nullcontext
+            training = mode == "train" and self._optimizer is not None
+            inputs_only = self._optimizer.inputs_only if training else contextlib.nullcontext
+            count = self.ranks * self.virtual
             stages = [
-                ShardedStage(f, s, self.ranks * self.virtual, self.device, self.group, no_sync, self.module)
+                ShardedStage(f, s, count, self.device, self.group, no_sync, self.module, inputs_only)
                 for f, s in zip(self.forwards, self.mine, strict=True)
             ]
             loss = self._loss(mode) if mode != "predict" else None
