@@ -231,13 +231,15 @@ def _memory(profile: Profile) -> list[str]:
     header = ["kind", *(f"rank {r.rank}" for r in ranks), "estimate"]
     rows = [[f"`{k}`", *(_mib(r.memory.get(k)) for r in ranks), _mib(estimate.get(k))] for k in kinds]
     rows.append(["the engine holds", *(_mib(r.engine_bytes()) for r in ranks), ""])
+    rows.append(["the rest of the peak", *(_mib(r.rest_bytes()) for r in ranks), ""])
     return [
         "## Memory (MiB)",
         "",
         *_table(header, rows),
         f'`peak_bytes` is `{ranks[0].peak_kind}`; "the engine holds" adds parameters, gradient '
         "shards, optimizer state, the most gathered units and the larger of the wire pool and the "
-        "accumulation buffers' peak."
+        'accumulation buffers\' peak; "the rest of the peak" is the peak less that and the activations '
+        "(the allocator's other tensors on CUDA; on a CPU the process's Python and torch too)."
         + ("" if estimate else f" Estimate: {NOT_MEASURED} (the profile has no `estimate`)."),
         "",
         "![memory by kind against the estimate](memory.png)",

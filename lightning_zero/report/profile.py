@@ -105,6 +105,16 @@ class RankFigures:
         gathered = max(m.get("gathered_peak_bytes", 0), m.get("gathered_bytes", 0))
         return held + gathered + max(m.get("pool_bytes", 0), m.get("peak_accumulating_bytes", 0))
 
+    def rest_bytes(self) -> int | None:
+        """The peak less what the engine holds and, when measured, the activations of a micro-batch:
+        the rest (on CUDA the allocator's other tensors, such as the forward's temporaries and the
+        logits' gradient; on a CPU, whose peak is the process's, Python and torch too); None without a
+        peak."""
+        peak = self.memory.get("peak_bytes")
+        if peak is None:
+            return None
+        return peak - self.engine_bytes() - max(self.memory.get("activation_bytes", 0), 0)
+
 
 @dataclass
 class Profile:
