@@ -23,7 +23,7 @@ as in torch (:mod:`lightning_zero.optim.adam`), so fp32 results equal torch's fo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -37,14 +37,12 @@ from lightning_zero.engine.averaging import AvgFn, MultiAvgFn
 from lightning_zero.engine.deferred_init import DeferredInit
 from lightning_zero.engine.engine import ShardEngine
 from lightning_zero.optim.adam import AdamRule
+from lightning_zero.optim.checks import check_group, check_hyper
 from lightning_zero.optim.full_state import gather_full_state, scatter_full_state
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
-
-_REFUSED_FLAGS = ("differentiable", "capturable")
-_FUSED_DEVICES = ("cpu", "cuda")
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -115,7 +113,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         groups: CommGroups | None = None,
         pipeline_group: ProcessGroup | DeviceMesh | None = None,
     ) -> None:
-        _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -130,7 +128,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.config = config or ZeroConfig()
         for group in self.param_groups:
-            _check_group(group)
+            check_group(group)
         chosen = {"process_group": process_group, "device_mesh": device_mesh, "groups": groups}
         given = [name for name, value in chosen.items() if value is not None]
         if len(given) > 1:
@@ -212,7 +210,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             PlanMismatchError: if the ranks do not agree on the new plan.
         """
         for group in self.param_groups:
-            _check_group(group)
+            check_group(group)
         self.engine.replan(param_order, param_names)
 
     def install_forward_waits(self, module: torch.nn.Module) -> None:
@@ -387,42 +385,6 @@ class ShardedAdamW(torch.optim.Optimizer):
         """
         self.engine.wait_for_params()
         scatter_full_state(self.engine, state_dict)
-
-
-def _check_hyper(*, lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
-    if isinstance(lr, Tensor):
-        lr = float(lr)
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-
-
-def _check_group(group: dict[str, Any]) -> None:
-    _check_hyper(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
-    if group.get("fused") and group.get("foreach"):
-        raise ValueError("fused=True and foreach=True cannot be set together (as in torch.optim.AdamW)")
-    if group.get("fused"):
-        devices = sorted({p.device.type for p in group["params"]} - set(_FUSED_DEVICES))
-        if devices:
-            raise ValueError(
-                f"fused=True needs parameters on {' or '.join(_FUSED_DEVICES)}, got {devices}; "
-                "pass fused=None for the foreach update"
-            )
-    for flag in _REFUSED_FLAGS:
-        if group.get(flag):
-            raise ValueError(
-                f"{flag}=True is not supported by lightning_zero's sharded Adam; set it to False"
-            )
-    for p in group["params"]:
-        if not p.is_floating_point():
-            raise ValueError(f"only floating point parameters can be sharded, got {p.dtype}")
-    if "step" in group and isinstance(group["step"], Tensor):
-        raise ValueError("tensor-valued group steps are not supported")
 
 
 def _pipeline_comm(group: Any) -> Any:
