@@ -75,7 +75,7 @@ class HostClock:
 
     def waited(self, seconds: float) -> None:
         """The host blocked ``seconds`` on a collective: not our code's time when inside an entry point."""
-        if self.on and self._depth > 0 and threading.get_ident() == self._thread:
+        if self._depth > 0 and threading.get_ident() == self._thread:  # inside a timed entry point
             self.seconds -= seconds
 
 
