@@ -40,7 +40,10 @@ The rules (also in ``docs/README.md``):
   checkout looks like, so ``python -m recipes.pretrain`` works there and its ``outputs/`` never touch
   the repository. ``python``, ``lightning-zero`` and ``torchrun`` are the project's (its virtual
   environment first on ``PATH``), ``PYTHONPATH`` is that directory, ``OMP_NUM_THREADS=1`` (as the
-  other multi-process tests set it). Sessions run two at a time.
+  other multi-process tests set it). Sessions run two at a time. A block's ``python ...`` is forked
+  from a warm interpreter that has imported torch and Lightning where that is exact (``tests.docs.warm``:
+  the same argv, paths, streams, output and exit status as a fresh interpreter), else it is the fresh
+  interpreter; ``LZ_TEST_ZYGOTE=0`` runs every one fresh.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ from pathlib import Path
 import pytest
 
 from lightning_zero.comm import recorder
+from tests import zygote
+from tests.docs.warm import Server
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [Path("README.md"), *sorted(p.relative_to(ROOT) for p in (ROOT / "docs").glob("*.md"))]
@@ -342,8 +347,9 @@ def run_command(command: list[str], workdir: Path, env: dict[str, str]) -> subpr
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
-def run_session(blocks: list[Block]) -> tuple[list[str], list[str]]:
+def run_session(blocks: list[Block], python: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
     """Run the blocks in order; returns the failures (empty when all passed) and the time per block.
+    ``python``: the environment's ``python`` function (:meth:`tests.docs.warm.Server.function`).
 
     The session's launches log their collectives into a directory of its own, compared when the
     session ends (tests/conftest.py's check): sessions run in the background, two at a time, while
@@ -351,6 +357,7 @@ def run_session(blocks: list[Block]) -> tuple[list[str], list[str]]:
     (a rank past a broadcast whose receiver has not logged it yet) and remove its logs."""
     workdir = make_workdir()
     env = environment(workdir)
+    env.update(python or {})
     env[recorder.ENV_DIR] = str(workdir / "collectives")
     timings: list[str] = []
     try:
@@ -428,13 +435,20 @@ def running(request: pytest.FixtureRequest) -> dict[str, Future]:
     ]
     if PROBLEMS:  # a damaged marker could let a cluster command run: fix the pages first
         wanted = []
+    # a command that comes before the warm interpreter is ready runs fresh (its socket is not there yet)
+    warm = Server(environment(ROOT), zygote.PRELOAD) if wanted and zygote.enabled() else None
+    python = warm.function() if warm is not None else {}
     pool = ThreadPoolExecutor(max_workers=2)
     futures = {
-        key: pool.submit(run_session, SESSIONS[key])
+        key: pool.submit(run_session, SESSIONS[key], python)
         for key in sorted(wanted, key=lambda k: -cost(SESSIONS[k]))
     }
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
+    if warm is not None:
+        served = sum("served" in line for line in warm.report())
+        print(f"warm python: {served} served, not: {[line for line in warm.report() if 'fallback' in line]}")
+        warm.close()
 
 
 def test_every_block_is_run_or_marked() -> None:
