@@ -66,7 +66,7 @@ import pytest
 
 from lightning_zero.comm import recorder
 from tests import zygote
-from tests.docs.warm import Server
+from tests.docs.warm import Server, interruptible
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [Path("README.md"), *sorted(p.relative_to(ROOT) for p in (ROOT / "docs").glob("*.md"))]
@@ -435,20 +435,23 @@ def running(request: pytest.FixtureRequest) -> dict[str, Future]:
     ]
     if PROBLEMS:  # a damaged marker could let a cluster command run: fix the pages first
         wanted = []
-    # a command that comes before the warm interpreter is ready runs fresh (its socket is not there yet)
-    warm = Server(environment(ROOT), zygote.PRELOAD) if wanted and zygote.enabled() else None
-    python = warm.function() if warm is not None else {}
-    pool = ThreadPoolExecutor(max_workers=2)
-    futures = {
-        key: pool.submit(run_session, SESSIONS[key], python)
-        for key in sorted(wanted, key=lambda k: -cost(SESSIONS[k]))
-    }
-    yield futures
-    pool.shutdown(wait=True, cancel_futures=True)
-    if warm is not None:
-        served = sum("served" in line for line in warm.report())
-        print(f"warm python: {served} served, not: {[line for line in warm.report() if 'fallback' in line]}")
-        warm.close()
+    # SIGINT as from a terminal while the sessions run (a CI job may ignore it, and the shim then runs
+    # every command fresh); a command before the warm interpreter is ready runs fresh (no socket yet)
+    with interruptible():
+        warm = Server(environment(ROOT), zygote.PRELOAD) if wanted and zygote.enabled() else None
+        python = warm.function() if warm is not None else {}
+        pool = ThreadPoolExecutor(max_workers=2)
+        futures = {
+            key: pool.submit(run_session, SESSIONS[key], python)
+            for key in sorted(wanted, key=lambda k: -cost(SESSIONS[k]))
+        }
+        yield futures
+        pool.shutdown(wait=True, cancel_futures=True)
+        if warm is not None:
+            served = sum("served" in line for line in warm.report())
+            fallbacks = [line for line in warm.report() if "fallback" in line]
+            print(f"warm python: {served} served, not: {fallbacks}")
+            warm.close()
 
 
 def test_every_block_is_run_or_marked() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import zygote
-from tests.docs.warm import Server
+from tests.docs.warm import Server, interruptible
 
 PROBE = r"""
 import json, os, sys
@@ -64,10 +64,11 @@ ENV = dict(
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    served = Server(ENV, zygote.PRELOAD)
-    assert served.ready(), Path(served._log).read_text()
-    yield served
-    served.close()
+    with interruptible():  # as from a terminal, however pytest was started (a CI job ignores SIGINT)
+        served = Server(ENV, zygote.PRELOAD)
+        assert served.ready(), Path(served._log).read_text()
+        yield served
+        served.close()
 
 
 def _run(script: str, tmp: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

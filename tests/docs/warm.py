@@ -42,6 +42,7 @@ shim's command line in its message. ``LZ_TEST_ZYGOTE=0`` turns the server off.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -52,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -345,6 +346,19 @@ def serve(address: str, preload: Sequence[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- client
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """SIGINT as a shell started from a terminal has it (Python's handler here, the default in the
+    processes started meanwhile), whatever this process inherited: a background job (``cmd &`` in a
+    non-interactive shell, a CI runner's) ignores it, and the shim runs the real interpreter for a
+    command that ignores SIGINT (the server's children would not). Main thread only."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class Server:
