@@ -150,9 +150,7 @@ class StepProfiler(pl.Callback):
         self._wait_start = self._gather_start = 0.0  # the engine's comm waits at the batch's start
         self._host_start = 0.0  # the host's seconds in our code at the batch's start
         self._host_before: bool | None = None  # whether the host clock was on before the window
-        self._stage_start = (
-            0.0  # under a pipeline: the stages' seconds in their own work at the batch's start
-        )
+        self._stage_start = 0.0  # under a pipeline: the stages' own work so far, at the batch's start
         self._stage_before: bool | None = None  # whether the stage clock was on before the window
         self._counter = FlopCount()  # the step before the window's first micro-batch, when counted
         self._activations = SavedActivations()  # that micro-batch's forward too (not under a pipeline)
@@ -209,8 +207,9 @@ class StepProfiler(pl.Callback):
         self._wait_start = self.engine.comm_wait_s(since_start=True)
         self._gather_start = self.engine.comm_gather_wait_s(since_start=True)
         self._host_start = self.engine.host_s()
-        STAGE_CLOCK.flush()
-        self._stage_start = STAGE_CLOCK.seconds
+        if self.pipeline:
+            STAGE_CLOCK.flush()
+            self._stage_start = STAGE_CLOCK.seconds
 
     def _flops_per_token(self, pl_module: pl.LightningModule, batch: Any) -> tuple[float | None, str]:
         given = given_flops_per_token(pl_module, batch)
